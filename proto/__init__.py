@@ -1,0 +1,1 @@
+"""The router <-> shard gRPC contract (generate.proto) and its generated stubs."""

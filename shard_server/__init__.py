@@ -1,0 +1,1 @@
+"""textgate.shard_server"""
