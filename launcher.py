@@ -1,0 +1,357 @@
+"""`textgate-launcher`: parse TGI's flags, start the shards and the router, supervise them.
+
+Every flag can also come from the environment variable of the same name in upper case
+(`--max-total-tokens` <- `MAX_TOTAL_TOKENS`), as with TGI's launcher. A child that dies
+stops the others; the launcher then exits non-zero and shows the child's last stderr lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("textgate.launcher")
+
+QUANTIZE_METHODS = ("gptq", "awq", "bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4")
+_STDERR_TAIL = 40
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One launcher flag: its name, type, default and help (the env var is derived)."""
+
+    name: str
+    type: Callable[[str], Any]
+    default: Any
+    help: str
+    choices: Sequence[str] | None = None
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off", ""):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean, got {text!r}")
+
+
+def _origins(text: str) -> list[str]:
+    return [o.strip() for o in text.split(",") if o.strip()]
+
+
+FLAGS: tuple[Flag, ...] = (
+    Flag("model-id", str, None, "Local model folder or hub id; unset = embedded SmolLM2-135M"),
+    Flag("revision", str, None, "Hub revision (branch, tag or commit) of --model-id"),
+    Flag("num-shard", int, 1, "Number of shards (tensor-parallel ranks), one process each"),
+    Flag("quantize", str, None, "Weight quantization method", QUANTIZE_METHODS),
+    Flag("dtype", str, "auto", "Weights dtype", ("auto", "float32", "bfloat16", "float16")),
+    Flag("trust-remote-code", _bool, False, "Allow custom model code from the model folder"),
+    Flag("max-concurrent-requests", int, 128, "Requests in flight before answering 429"),
+    Flag("max-best-of", int, 2, "Largest best_of a request may ask for"),
+    Flag("max-stop-sequences", int, 4, "Most stop sequences per request"),
+    Flag("max-top-n-tokens", int, 5, "Largest top_n_tokens a request may ask for"),
+    Flag("max-input-tokens", int, None, "Longest prompt in tokens (default: max-total-tokens - 1)"),
+    Flag("max-total-tokens", int, None, "Longest prompt + generation (default: min(model, 4096))"),
+    Flag("max-batch-prefill-tokens", int, None, "Prompt tokens one prefill may compute"),
+    Flag("max-batch-total-tokens", int, None, "Tokens (prompt + generation) a batch may hold"),
+    Flag("max-batch-size", int, None, "Most requests in one batch"),
+    Flag("waiting-served-ratio", float, 0.3, "Waiting/running ratio that triggers a prefill"),
+    Flag("max-waiting-tokens", int, 20, "Decode steps before waiting requests are forced in"),
+    Flag("max-client-batch-size", int, 4, "Most inputs in one client request"),
+    Flag("hostname", str, "0.0.0.0", "Address the HTTP server binds"),
+    Flag("port", int, 8080, "Port the HTTP server binds"),
+    Flag("shard-uds-path", str, "/tmp/textgate-server", "Prefix of the shards' unix sockets"),
+    Flag("master-addr", str, "127.0.0.1", "torch.distributed rendezvous address"),
+    Flag("master-port", int, 29500, "torch.distributed rendezvous port"),
+    Flag("api-key", str, None, "Require `Authorization: Bearer <key>` on every route"),
+    Flag("cors-allow-origin", _origins, [], "Comma-separated origins allowed by CORS"),
+    Flag("payload-limit", int, 2_000_000, "Largest request body in bytes"),
+    Flag("otlp-endpoint", str, None, "OpenTelemetry collector endpoint"),
+    Flag("json-output", _bool, False, "Log JSON lines"),
+)
+
+
+@dataclass(frozen=True)
+class LauncherConfig:
+    """Validated launcher settings (one field per flag)."""
+
+    model_id: str | None
+    revision: str | None
+    num_shard: int
+    quantize: str | None
+    dtype: str
+    trust_remote_code: bool
+    max_concurrent_requests: int
+    max_best_of: int
+    max_stop_sequences: int
+    max_top_n_tokens: int
+    max_input_tokens: int | None
+    max_total_tokens: int | None
+    max_batch_prefill_tokens: int | None
+    max_batch_total_tokens: int | None
+    max_batch_size: int | None
+    waiting_served_ratio: float
+    max_waiting_tokens: int
+    max_client_batch_size: int
+    hostname: str
+    port: int
+    shard_uds_path: str
+    master_addr: str
+    master_port: int
+    api_key: str | None
+    cors_allow_origin: list[str]
+    payload_limit: int
+    otlp_endpoint: str | None
+    json_output: bool
+
+    def __post_init__(self) -> None:
+        if self.num_shard < 1:
+            raise ValueError("--num-shard must be at least 1")
+        if self.quantize is not None:
+            raise ValueError(f"--quantize {self.quantize} is not supported yet by this build")
+        if self.otlp_endpoint is not None:
+            raise ValueError("--otlp-endpoint is not supported yet by this build")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port {self.port} is out of range")
+        if (
+            self.max_input_tokens is not None
+            and self.max_total_tokens is not None
+            and self.max_input_tokens >= self.max_total_tokens
+        ):
+            raise ValueError("--max-input-tokens must be smaller than --max-total-tokens")
+
+
+def parse_args(
+    argv: Sequence[str] | None = None, env: dict[str, str] | None = None
+) -> LauncherConfig:
+    """Flags first, then the upper-case env var of each flag, then its default."""
+    env = dict(os.environ) if env is None else env
+    parser = argparse.ArgumentParser(prog="textgate-launcher", description=__doc__)
+    for flag in FLAGS:
+        env_name = flag.name.upper().replace("-", "_")
+        default = flag.type(env[env_name]) if env_name in env else flag.default
+        kwargs: dict[str, Any] = {"default": default, "help": f"{flag.help} [env: {env_name}]"}
+        if flag.type is _bool:
+            kwargs.update(nargs="?", const=True, type=_bool)
+        else:
+            kwargs.update(type=flag.type, choices=flag.choices)
+        names = [f"--{flag.name}"]
+        if flag.name == "max-input-tokens":
+            names.append("--max-input-length")  # TGI's older name
+        parser.add_argument(*names, **kwargs)
+    namespace = parser.parse_args(argv)
+    try:
+        return LauncherConfig(**vars(namespace))
+    except ValueError as exc:
+        parser.error(str(exc))
+        raise
+
+
+class Child:
+    """A supervised process whose stderr is echoed and whose last lines are kept."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+        self.name = name
+        self.tail: deque[str] = deque(maxlen=_STDERR_TAIL)
+        self.process = subprocess.Popen(
+            argv, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
+        self._reader = threading.Thread(target=self._pump, daemon=True)
+        self._reader.start()
+
+    def _pump(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            self.tail.append(line.rstrip("\n"))
+            sys.stderr.write(line)
+
+    def poll(self) -> int | None:
+        return self.process.poll()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._reader.join(timeout=2)
+
+
+class ChildFailed(RuntimeError):
+    def __init__(self, child: Child) -> None:
+        self.child = child
+        code = child.poll()
+        lines = "\n".join(f"    {line}" for line in child.tail) or "    (no stderr)"
+        super().__init__(f"{child.name} exited with code {code}. Its last stderr lines:\n{lines}")
+
+
+def model_limits(model_path: Path, config: LauncherConfig) -> dict[str, int]:
+    """TGI's defaults: total = min(model, 4096), input = total - 1, prefill = input + 50."""
+    model_config = json.loads((model_path / "config.json").read_text())
+    model_max = int(model_config.get("max_position_embeddings") or 4096)
+    total = config.max_total_tokens or min(model_max, 4096)
+    max_input = config.max_input_tokens or total - 1
+    if max_input >= total:
+        raise ValueError(f"max input tokens {max_input} must be below max total tokens {total}")
+    return {
+        "max_total_tokens": total,
+        "max_input_tokens": max_input,
+        "max_batch_prefill_tokens": config.max_batch_prefill_tokens or max_input + 50,
+    }
+
+
+def shard_argv(model_path: Path, config: LauncherConfig) -> list[str]:
+    argv = [sys.executable, "-m", "textgate.shard_server", "--model-path", str(model_path)]
+    argv += ["--model-id", config.model_id or model_path.name]
+    argv += ["--uds-path", config.shard_uds_path, "--dtype", config.dtype]
+    if config.trust_remote_code:
+        argv.append("--trust-remote-code")
+    if config.json_output:
+        argv.append("--json-output")
+    return argv
+
+
+def router_config(model_path: Path, config: LauncherConfig) -> dict[str, Any]:
+    """The router's settings (textgate.router.config.RouterConfig fields)."""
+    names = [
+        "hostname",
+        "port",
+        "shard_uds_path",
+        "max_concurrent_requests",
+        "max_best_of",
+        "max_stop_sequences",
+        "max_top_n_tokens",
+        "max_batch_total_tokens",
+        "max_batch_size",
+        "waiting_served_ratio",
+        "max_waiting_tokens",
+        "max_client_batch_size",
+        "api_key",
+        "cors_allow_origin",
+        "payload_limit",
+        "json_output",
+    ]
+    settings: dict[str, Any] = {name: getattr(config, name) for name in names}
+    settings.update(model_limits(model_path, config))
+    settings["model_id"] = config.model_id or model_path.name
+    settings["tokenizer_path"] = str(model_path)
+    return settings
+
+
+def wait_for_shards(children: list[Child], uds_path: str, timeout: float = 600.0) -> None:
+    """Poll every shard's Health until all answer; fail fast if one dies."""
+    import grpc
+
+    from textgate.proto import generate_pb2 as pb
+    from textgate.proto import generate_pb2_grpc as pb_grpc
+
+    deadline = time.monotonic() + timeout
+    for rank, child in enumerate(children):
+        with grpc.insecure_channel(f"unix://{uds_path}-{rank}") as channel:
+            stub = pb_grpc.TextGenerationServiceStub(channel)
+            while True:
+                if child.poll() is not None:
+                    raise ChildFailed(child)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"shard {rank} not ready after {timeout:.0f}s")
+                try:
+                    stub.Health(pb.HealthRequest(), timeout=1.0)
+                    break
+                except grpc.RpcError:
+                    time.sleep(0.2)
+        log.info("Shard %d ready", rank)
+
+
+def start_shards(model_path: Path, config: LauncherConfig) -> list[Child]:
+    children = []
+    for rank in range(config.num_shard):
+        Path(f"{config.shard_uds_path}-{rank}").unlink(missing_ok=True)
+        env = dict(os.environ)
+        env.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(config.num_shard),
+            MASTER_ADDR=config.master_addr,
+            MASTER_PORT=str(config.master_port),
+        )
+        children.append(Child(f"shard {rank}", shard_argv(model_path, config), env))
+    return children
+
+
+def start_router(model_path: Path, config: LauncherConfig) -> Child:
+    settings = json.dumps(router_config(model_path, config))
+    argv = [sys.executable, "-m", "textgate.router", "--config-json", settings]
+    return Child("router", argv, dict(os.environ))
+
+
+def supervise(children: list[Child], stop: threading.Event) -> None:
+    """Block until a stop signal (return) or a child's exit (raise ChildFailed)."""
+    while not stop.wait(0.2):
+        for child in children:
+            if child.poll() is not None:
+                raise ChildFailed(child)
+
+
+def run(config: LauncherConfig) -> int:
+    from textgate.shard_server.model_source import resolve_model
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    model_path = resolve_model(config.model_id, config.revision)
+    log.info("Serving %s from %s", config.model_id or "the embedded default model", model_path)
+    children: list[Child] = []
+    try:
+        children = start_shards(model_path, config)
+        wait_for_shards(children, config.shard_uds_path)
+        if stop.is_set():
+            return 0
+        children.append(start_router(model_path, config))
+        supervise(children, stop)
+        log.info("Stopping")
+        return 0
+    except ChildFailed as exc:
+        log.error("%s", exc)
+        return 1
+    finally:
+        # The router goes first so in-flight requests get their final events.
+        for child in reversed(children):
+            child.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    config = parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO,
+        format='{"level":"%(levelname)s","target":"launcher","message":%(message)r}'
+        if config.json_output
+        else "%(asctime)s launcher %(levelname)s %(message)s",
+    )
+    log.info("Args %s", json.dumps(dataclasses.asdict(config)))
+    sys.exit(run(config))
+
+
+def free_port() -> int:
+    """A TCP port that is free right now on the loopback interface (for tests and bench)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""`python -m textgate.shard_server`: load a model and serve it over gRPC (one process per shard).
+
+The launcher starts one of these per shard with RANK / WORLD_SIZE / MASTER_ADDR /
+MASTER_PORT set; it is rarely run by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+from pathlib import Path
+
+import torch
+
+from textgate.shard_server.loader import load_model
+from textgate.shard_server.server import serve
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m textgate.shard_server")
+    parser.add_argument("--model-path", type=Path, required=True, help="local model folder")
+    parser.add_argument("--model-id", default=None, help="name reported by Info")
+    parser.add_argument("--uds-path", default="/tmp/textgate-server", help="socket path prefix")
+    parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
+    parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--json-output", action="store_true")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    logging.basicConfig(
+        level=logging.INFO,
+        format='{"level":"%(levelname)s","shard":' + str(rank) + ',"message":"%(message)s"}'
+        if args.json_output
+        else f"%(asctime)s shard-{rank} %(levelname)s %(message)s",
+    )
+    torch.set_grad_enabled(False)
+    model = load_model(
+        args.model_path,
+        model_id=args.model_id or str(args.model_path),
+        dtype=args.dtype,
+        rank=rank,
+        world_size=world_size,
+        trust_remote_code=args.trust_remote_code,
+    )
+    asyncio.run(_serve_until_signal(model, args.uds_path, rank, world_size))
+
+
+async def _serve_until_signal(model: object, uds_path: str, rank: int, world_size: int) -> None:
+    task = asyncio.ensure_future(serve(model, uds_path, rank, world_size))  # type: ignore[arg-type]
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, task.cancel)
+    try:
+        await task
+    except asyncio.CancelledError:
+        logging.getLogger("textgate.shard").info("Shard %d stopped", rank)
+
+
+if __name__ == "__main__":
+    main()

