@@ -1,0 +1,122 @@
+"""Shared fixtures: tiny random models for unit/shard tests, the live server for e2e tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paris is the capital of France. Berlin is the capital of Germany.",
+    "Continuous batching keeps the accelerator busy while requests come and go.",
+    "café naïve 東京 🙂 — unicode survives byte-level tokenization.",
+]
+
+
+def build_tiny_model(path: Path, model_type: str = "llama", seed: int = 0) -> Path:
+    """A seeded random causal LM with its own small byte-level BPE tokenizer, saved to `path`."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(_CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    fast.save_pretrained(path)
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=len(fast),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=fast.bos_token_id,
+        eos_token_id=fast.eos_token_id,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The embedded default model as a safetensors folder (converted once into the cache)."""
+    from textgate.shard_server.model_source import resolve_model
+
+    return resolve_model(None)
+
+
+class LiveServer:
+    """A launcher process serving the embedded default model on a free port."""
+
+    def __init__(self, tmp: Path, *extra: str) -> None:
+        from textgate.launcher import free_port
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = tmp / "launcher.log"
+        argv = [sys.executable, "-m", "textgate.launcher", "--hostname", "127.0.0.1"]
+        argv += ["--port", str(self.port), "--shard-uds-path", str(tmp / "shard"), *extra]
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(
+            argv, stdout=self._log, stderr=subprocess.STDOUT, env=dict(os.environ)
+        )
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"launcher exited early:\n{self.log_path.read_text()[-4000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"server not ready:\n{self.log_path.read_text()[-4000:]}")
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+        return self.process.returncode
+
+
+@pytest.fixture(scope="session")
+def live_server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Iterator[str]:
+    """Base URL of a launcher serving the embedded default model (shared by all e2e tests)."""
+    server = LiveServer(tmp_path_factory.mktemp("live"), "--max-concurrent-requests", "16")
+    try:
+        server.wait_ready()
+        yield server.url
+    finally:
+        server.stop()

@@ -1,0 +1,114 @@
+"""Launcher: TGI flag names, env-var fallbacks, limits, and supervision of its children."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from textgate import launcher
+
+
+def test_flags_have_tgi_names_and_env_fallbacks() -> None:
+    config = launcher.parse_args(
+        ["--model-id", "/m", "--max-total-tokens", "512", "--port", "9000"],
+        env={"MAX_INPUT_TOKENS": "100", "PORT": "1", "JSON_OUTPUT": "true"},
+    )
+    assert config.model_id == "/m" and config.max_total_tokens == 512
+    assert config.port == 9000, "a flag wins over its env var"
+    assert config.max_input_tokens == 100 and config.json_output is True
+
+
+def test_tgi_legacy_and_list_flags() -> None:
+    config = launcher.parse_args(
+        ["--max-input-length", "10", "--cors-allow-origin", "http://a, http://b"], env={}
+    )
+    assert config.max_input_tokens == 10
+    assert config.cors_allow_origin == ["http://a", "http://b"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--num-shard", "0"], "--num-shard must be at least 1"),
+        (["--max-input-tokens", "10", "--max-total-tokens", "10"], "must be smaller"),
+        (["--quantize", "gptq"], "not supported yet"),
+        (["--dtype", "float8"], "invalid choice"),
+    ],
+)
+def test_bad_flags_exit_with_a_clear_error(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        launcher.parse_args(argv, env={})
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_limits_default_like_tgi(tiny_model_dir: Path) -> None:
+    config = launcher.parse_args([], env={})
+    limits = launcher.model_limits(tiny_model_dir, config)
+    # The tiny model supports 512 positions.
+    assert limits == {
+        "max_total_tokens": 512,
+        "max_input_tokens": 511,
+        "max_batch_prefill_tokens": 561,
+    }
+    settings = launcher.router_config(tiny_model_dir, config)
+    assert settings["tokenizer_path"] == str(tiny_model_dir)
+    assert settings["max_concurrent_requests"] == 128
+
+
+def _start(tmp_path: Path, model: Path) -> subprocess.Popen[str]:
+    argv = [sys.executable, "-m", "textgate.launcher", "--model-id", str(model)]
+    argv += ["--port", str(launcher.free_port()), "--shard-uds-path", str(tmp_path / "s")]
+    return subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+
+
+def _shard_pid(tmp_path: Path) -> int:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if Path(f"{tmp_path / 's'}-0").exists():
+            found = subprocess.run(
+                ["pgrep", "-f", f"textgate.shard_server.*{tmp_path / 's'}"],
+                capture_output=True,
+                text=True,
+            ).stdout.split()
+            if found:
+                return int(found[0])
+        time.sleep(0.2)
+    raise TimeoutError("shard socket never appeared")
+
+
+def test_killed_shard_stops_the_launcher_with_a_clear_message(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    process = _start(tmp_path, tiny_model_dir)
+    try:
+        os.kill(_shard_pid(tmp_path), signal.SIGKILL)
+        started = time.monotonic()
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode != 0
+    assert time.monotonic() - started < 15
+    assert "shard 0 exited with code -9" in stderr
+
+
+def test_sigterm_stops_everything_cleanly(tmp_path: Path, tiny_model_dir: Path) -> None:
+    process = _start(tmp_path, tiny_model_dir)
+    try:
+        shard = _shard_pid(tmp_path)
+        time.sleep(1)
+        process.send_signal(signal.SIGTERM)
+        process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 0
+    with pytest.raises(ProcessLookupError):
+        os.kill(shard, 0)
