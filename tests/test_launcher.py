@@ -112,3 +112,9 @@ def test_sigterm_stops_everything_cleanly(tmp_path: Path, tiny_model_dir: Path) 
     assert process.returncode == 0
     with pytest.raises(ProcessLookupError):
         os.kill(shard, 0)
+
+
+def test_readme_documents_every_flag() -> None:
+    readme = (Path(launcher.__file__).parent / "README.md").read_text()
+    for flag in launcher.FLAGS:
+        assert f"`--{flag.name}`" in readme, f"README lacks --{flag.name}"
