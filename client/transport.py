@@ -1,0 +1,83 @@
+"""Connection settings shared by `Client` and `AsyncClient`, and transport-error mapping."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from textgate.client.errors import (
+    ClientTimeoutError,
+    ConnectionFailedError,
+    IncompleteGenerationError,
+)
+
+# Each of connect / read / write / pool gets this many seconds, as `requests` does with
+# the `text_generation` client's `timeout`; a stream may run longer as long as tokens flow.
+DEFAULT_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class HttpSettings:
+    """Where and how to reach the server; turned into `httpx` client arguments."""
+
+    base_url: str
+    headers: Mapping[str, str]
+    cookies: Mapping[str, str]
+    timeout: httpx.Timeout
+
+    @classmethod
+    def build(
+        cls,
+        base_url: str,
+        headers: Mapping[str, str] | None,
+        cookies: Mapping[str, str] | None,
+        timeout: float | httpx.Timeout | None,
+        api_key: str | None,
+    ) -> HttpSettings:
+        """Settings from the client constructor's arguments; `api_key` becomes a Bearer header."""
+        merged = dict(headers or {})
+        if api_key is not None:
+            merged["Authorization"] = f"Bearer {api_key}"
+        if not isinstance(timeout, httpx.Timeout):
+            timeout = httpx.Timeout(timeout)
+        return cls(base_url.rstrip("/"), merged, dict(cookies or {}), timeout)
+
+    def url(self, path: str) -> str:
+        """Absolute URL of a route such as `/generate`."""
+        return f"{self.base_url}{path}"
+
+    def client_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for `httpx.Client` / `httpx.AsyncClient`."""
+        return {
+            "headers": dict(self.headers),
+            "cookies": dict(self.cookies),
+            "timeout": self.timeout,
+        }
+
+
+@contextmanager
+def mapped_transport_errors(url: str, timeout: httpx.Timeout) -> Iterator[None]:
+    """Re-raise httpx's transport failures as the client's own errors."""
+    try:
+        yield
+    except httpx.TimeoutException as err:
+        raise ClientTimeoutError(
+            f"{type(err).__name__} on {url} (timeout {_describe(timeout)}); "
+            "pass a larger `timeout=` to the client for slow or long generations"
+        ) from err
+    except httpx.ConnectError as err:
+        raise ConnectionFailedError(f"cannot connect to {url}: {err}") from err
+    except (httpx.ReadError, httpx.RemoteProtocolError) as err:
+        raise IncompleteGenerationError(f"connection to {url} lost mid-answer: {err}") from err
+
+
+def _describe(timeout: httpx.Timeout) -> str:
+    values = {timeout.connect, timeout.read, timeout.write, timeout.pool}
+    if len(values) == 1:
+        value = values.pop()
+        return "none" if value is None else f"{value:g}s"
+    return f"connect={timeout.connect}s read={timeout.read}s"
