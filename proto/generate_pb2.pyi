@@ -205,10 +205,34 @@ class FilterBatchResponse(_message.Message):
     def __init__(self, batch: _Optional[_Union[CachedBatch, _Mapping]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("batch",)
+    __slots__ = ("batch", "plan")
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
     batch: Batch
-    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ...) -> None: ...
+    plan: StepPlan
+    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., plan: _Optional[_Union[StepPlan, _Mapping]] = ...) -> None: ...
+
+class StepPlan(_message.Message):
+    __slots__ = ("scheduled", "finished_ids")
+    SCHEDULED_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_IDS_FIELD_NUMBER: _ClassVar[int]
+    scheduled: _containers.RepeatedCompositeFieldContainer[ScheduledRequest]
+    finished_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, scheduled: _Optional[_Iterable[_Union[ScheduledRequest, _Mapping]]] = ..., finished_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ScheduledRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids", "start_position", "block_table", "produces_token")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    START_POSITION_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
+    PRODUCES_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    start_position: int
+    block_table: _containers.RepeatedScalarFieldContainer[int]
+    produces_token: bool
+    def __init__(self, request_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_position: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., produces_token: _Optional[bool] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("generations", "batch", "forward_ns", "decode_ns", "total_ns")
@@ -225,10 +249,12 @@ class PrefillResponse(_message.Message):
     def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., forward_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ..., total_ns: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("batches",)
+    __slots__ = ("batches", "plan")
     BATCHES_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
     batches: _containers.RepeatedCompositeFieldContainer[CachedBatch]
-    def __init__(self, batches: _Optional[_Iterable[_Union[CachedBatch, _Mapping]]] = ...) -> None: ...
+    plan: StepPlan
+    def __init__(self, batches: _Optional[_Iterable[_Union[CachedBatch, _Mapping]]] = ..., plan: _Optional[_Union[StepPlan, _Mapping]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("generations", "batch", "forward_ns", "decode_ns", "total_ns", "concat_ns")
@@ -259,7 +285,9 @@ class WarmupRequest(_message.Message):
     def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., max_input_tokens: _Optional[int] = ..., max_prefill_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ...) -> None: ...
 
 class WarmupResponse(_message.Message):
-    __slots__ = ("max_supported_total_tokens",)
+    __slots__ = ("max_supported_total_tokens", "num_blocks")
     MAX_SUPPORTED_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     max_supported_total_tokens: int
-    def __init__(self, max_supported_total_tokens: _Optional[int] = ...) -> None: ...
+    num_blocks: int
+    def __init__(self, max_supported_total_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
