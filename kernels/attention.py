@@ -1,0 +1,308 @@
+"""Paged attention: the backend interface, its step metadata, and the SDPA reference.
+
+A step is a flat varlen batch (vLLM-style): the new tokens of every sequence are
+concatenated into T rows. Sequence b owns rows query_start_loc[b]:query_start_loc[b+1]
+and attends, causally, to its first seq_lens[b] cache slots: its cached prefix, then
+this step's tokens (which the model stores in the cache before calling the backend).
+Pure prefill, prefill over a cached prefix (prefix caching, chunked prefill), pure
+decode and any mix of them are the same computation.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where each sequence's queries and keys are, for one forward step (B sequences, T tokens).
+
+    Integer tensors live on the model's device. `block_tables` rows may be padded with
+    any value (e.g. -1 or 0) past a sequence's last block.
+    """
+
+    #: [B+1] cumulative query counts, starting at 0 (cu_seqlens_q).
+    query_start_loc: Tensor
+    #: [B] total kv length per sequence: cached prefix plus this step's tokens.
+    seq_lens: Tensor
+    #: [B, max_blocks] the cache blocks of each sequence, in order.
+    block_tables: Tensor
+    #: [T] cache slot of each new token: block_id * block_size + offset in block.
+    slot_mapping: Tensor
+    #: Longest query run of any sequence in this step (1 for a pure decode step).
+    max_seqlen_q: int
+    #: Longest seq_lens entry.
+    max_seqlen_k: int
+
+    @property
+    def cu_seqlens_q(self) -> Tensor:
+        """flash-attention's name for `query_start_loc`."""
+        return self.query_start_loc
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+    def query_lens(self) -> Tensor:
+        """[B] new tokens per sequence."""
+        return self.query_start_loc[1:] - self.query_start_loc[:-1]
+
+    def context_lens(self) -> Tensor:
+        """[B] cached tokens per sequence before this step."""
+        return self.seq_lens - self.query_lens()
+
+    def token_seq_index(self) -> Tensor:
+        """[T] the sequence each token belongs to."""
+        tokens = torch.arange(self.num_tokens, device=self.query_start_loc.device)
+        return torch.searchsorted(self.query_start_loc[1:], tokens, right=True)
+
+    def positions(self) -> Tensor:
+        """[T] the absolute position of each new token in its sequence."""
+        seq = self.token_seq_index()
+        tokens = torch.arange(self.num_tokens, device=seq.device)
+        return self.context_lens()[seq] + tokens - self.query_start_loc[seq]
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        query_lens: Sequence[int],
+        context_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        """Metadata for sequences with `query_lens` new tokens after `context_lens` cached ones.
+
+        block_tables[b] lists sequence b's blocks and must cover all its tokens.
+        """
+        if not len(query_lens) == len(context_lens) == len(block_tables):
+            raise ValueError("query_lens, context_lens and block_tables differ in length")
+        seq_lens = [q + c for q, c in zip(query_lens, context_lens, strict=True)]
+        for b, (length, blocks) in enumerate(zip(seq_lens, block_tables, strict=True)):
+            if len(blocks) * block_size < length:
+                raise ValueError(f"sequence {b}: {len(blocks)} blocks cannot hold {length} tokens")
+            if query_lens[b] < 1:
+                raise ValueError(f"sequence {b} has no new tokens")
+        max_blocks = max(len(blocks) for blocks in block_tables)
+        table = torch.tensor(
+            [[*blocks, *[0] * (max_blocks - len(blocks))] for blocks in block_tables]
+        )
+        q_lens = torch.tensor(query_lens)
+        starts = torch.cat([torch.zeros(1, dtype=torch.long), q_lens.cumsum(0)])  # [B+1]
+        seq = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)  # [T]
+        positions = torch.tensor(context_lens)[seq] + torch.arange(len(seq)) - starts[seq]
+        slots = table[seq, positions // block_size] * block_size + positions % block_size
+        return cls(
+            query_start_loc=starts.to(device),
+            seq_lens=torch.tensor(seq_lens, device=device),
+            block_tables=table.to(device),
+            slot_mapping=slots.to(device),
+            max_seqlen_q=max(query_lens),
+            max_seqlen_k=max(seq_lens),
+        )
+
+
+PlanT = TypeVar("PlanT")
+
+
+class AttentionBackend(ABC, Generic[PlanT]):
+    """Attention of a step's queries over the paged KV cache.
+
+    `prepare` turns the step's metadata into whatever the backend precomputes once
+    (masks, index tensors); `forward` runs one layer with it.
+    """
+
+    @abstractmethod
+    def prepare(self, metadata: AttentionMetadata) -> PlanT:
+        """Precompute per-step state shared by all layers."""
+
+    @abstractmethod
+    def forward(
+        self,
+        query: Tensor,
+        key_cache: Tensor,
+        value_cache: Tensor,
+        plan: PlanT,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> Tensor:
+        """query [T, H_q, D] over a layer's caches [num_blocks, block_size, H_kv, D] → [T, H_q, D].
+
+        The step's keys/values must already be stored. H_q must be a multiple of H_kv
+        (grouped-query attention: query head h reads kv head h // (H_q / H_kv)).
+        `sliding_window` w lets a query at position p see keys at positions > p - w.
+        """
+
+
+@dataclass
+class SeqGroup:
+    """Sequences attended by one batched SDPA call, padded to max_q queries × max_k keys."""
+
+    #: [Tg] rows of the flat batch that belong to this group; None: all rows, in order.
+    token_index: Tensor | None
+    #: [Tg] each row's place in the padded [num_seqs * max_q] layout; None: no padding.
+    pad_index: Tensor | None
+    #: [num_seqs, max_blocks] block ids (padding clamped to a valid id).
+    block_tables: Tensor
+    #: [num_seqs, max_q] absolute position of each padded query, clamped into its sequence.
+    query_pos: Tensor
+    num_seqs: int
+    max_q: int
+    max_k: int
+    _masks: dict[tuple[int, int | None], Tensor] = field(default_factory=dict)
+
+    def mask(self, group_size: int, window: int | None) -> Tensor:
+        """Boolean keep-mask [num_seqs, 1, rows, max_k]; rows = group_size * max_q (1 if decode)."""
+        key = (group_size, window)
+        if key not in self._masks:
+            self._masks[key] = self._build_mask(group_size, window)
+        return self._masks[key]
+
+    def _build_mask(self, group_size: int, window: int | None) -> Tensor:
+        keys = torch.arange(self.max_k, device=self.query_pos.device)  # [Lk]
+        query_pos = self.query_pos[:, :, None]  # [B, Sq, 1]
+        keep = keys <= query_pos  # [B, Sq, Lk]; keys past the sequence are past the query too
+        if window is not None:
+            keep &= keys > query_pos - window
+        if self.max_q > 1 and group_size > 1:
+            # Query rows are ordered (group member, position): repeat the mask per member.
+            keep = keep[:, None].expand(self.num_seqs, group_size, self.max_q, self.max_k)
+            keep = keep.reshape(self.num_seqs, group_size * self.max_q, self.max_k)
+        return keep[:, None]  # [B, 1, rows, Lk]
+
+
+@dataclass
+class SdpaPlan:
+    """The SDPA backend's per-step state: decode and prefill sequences in separate calls."""
+
+    groups: list[SeqGroup]
+
+
+class SdpaAttentionBackend(AttentionBackend[SdpaPlan]):
+    """Reference paged attention in plain PyTorch (`scaled_dot_product_attention`).
+
+    Each call gathers its sequences' keys through their block tables into a padded
+    [B, H_kv, max_k, D] batch and runs one masked SDPA. Decoding sequences (one query)
+    and prefilling ones go in separate calls so a long prompt does not pad every
+    decode to its length. GQA folds each kv head's query group into the query-length
+    dimension, so keys and values are never repeated per query head.
+    """
+
+    def prepare(self, metadata: AttentionMetadata) -> SdpaPlan:
+        query_lens = metadata.query_lens()
+        if metadata.max_seqlen_q == 1:
+            return SdpaPlan([self._group(metadata, None, 1, metadata.max_seqlen_k)])
+        is_decode = query_lens == 1
+        num_decodes = int(is_decode.sum())
+        if num_decodes == 0:
+            return SdpaPlan(
+                [self._group(metadata, None, metadata.max_seqlen_q, metadata.max_seqlen_k)]
+            )
+        groups = []
+        for member, max_q in ((is_decode, 1), (~is_decode, metadata.max_seqlen_q)):
+            max_k = int(metadata.seq_lens[member].max())
+            groups.append(self._group(metadata, member, max_q, max_k))
+        return SdpaPlan(groups)
+
+    @staticmethod
+    def _group(md: AttentionMetadata, member: Tensor | None, max_q: int, max_k: int) -> SeqGroup:
+        """The group of sequences selected by boolean `member` [B] (None: all of them)."""
+        device = md.seq_lens.device
+        starts, seq_lens = md.query_start_loc[:-1], md.seq_lens
+        block_tables = md.block_tables.clamp(min=0)
+        token_seq = md.token_seq_index()  # [T]
+        token_index = None
+        local_seq = token_seq  # [Tg] index of each token's sequence within the group
+        if member is not None:
+            starts, seq_lens, block_tables = starts[member], seq_lens[member], block_tables[member]
+            token_index = torch.nonzero(member[token_seq]).squeeze(1)
+            local_seq = (member.long().cumsum(0) - 1)[token_seq[token_index]]
+        num_seqs, num_tokens = seq_lens.shape[0], local_seq.shape[0]
+        pad_index = None
+        if num_tokens != num_seqs * max_q:
+            rows = torch.arange(md.num_tokens, device=device)
+            rows = rows if token_index is None else token_index
+            offsets = rows - md.query_start_loc[token_seq[rows]]
+            pad_index = local_seq * max_q + offsets
+        context = seq_lens - (md.query_lens() if member is None else md.query_lens()[member])
+        offsets_q = torch.arange(max_q, device=device)
+        query_pos = torch.minimum(context[:, None] + offsets_q, seq_lens[:, None] - 1)
+        return SeqGroup(token_index, pad_index, block_tables, query_pos, num_seqs, max_q, max_k)
+
+    def forward(
+        self,
+        query: Tensor,
+        key_cache: Tensor,
+        value_cache: Tensor,
+        plan: SdpaPlan,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> Tensor:
+        if len(plan.groups) == 1 and plan.groups[0].token_index is None:
+            return self._attend(
+                query, key_cache, value_cache, plan.groups[0], scale, sliding_window
+            )
+        out = torch.empty_like(query)
+        for group in plan.groups:
+            assert group.token_index is not None
+            rows = self._attend(
+                query[group.token_index], key_cache, value_cache, group, scale, sliding_window
+            )
+            out.index_copy_(0, group.token_index, rows)
+        return out
+
+    @staticmethod
+    def _attend(
+        query: Tensor,
+        key_cache: Tensor,
+        value_cache: Tensor,
+        group: SeqGroup,
+        scale: float,
+        window: int | None,
+    ) -> Tensor:
+        """query [Tg, H_q, D] of one group → attention output [Tg, H_q, D]."""
+        num_seqs, max_q, max_k = group.num_seqs, group.max_q, group.max_k
+        _, block_size, kv_heads, dim = key_cache.shape
+        heads = query.shape[1]
+        group_size = heads // kv_heads
+        blocks = group.block_tables[:, : math.ceil(max_k / block_size)]  # [B, nblk]
+        keys = _gather(key_cache, blocks, max_k)  # [B, H_kv, Lk, D]
+        values = _gather(value_cache, blocks, max_k)  # [B, H_kv, Lk, D]
+        if group.pad_index is not None:
+            padded = query.new_zeros(num_seqs * max_q, heads, dim)
+            query = padded.index_copy_(0, group.pad_index, query)  # [B * Sq, H_q, D]
+        folded = (
+            query.view(num_seqs, max_q, kv_heads, group_size, dim)
+            .permute(0, 2, 3, 1, 4)
+            .reshape(num_seqs, kv_heads, group_size * max_q, dim)
+        )  # [B, H_kv, G * Sq, D]
+        out = F.scaled_dot_product_attention(
+            folded, keys, values, attn_mask=group.mask(group_size, window), scale=scale
+        )  # [B, H_kv, G * Sq, D]
+        out = (
+            out.view(num_seqs, kv_heads, group_size, max_q, dim)
+            .permute(0, 3, 1, 2, 4)
+            .reshape(num_seqs * max_q, heads, dim)
+        )  # [B * Sq, H_q, D]
+        return out if group.pad_index is None else out[group.pad_index]
+
+
+def _gather(cache: Tensor, blocks: Tensor, length: int) -> Tensor:
+    """Keys of each sequence, cache [N, bs, H, D] and blocks [B, nblk] → [B, H, length, D]."""
+    gathered = cache[blocks]  # [B, nblk, bs, H, D]
+    return gathered.flatten(1, 2)[:, :length].transpose(1, 2)

@@ -1,0 +1,68 @@
+"""The weights-loader interface: how a linear layer's tensors are read and what they become.
+
+Model code asks the loader for a layer's weight ("column-parallel q/k/v of layer 3") and
+turns the answer into a module with `Weight.get_linear(bias)`. It never learns whether
+the checkpoint is plain floating point, GPTQ, AWQ or bitsandbytes: each method is one
+`WeightsLoader` subclass registered by name (see `textgate.quantization.registry`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from textgate.quantization.weights import Shard, Weights
+
+
+class Weight(ABC):
+    """The tensors of one linear layer as a loader read them (this rank's slice)."""
+
+    @abstractmethod
+    def get_linear(self, bias: Tensor | None) -> nn.Module:
+        """Build the module computing `x @ W.T + bias` for inputs [..., in_features]."""
+
+
+class WeightsLoader(ABC):
+    """Reads a linear layer's tensors for one tensor-parallel rank.
+
+    `prefix` names a layer without the tensor suffix (`model.layers.0.mlp.down_proj`);
+    the loader knows which tensors sit under it (`.weight`, or `.qweight/.scales/...`).
+    `shard` overrides the default even split of the sharded dimension (e.g. to keep
+    attention heads whole when they do not divide evenly over the ranks).
+    """
+
+    @classmethod
+    def from_config(cls, quantization_config: Mapping[str, Any]) -> WeightsLoader:
+        """Build the loader from the checkpoint's quantization config (empty if none)."""
+        del quantization_config
+        return cls()
+
+    @abstractmethod
+    def get_weights(self, weights: Weights, prefix: str) -> Weight:
+        """The whole, unsharded weight (replicated on every rank)."""
+
+    @abstractmethod
+    def get_weights_col(self, weights: Weights, prefix: str, shard: Shard | None = None) -> Weight:
+        """This rank's rows of the output dimension (column-parallel linear)."""
+
+    @abstractmethod
+    def get_multi_weights_col(
+        self,
+        weights: Weights,
+        prefixes: Sequence[str],
+        dim: int,
+        shards: Sequence[Shard] | None = None,
+    ) -> Weight:
+        """Several column-parallel weights (q/k/v, gate/up) sliced and fused along `dim`.
+
+        The fused output holds this rank's slice of prefixes[0], then of prefixes[1], …
+        `shards`, when given, holds one slice per prefix.
+        """
+
+    @abstractmethod
+    def get_weights_row(self, weights: Weights, prefix: str, shard: Shard | None = None) -> Weight:
+        """This rank's columns of the input dimension (row-parallel linear)."""

@@ -1,0 +1,2 @@
+"""textgate.shard_server.layers: the building blocks of native models (norms, rotary,
+tensor-parallel linears and embeddings)."""

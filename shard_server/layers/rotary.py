@@ -1,0 +1,208 @@
+"""Rotary position embeddings (RoPE) and the scaling variants Llama-family checkpoints use.
+
+Supported `rope_type`s: default, linear, dynamic (NTK), llama3 and yarn. Parameters are
+read from `config.rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling`
+(older checkpoints); both spell the same thing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+DEFAULT_THETA = 10000.0
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """What a rotary embedding needs from a model config."""
+
+    rope_type: str = "default"
+    theta: float = DEFAULT_THETA
+    #: The context length the scaling is relative to (config.max_position_embeddings).
+    max_position_embeddings: int = 2048
+    #: Type-specific keys (factor, low_freq_factor, original_max_position_embeddings, …).
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> RopeConfig:
+        """Read RoPE settings from a config.json dict, in either transformers' spelling."""
+        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+        if any(isinstance(value, Mapping) for value in rope.values()):
+            raise ValueError("per-layer-type RoPE parameters are not supported for this model")
+        partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+        if partial != 1.0:
+            raise ValueError(f"partial_rotary_factor={partial} is not supported (only 1.0)")
+        max_positions = int(config.get("max_position_embeddings", 2048))
+        rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+        theta = float(rope.pop("rope_theta", config.get("rope_theta", DEFAULT_THETA)))
+        if rope_type in ("llama3", "yarn"):
+            rope.setdefault(
+                "original_max_position_embeddings",
+                config.get("original_max_position_embeddings", max_positions),
+            )
+        if rope_type not in _INV_FREQ:
+            raise ValueError(
+                f"rope_type {rope_type!r} is not supported; supported: {', '.join(sorted(_INV_FREQ))}"
+            )
+        return cls(rope_type, theta, max_positions, rope)
+
+
+InvFreqFn = Callable[[RopeConfig, int], tuple[Tensor, float]]
+_INV_FREQ: dict[str, InvFreqFn] = {}
+
+
+def _rope_type(name: str) -> Callable[[InvFreqFn], InvFreqFn]:
+    def wrap(fn: InvFreqFn) -> InvFreqFn:
+        _INV_FREQ[name] = fn
+        return fn
+
+    return wrap
+
+
+def _base_inv_freq(theta: float | Tensor, dim: int) -> Tensor:
+    """1 / theta^(2i/dim) for i < dim/2, in float32; theta may be a column of per-row bases."""
+    device = theta.device if isinstance(theta, Tensor) else None
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+    return 1.0 / (theta**exponents)
+
+
+@_rope_type("default")
+def _default(cfg: RopeConfig, dim: int) -> tuple[Tensor, float]:
+    return _base_inv_freq(cfg.theta, dim), 1.0
+
+
+@_rope_type("linear")
+def _linear(cfg: RopeConfig, dim: int) -> tuple[Tensor, float]:
+    # Dividing the frequencies by `factor` is dividing the positions by it.
+    return _base_inv_freq(cfg.theta, dim) / cfg.params["factor"], 1.0
+
+
+@_rope_type("dynamic")
+def _dynamic(cfg: RopeConfig, dim: int) -> tuple[Tensor, float]:
+    # The base is rescaled per sequence at run time (see RotaryEmbedding.cos_sin).
+    return _base_inv_freq(cfg.theta, dim), 1.0
+
+
+@_rope_type("llama3")
+def _llama3(cfg: RopeConfig, dim: int) -> tuple[Tensor, float]:
+    inv_freq = _base_inv_freq(cfg.theta, dim)
+    factor = cfg.params["factor"]
+    low, high = cfg.params["low_freq_factor"], cfg.params["high_freq_factor"]
+    old_context = cfg.params["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are interpolated by `factor`, short ones kept, the band between
+    # them blended linearly in 1/wavelength.
+    scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    in_band = ~(wavelen < old_context / high) & ~(wavelen > old_context / low)
+    return torch.where(in_band, blended, scaled), 1.0
+
+
+@_rope_type("yarn")
+def _yarn(cfg: RopeConfig, dim: int) -> tuple[Tensor, float]:
+    params = cfg.params
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor") or cfg.max_position_embeddings / original
+    scaling = params.get("attention_factor")
+    if scaling is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            scaling = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            scaling = _yarn_mscale(factor, 1.0)
+    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+    low, high = _yarn_correction_range(
+        beta_fast, beta_slow, dim, cfg.theta, original, params.get("truncate", True)
+    )
+    pos_freqs = cfg.theta ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolate = 1 - _linear_ramp(low, high, dim // 2)
+    # Extrapolate (keep) the high-frequency dims, interpolate the low-frequency ones.
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+    return inv_freq, float(scaling)
+
+
+def _yarn_mscale(scale: float, mscale: float) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_correction_range(
+    fast: float, slow: float, dim: int, theta: float, context: int, truncate: bool
+) -> tuple[float, float]:
+    def dim_for(rotations: float) -> float:
+        return (dim * math.log(context / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = dim_for(fast), dim_for(slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    return max(low, 0), min(high, dim - 1)
+
+
+def _linear_ramp(low: float, high: float, size: int) -> Tensor:
+    if low == high:
+        high += 0.001  # a zero-width ramp would divide by zero
+    return torch.clamp((torch.arange(size, dtype=torch.float32) - low) / (high - low), 0, 1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Per-token cos/sin tables and their application to query/key heads."""
+
+    def __init__(self, cfg: RopeConfig, head_dim: int, device: torch.device | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.head_dim = head_dim
+        inv_freq, self.attention_scaling = _INV_FREQ[cfg.rope_type](cfg, head_dim)
+        self.inv_freq: Tensor
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+
+    @property
+    def needs_seq_lens(self) -> bool:
+        """Dynamic NTK rescales by each sequence's length, so `cos_sin` needs it."""
+        return self.cfg.rope_type == "dynamic"
+
+    def cos_sin(
+        self, positions: Tensor, dtype: torch.dtype, seq_lens: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """cos and sin [T, head_dim] for token positions [T].
+
+        `seq_lens` [T] is the total length of each token's sequence; dynamic NTK needs
+        it and uses the base a sequence of that length would use.
+        """
+        inv_freq = self.inv_freq[None, :]  # [1, head_dim/2]
+        if self.needs_seq_lens:
+            if seq_lens is None:
+                raise ValueError("dynamic RoPE needs each token's sequence length")
+            inv_freq = self._dynamic_inv_freq(seq_lens)  # [T, head_dim/2]
+        freqs = positions.float()[:, None] * inv_freq  # [T, head_dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
+
+    def _dynamic_inv_freq(self, seq_lens: Tensor) -> Tensor:
+        dim, factor = self.head_dim, self.cfg.params["factor"]
+        max_positions = self.cfg.max_position_embeddings
+        # Sequences within the trained context keep the original base.
+        lengths = torch.clamp(seq_lens.to(self.inv_freq.device), min=max_positions)
+        base = self.cfg.theta * ((factor * lengths / max_positions) - (factor - 1)) ** (
+            dim / (dim - 2)
+        )
+        return _base_inv_freq(base[:, None], dim)  # [T, head_dim/2]
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """(x1, x2) → (-x2, x1) over the two halves of the last dimension."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate heads x [T, H, head_dim] by per-token cos/sin [T, head_dim]."""
+    cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, head_dim]
+    return x * cos + rotate_half(x) * sin

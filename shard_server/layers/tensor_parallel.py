@@ -1,0 +1,163 @@
+"""Tensor-parallel linears, vocab-parallel embedding and the lm head.
+
+Megatron-style: a column-parallel linear owns a slice of the output features and needs
+no communication; a row-parallel linear owns a slice of the input features and sums
+the partial outputs over the process group. With one rank every collective is skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from textgate.quantization.weights import Shard, Weights
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+
+def world_size_of(group: ProcessGroup | None) -> int:
+    """Ranks in `group` (1 when there is no group)."""
+    return 1 if group is None else group.size()
+
+
+def all_reduce(x: Tensor, group: ProcessGroup | None) -> Tensor:
+    """Sum `x` in place over `group`; a no-op on one rank."""
+    if world_size_of(group) > 1:
+        dist.all_reduce(x, group=group)
+    return x
+
+
+class TensorParallelColumnLinear(nn.Module):
+    """A linear whose output features are split over the ranks (no communication)."""
+
+    def __init__(self, linear: nn.Module) -> None:
+        super().__init__()
+        self.linear = linear
+
+    @classmethod
+    def load(
+        cls, weights: Weights, prefix: str, *, bias: bool, shard: Shard | None = None
+    ) -> TensorParallelColumnLinear:
+        """This rank's output rows of `<prefix>.weight` (and bias)."""
+        weight = weights.get_weights_col(prefix, shard)
+        bias_tensor = weights.get_sharded(f"{prefix}.bias", 0, shard) if bias else None
+        return cls(weight.get_linear(bias_tensor))
+
+    @classmethod
+    def load_multi(
+        cls,
+        weights: Weights,
+        prefixes: Sequence[str],
+        *,
+        bias: bool,
+        shards: Sequence[Shard] | None = None,
+    ) -> TensorParallelColumnLinear:
+        """Several column linears fused into one (q/k/v, gate/up), each sliced for this rank."""
+        weight = weights.get_multi_weights_col(prefixes, 0, shards)
+        bias_tensor = None
+        if bias:
+            per_prefix = shards if shards is not None else [None] * len(prefixes)
+            bias_tensor = torch.cat(
+                [
+                    weights.get_sharded(f"{prefix}.bias", 0, shard)
+                    for prefix, shard in zip(prefixes, per_prefix, strict=True)
+                ]
+            )
+        return cls(weight.get_linear(bias_tensor))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear(x)
+
+
+class TensorParallelRowLinear(nn.Module):
+    """A linear whose input features are split over the ranks; partial sums are all-reduced."""
+
+    def __init__(self, linear: nn.Module, process_group: ProcessGroup | None) -> None:
+        super().__init__()
+        self.linear = linear
+        self.process_group = process_group
+
+    @classmethod
+    def load(
+        cls, weights: Weights, prefix: str, *, bias: bool, shard: Shard | None = None
+    ) -> TensorParallelRowLinear:
+        """This rank's input columns of `<prefix>.weight`."""
+        weight = weights.get_weights_row(prefix, shard)
+        # The bias is added once, by rank 0, so the all-reduce does not multiply it.
+        bias_tensor = weights.get_tensor(f"{prefix}.bias") if bias and weights.rank == 0 else None
+        return cls(weight.get_linear(bias_tensor), weights.process_group)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return all_reduce(self.linear(x), self.process_group)
+
+
+class TensorParallelEmbedding(nn.Module):
+    """Token embedding with the vocabulary split over the ranks.
+
+    Each rank looks up the ids it owns, writes zeros for the others, and the
+    all-reduce assembles the full embedding on every rank.
+    """
+
+    def __init__(self, weight: Tensor, shard: Shard, process_group: ProcessGroup | None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.shard = shard
+        self.process_group = process_group
+
+    @classmethod
+    def load(cls, weights: Weights, prefix: str) -> TensorParallelEmbedding:
+        """This rank's rows of `<prefix>.weight` [vocab, hidden]."""
+        shard = weights.even_shard(weights.get_shape(f"{prefix}.weight")[0])
+        return cls(weights.get_sharded(f"{prefix}.weight", 0, shard), shard, weights.process_group)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        """input_ids [T] → embeddings [T, hidden]."""
+        if world_size_of(self.process_group) == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.shard.start
+        foreign = (local < 0) | (local >= self.shard.size)
+        out = F.embedding(local.masked_fill(foreign, 0), self.weight)
+        out.masked_fill_(foreign[:, None], 0)
+        return all_reduce(out, self.process_group)
+
+
+class TensorParallelHead(nn.Module):
+    """The lm head: hidden states [N, hidden] → logits [N, vocab] on every rank.
+
+    The vocabulary is split over the ranks and the logits gathered when it divides
+    evenly; otherwise every rank holds the whole head (no gather needed).
+    """
+
+    def __init__(self, weight: Tensor, process_group: ProcessGroup | None, gather: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.process_group = process_group
+        self.gather = gather and world_size_of(process_group) > 1
+
+    @classmethod
+    def load(
+        cls, weights: Weights, prefix: str, tied: TensorParallelEmbedding | None = None
+    ) -> TensorParallelHead:
+        """Read `<prefix>.weight`, or share the embedding's slice when the two are tied."""
+        name = f"{prefix}.weight"
+        vocab_size = weights.get_shape(name)[0]
+        gather = vocab_size % weights.world_size == 0
+        if tied is not None and (gather or weights.world_size == 1):
+            # An even vocab split is the embedding's own split: share its tensor.
+            return cls(tied.weight.data, weights.process_group, gather)
+        weight = weights.get_sharded(name, 0) if gather else weights.get_tensor(name)
+        return cls(weight, weights.process_group, gather)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        logits = F.linear(hidden, self.weight)  # [N, vocab / world_size] or [N, vocab]
+        if not self.gather:
+            return logits
+        parts = [torch.empty_like(logits) for _ in range(world_size_of(self.process_group))]
+        dist.all_gather(parts, logits.contiguous(), group=self.process_group)
+        return torch.cat(parts, dim=-1)  # [N, vocab]

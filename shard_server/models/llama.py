@@ -1,0 +1,204 @@
+"""The Llama family (Llama 1-3, SmolLM, Mistral, Qwen2), tensor parallel, over a paged KV cache.
+
+One forward step takes a flat varlen batch (all sequences' new tokens concatenated)
+and returns logits only for the rows the caller asks for. Differences within the family
+are config switches: GQA, q/k/v bias (Qwen2), sliding windows (Mistral, Qwen2), tied
+embeddings and RoPE scaling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from textgate.kernels import get_attention_backend
+from textgate.kernels.attention import AttentionBackend, AttentionMetadata
+from textgate.quantization.weights import Weights
+from textgate.shard_server.kv_cache import KVCache
+from textgate.shard_server.layers.heads import HeadPartition
+from textgate.shard_server.layers.norm import RMSNorm
+from textgate.shard_server.layers.rotary import RotaryEmbedding, apply_rotary
+from textgate.shard_server.layers.tensor_parallel import (
+    TensorParallelColumnLinear,
+    TensorParallelEmbedding,
+    TensorParallelHead,
+    TensorParallelRowLinear,
+)
+from textgate.shard_server.models.config import ModelConfig
+from textgate.shard_server.models.registry import register
+
+
+@dataclass
+class ForwardContext:
+    """What every layer of one step shares: rotary tables, the cache and the attention plan."""
+
+    cos: Tensor  # [T, head_dim]
+    sin: Tensor  # [T, head_dim]
+    kv_cache: KVCache
+    metadata: AttentionMetadata
+    backend: AttentionBackend[Any]
+    plan: Any
+
+
+class LlamaAttention(nn.Module):
+    """Fused q/k/v projection, RoPE, paged attention, output projection (this rank's heads)."""
+
+    def __init__(self, config: ModelConfig, weights: Weights, prefix: str, layer_idx: int) -> None:
+        super().__init__()
+        heads = HeadPartition.for_rank(
+            config.num_heads, config.num_kv_heads, weights.rank, weights.world_size
+        )
+        self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
+        self.head_dim = config.head_dim
+        q_rows = HeadPartition.rows(heads.q, config.head_dim)
+        kv_rows = HeadPartition.rows(heads.kv, config.head_dim)
+        self.qkv_proj = TensorParallelColumnLinear.load_multi(
+            weights,
+            [f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"],
+            bias=config.qkv_bias,
+            shards=[q_rows, kv_rows, kv_rows],
+        )
+        self.o_proj = TensorParallelRowLinear.load(
+            weights, f"{prefix}.o_proj", bias=config.o_bias, shard=q_rows
+        )
+        self.layer_idx = layer_idx
+        self.scale = config.head_dim**-0.5
+        self.sliding_window = config.sliding_windows[layer_idx]
+
+    def forward(self, hidden: Tensor, ctx: ForwardContext) -> Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)  # [T, (H_q + 2 H_kv) * D]
+        query, key, value = qkv.split(
+            [self.num_heads * self.head_dim, *[self.num_kv_heads * self.head_dim] * 2], dim=-1
+        )
+        query = apply_rotary(
+            query.view(num_tokens, self.num_heads, self.head_dim), ctx.cos, ctx.sin
+        )
+        key = apply_rotary(key.view(num_tokens, self.num_kv_heads, self.head_dim), ctx.cos, ctx.sin)
+        value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
+        ctx.kv_cache.store(self.layer_idx, key, value, ctx.metadata.slot_mapping)
+        out = ctx.backend.forward(
+            query,
+            *ctx.kv_cache.layer(self.layer_idx),
+            ctx.plan,
+            scale=self.scale,
+            sliding_window=self.sliding_window,
+        )  # [T, H_q, D]
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one column linear."""
+
+    def __init__(self, config: ModelConfig, weights: Weights, prefix: str) -> None:
+        super().__init__()
+        self.gate_up_proj = TensorParallelColumnLinear.load_multi(
+            weights, [f"{prefix}.gate_proj", f"{prefix}.up_proj"], bias=config.mlp_bias
+        )
+        self.down_proj = TensorParallelRowLinear.load(
+            weights, f"{prefix}.down_proj", bias=config.mlp_bias
+        )
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(hidden).chunk(2, dim=-1)  # 2 × [T, intermediate / world]
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks around one residual stream."""
+
+    def __init__(self, config: ModelConfig, weights: Weights, prefix: str, layer_idx: int) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm.load(weights, f"{prefix}.input_layernorm", eps)
+        self.self_attn = LlamaAttention(config, weights, f"{prefix}.self_attn", layer_idx)
+        self.post_attention_layernorm = RMSNorm.load(
+            weights, f"{prefix}.post_attention_layernorm", eps
+        )
+        self.mlp = LlamaMLP(config, weights, f"{prefix}.mlp")
+
+    def forward(
+        self, hidden: Tensor, residual: Tensor | None, ctx: ForwardContext
+    ) -> tuple[Tensor, Tensor]:
+        normed, residual = self.input_layernorm(hidden, residual)
+        normed, residual = self.post_attention_layernorm(self.self_attn(normed, ctx), residual)
+        return self.mlp(normed), residual
+
+
+@register("llama", "mistral", "qwen2")
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM for one tensor-parallel rank.
+
+    Cache sizing: `num_layers`, `num_kv_heads` (this rank's) and `head_dim`.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig | Mapping[str, Any] | Any,
+        weights: Weights,
+        attention_backend: AttentionBackend[Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config = ModelConfig.parse(config)
+        self.attention_backend = attention_backend or get_attention_backend()
+        self.embed_tokens = TensorParallelEmbedding.load(weights, "model.embed_tokens")
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, weights, f"model.layers.{i}", i)
+            for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm.load(weights, "model.norm", config.rms_norm_eps)
+        if config.tie_word_embeddings:
+            self.lm_head = TensorParallelHead.load(weights, "model.embed_tokens", self.embed_tokens)
+        else:
+            self.lm_head = TensorParallelHead.load(weights, "lm_head")
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim, weights.device)
+        self.dtype, self.device = weights.dtype, weights.device
+        self.num_layers = config.num_layers
+        self.num_kv_heads = self.layers[0].self_attn.num_kv_heads
+        self.head_dim = config.head_dim
+        self.vocab_size = config.vocab_size
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+        logits_indices: Tensor,
+    ) -> Tensor:
+        """One step: input_ids/positions [T] → float32 logits [N, vocab] for rows logits_indices [N].
+
+        Writes the step's keys/values into `kv_cache` at `attn_metadata.slot_mapping`.
+        """
+        seq_lens = None
+        if self.rotary.needs_seq_lens:
+            seq_lens = attn_metadata.seq_lens[attn_metadata.token_seq_index()]  # [T]
+        cos, sin = self.rotary.cos_sin(positions, self.dtype, seq_lens)
+        backend = self.attention_backend
+        ctx = ForwardContext(
+            cos, sin, kv_cache, attn_metadata, backend, backend.prepare(attn_metadata)
+        )
+        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, ctx)
+        assert residual is not None
+        # The final norm is per row, so only the rows that need logits go through it.
+        hidden, _ = self.norm(hidden[logits_indices], residual[logits_indices])  # [N, hidden]
+        return self.lm_head(hidden).float()
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
+        """A zeroed paged cache sized for this model (this rank's kv heads)."""
+        return KVCache.allocate(
+            num_layers=self.num_layers,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )

@@ -1,0 +1,118 @@
+"""Tiny random Llama-family checkpoints and a paged runner that drives a native model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedModel,
+    Qwen2Config,
+)
+
+from textgate.kernels import AttentionMetadata
+from textgate.shard_server.models import load_model
+
+_CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
+
+TINY = {
+    "vocab_size": 101,
+    "hidden_size": 48,
+    "intermediate_size": 40,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+}
+
+
+def build_tiny(directory: Path, kind: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
+    """Save a seeded random `kind` model to `directory` and return transformers' copy (fp32)."""
+    torch.manual_seed(seed)
+    config = _CONFIGS[kind](**{**TINY, **overrides})
+    # Random init is tiny (std 0.02); larger weights make attention and RoPE matter.
+    config.initializer_range = 0.2
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    model.save_pretrained(directory)
+    return model
+
+
+@pytest.fixture
+def tiny(tmp_path: Path) -> Callable[..., tuple[Path, PreTrainedModel]]:
+    """tiny(kind, **config overrides) → (checkpoint folder, transformers model)."""
+    count = 0
+
+    def make(kind: str = "llama", **overrides: Any) -> tuple[Path, PreTrainedModel]:
+        nonlocal count
+        count += 1
+        directory = tmp_path / f"{kind}-{count}"
+        return directory, build_tiny(directory, kind, **overrides)
+
+    return make
+
+
+class PagedRunner:
+    """Drives a native model as a shard does: sequences own scattered blocks of one cache."""
+
+    def __init__(self, model: Any, num_blocks: int = 64, block_size: int = 4, seed: int = 0):
+        self.model = model
+        self.cache = model.allocate_kv_cache(num_blocks, block_size)
+        self.block_size = block_size
+        generator = torch.Generator().manual_seed(seed)
+        self.free = torch.randperm(num_blocks, generator=generator).tolist()
+        self.blocks: dict[int, list[int]] = {}
+        self.lengths: dict[int, int] = {}
+
+    def step(
+        self, chunks: dict[int, list[int]], all_logits: bool = False
+    ) -> dict[int, torch.Tensor]:
+        """Feed each sequence its new tokens; logits of its last token ([V]) or all ([q, V])."""
+        for seq, tokens in chunks.items():
+            length = self.lengths.get(seq, 0) + len(tokens)
+            blocks = self.blocks.setdefault(seq, [])
+            while len(blocks) * self.block_size < length:
+                blocks.append(self.free.pop())
+        metadata = AttentionMetadata.build(
+            query_lens=[len(tokens) for tokens in chunks.values()],
+            context_lens=[self.lengths.get(seq, 0) for seq in chunks],
+            block_tables=[self.blocks[seq] for seq in chunks],
+            block_size=self.block_size,
+        )
+        input_ids = torch.tensor([t for tokens in chunks.values() for t in tokens])
+        starts = metadata.query_start_loc.tolist()
+        rows = torch.arange(len(input_ids)) if all_logits else metadata.query_start_loc[1:] - 1
+        with torch.inference_mode():
+            logits = self.model(input_ids, metadata.positions(), self.cache, metadata, rows)
+        out = {}
+        for b, seq in enumerate(chunks):
+            self.lengths[seq] = self.lengths.get(seq, 0) + len(chunks[seq])
+            out[seq] = logits[starts[b] : starts[b + 1]] if all_logits else logits[b]
+        return out
+
+
+@pytest.fixture
+def runner() -> Callable[..., PagedRunner]:
+    """runner(model_dir, block_size=4, dtype=fp32) → a PagedRunner over a freshly loaded model."""
+
+    def make(path: Path, block_size: int = 4, dtype: torch.dtype = torch.float32) -> PagedRunner:
+        return PagedRunner(load_model(path, dtype, "cpu"), block_size=block_size)
+
+    return make
+
+
+def reference_logits(model: PreTrainedModel, tokens: list[int]) -> torch.Tensor:
+    """transformers' logits [L, V] for one sequence, no cache."""
+    with torch.inference_mode():
+        return model(torch.tensor([tokens])).logits[0].float()
+
+
+@pytest.fixture
+def reference() -> Callable[[PreTrainedModel, list[int]], torch.Tensor]:
+    return reference_logits
