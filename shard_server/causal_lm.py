@@ -46,7 +46,7 @@ class CausalLMBatch:
 
     @classmethod
     def from_pb(cls, batch: pb.Batch, info: TokenizerInfo, device: torch.device) -> CausalLMBatch:
-        sequences = [Sequence.from_pb(r, info) for r in batch.requests]
+        sequences = [Sequence.from_pb(r, info, device) for r in batch.requests]
         longest = max(s.prompt_len for s in sequences)
         input_ids = torch.zeros(len(sequences), longest, dtype=torch.int64)
         attention_mask = torch.zeros(len(sequences), longest, dtype=torch.int64)
@@ -62,11 +62,7 @@ class CausalLMBatch:
             attention_mask=attention_mask.to(device),
             position_ids=position_ids.to(device),
             cache=DynamicCache(),
-            sampling=SamplingTensors.from_params(
-                [r.parameters for r in batch.requests],
-                [r.top_n_tokens for r in batch.requests],
-                device,
-            ),
+            sampling=SamplingTensors.from_sequences(sequences, device),
         )
 
     def advance(self, next_ids: list[int]) -> None:

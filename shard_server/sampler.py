@@ -10,10 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from textgate.proto import generate_pb2 as pb
+
+if TYPE_CHECKING:
+    from textgate.shard_server.sequence import Sequence as Seq
 
 
 @dataclass(frozen=True)
@@ -35,20 +39,13 @@ class SamplingTensors:
         return bool((self.repetition_penalty != 1.0).any() or (self.frequency_penalty != 0.0).any())
 
     @classmethod
-    def from_params(
-        cls,
-        params: Sequence[pb.NextTokenChooserParameters],
-        top_n_tokens: Sequence[int],
-        device: torch.device,
-    ) -> SamplingTensors:
+    def from_sequences(cls, sequences: Sequence[Seq], device: torch.device) -> SamplingTensors:
+        """The parameters of `sequences`, row by row; generators stay owned by the sequences."""
+        params = [s.request.parameters for s in sequences]
+
         def column(values: list[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
 
-        generators = []
-        for p in params:
-            generator = torch.Generator(device=device)
-            generator.manual_seed(p.seed)
-            generators.append(generator)
         return cls(
             temperature=column([p.temperature or 1.0 for p in params]),
             top_k=column([p.top_k for p in params], torch.int64),
@@ -57,8 +54,8 @@ class SamplingTensors:
             repetition_penalty=column([p.repetition_penalty or 1.0 for p in params]),
             frequency_penalty=column([p.frequency_penalty for p in params]),
             do_sample=[_samples(p) for p in params],
-            generators=generators,
-            top_n=max(top_n_tokens, default=0),
+            generators=[s.generator for s in sequences],
+            top_n=max((s.request.top_n_tokens for s in sequences), default=0),
         )
 
     def select(self, rows: list[int]) -> SamplingTensors:

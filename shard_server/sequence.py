@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from textgate.proto import generate_pb2 as pb
 from textgate.shard_server.detokenizer import IncrementalDetokenizer
 from textgate.shard_server.stopping import StoppingCriteria
@@ -44,16 +46,23 @@ class Sequence:
     prompt_len: int
     stopping: StoppingCriteria
     detokenizer: IncrementalDetokenizer
+    # Seeded once from the request: sampling is reproducible alone or in any batch.
+    generator: torch.Generator
 
     @classmethod
-    def from_pb(cls, request: pb.Request, info: TokenizerInfo) -> Sequence:
+    def from_pb(
+        cls, request: pb.Request, info: TokenizerInfo, device: torch.device | None = None
+    ) -> Sequence:
         ids = list(request.input_ids)
+        generator = torch.Generator(device=device or "cpu")
+        generator.manual_seed(request.parameters.seed)
         return cls(
             request=request,
             all_ids=ids,
             prompt_len=len(ids),
             stopping=StoppingCriteria.from_pb(request.stopping_parameters, info.eos_token_ids),
             detokenizer=IncrementalDetokenizer.for_prompt(len(ids)),
+            generator=generator,
         )
 
     @property

@@ -5,6 +5,7 @@ import torch
 
 from textgate.proto import generate_pb2 as pb
 from textgate.shard_server.sampler import Sampler, SamplingTensors, apply_penalties, apply_warpers
+from textgate.shard_server.sequence import Sequence, TokenizerInfo
 
 
 def params(**kwargs: object) -> pb.NextTokenChooserParameters:
@@ -19,7 +20,10 @@ def params(**kwargs: object) -> pb.NextTokenChooserParameters:
 
 
 def tensors(*rows: pb.NextTokenChooserParameters, top_n: int = 0) -> SamplingTensors:
-    return SamplingTensors.from_params(rows, [top_n] * len(rows), torch.device("cpu"))
+    info = TokenizerInfo(tokenizer=None, eos_token_ids=frozenset(), special_ids=frozenset())
+    requests = [pb.Request(input_ids=[1], parameters=p, top_n_tokens=top_n) for p in rows]
+    sequences = [Sequence.from_pb(r, info) for r in requests]
+    return SamplingTensors.from_sequences(sequences, torch.device("cpu"))
 
 
 def test_greedy_rows_take_the_argmax_and_report_logprobs() -> None:
