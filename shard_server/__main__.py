@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from textgate.shard_server.loader import load_model
+from textgate.shard_server.paged_model import CacheConfig
 from textgate.shard_server.server import serve
 
 
@@ -26,6 +27,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--uds-path", default="/tmp/textgate-server", help="socket path prefix")
     parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
     parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument(
+        "--kv-cache-memory", type=int, default=1 << 30, help="KV cache bytes on CPU"
+    )
+    parser.add_argument(
+        "--cuda-memory-fraction", type=float, default=0.9, help="free GPU memory for the cache"
+    )
+    parser.add_argument(
+        "--no-native", action="store_true", help="serve through transformers even if native"
+    )
     parser.add_argument("--json-output", action="store_true")
     return parser.parse_args(argv)
 
@@ -48,6 +59,12 @@ def main(argv: list[str] | None = None) -> None:
         rank=rank,
         world_size=world_size,
         trust_remote_code=args.trust_remote_code,
+        cache_config=CacheConfig(
+            block_size=args.block_size,
+            kv_cache_memory=args.kv_cache_memory,
+            cuda_memory_fraction=args.cuda_memory_fraction,
+        ),
+        native=not args.no_native,
     )
     asyncio.run(_serve_until_signal(model, args.uds_path, rank, world_size))
 

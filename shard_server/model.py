@@ -58,8 +58,8 @@ class Model(ABC, Generic[B]):
     def generate_token(self, batch: B) -> StepOutput[B]: ...
 
     @abstractmethod
-    def warmup(self, request: pb.WarmupRequest) -> int | None:
-        """Run the largest batch once; return max supported total tokens if cache-bound."""
+    def warmup(self, request: pb.WarmupRequest) -> pb.WarmupResponse:
+        """Run the largest batch once; report the token capacity if a cache bounds it."""
 
 
 def sample(

@@ -13,6 +13,7 @@ import grpc
 from textgate.proto import generate_pb2 as pb
 from textgate.proto import generate_pb2_grpc as pb_grpc
 from textgate.shard_server.model import Model, StepOutput
+from textgate.shard_server.paged_model import PagedModel
 
 log = logging.getLogger("textgate.shard")
 T = TypeVar("T")
@@ -21,7 +22,7 @@ T = TypeVar("T")
 class ShardServicer(pb_grpc.TextGenerationServiceServicer):
     """Implements generate.proto over one model; batches live in `cache` between calls."""
 
-    def __init__(self, model: Model[Any], urls: list[str]) -> None:
+    def __init__(self, model: Model[Any] | PagedModel, urls: list[str]) -> None:
         self.model = model
         self.urls = urls
         self.cache: dict[int, Any] = {}
@@ -52,11 +53,14 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
             self.cache.pop(request.id, None)
         else:
             self.cache.clear()
+            if isinstance(self.model, PagedModel):
+                await self._run(self.model.reset)
         return pb.ClearCacheResponse()
 
     async def FilterBatch(
         self, request: pb.FilterBatchRequest, context: Any
     ) -> pb.FilterBatchResponse:
+        await self._padded(context)
         batch = await self._pop(request.batch_id, context)
         kept = await self._run(batch.filter, list(request.request_ids))
         if kept is None:
@@ -66,18 +70,19 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
 
     async def Warmup(self, request: pb.WarmupRequest, context: Any) -> pb.WarmupResponse:
         self.cache.clear()
-        supported = await self._guard(context, self._run(self.model.warmup, request))
-        response = pb.WarmupResponse()
-        if supported is not None:
-            response.max_supported_total_tokens = supported
+        response: pb.WarmupResponse = await self._guard(
+            context, self._run(self.model.warmup, request)
+        )
         return response
 
     async def Prefill(self, request: pb.PrefillRequest, context: Any) -> pb.PrefillResponse:
         start = time.perf_counter_ns()
-        batch = await self._guard(context, self._run(self.model.batch_from_pb, request.batch))
-        out: StepOutput[Any] = await self._guard(
-            context, self._run(self.model.generate_token, batch)
-        )
+        if request.HasField("plan"):
+            out = await self._paged_step(context, list(request.batch.requests), request.plan)
+        else:
+            model = await self._padded(context)
+            batch = await self._guard(context, self._run(model.batch_from_pb, request.batch))
+            out = await self._guard(context, self._run(model.generate_token, batch))
         response = pb.PrefillResponse(
             generations=out.generations, forward_ns=out.forward_ns, decode_ns=out.decode_ns
         )
@@ -87,14 +92,17 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
 
     async def Decode(self, request: pb.DecodeRequest, context: Any) -> pb.DecodeResponse:
         start = time.perf_counter_ns()
-        batches = [await self._pop(b.id, context) for b in request.batches]
-        if not batches:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Decode needs at least one batch")
-        merged = await self._guard(context, self._run(self.model.concatenate, batches))
-        concat_ns = time.perf_counter_ns() - start
-        out: StepOutput[Any] = await self._guard(
-            context, self._run(self.model.generate_token, merged)
-        )
+        if request.HasField("plan"):
+            out = await self._paged_step(context, [], request.plan)
+            concat_ns = 0
+        else:
+            model = await self._padded(context)
+            batches = [await self._pop(b.id, context) for b in request.batches]
+            if not batches:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Decode needs a batch")
+            merged = await self._guard(context, self._run(model.concatenate, batches))
+            concat_ns = time.perf_counter_ns() - start
+            out = await self._guard(context, self._run(model.generate_token, merged))
         response = pb.DecodeResponse(
             generations=out.generations,
             forward_ns=out.forward_ns,
@@ -104,6 +112,27 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         self._keep(out, response)
         response.total_ns = time.perf_counter_ns() - start
         return response
+
+    async def _paged_step(
+        self, context: Any, requests: list[pb.Request], plan: pb.StepPlan
+    ) -> StepOutput[Any]:
+        if not isinstance(self.model, PagedModel):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "this shard is not paged: send batches, no plan"
+            )
+        assert isinstance(self.model, PagedModel)
+        out: StepOutput[Any] = await self._guard(
+            context, self._run(self.model.step, requests, plan)
+        )
+        return out
+
+    async def _padded(self, context: Any) -> Model[Any]:
+        if isinstance(self.model, PagedModel):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "this shard is paged: every step needs a plan"
+            )
+        assert not isinstance(self.model, PagedModel)
+        return self.model
 
     def _keep(self, out: StepOutput[Any], response: Any) -> None:
         if out.batch is not None:
@@ -125,7 +154,7 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
             await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
 
-async def serve(model: Model[Any], uds_path: str, rank: int, world_size: int) -> None:
+async def serve(model: Model[Any] | PagedModel, uds_path: str, rank: int, world_size: int) -> None:
     """Serve `model` on unix://{uds_path}-{rank} until cancelled or SIGTERM."""
     urls = [f"unix://{uds_path}-{r}" for r in range(world_size)]
     server = grpc.aio.server(

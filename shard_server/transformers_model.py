@@ -98,8 +98,8 @@ class TransformersModel(Model[CausalLMBatch]):
             chosen = logprobs.gather(1, ids[:, None]).squeeze(1).tolist()
             generations[row].prefill_tokens.CopyFrom(seq.prefill_tokens(chosen, self.info))
 
-    def warmup(self, request: pb.WarmupRequest) -> int | None:
+    def warmup(self, request: pb.WarmupRequest) -> pb.WarmupResponse:
         batch: CausalLMBatch | None = self.batch_from_pb(request.batch)
         while batch is not None:
             batch = self.generate_token(batch).batch
-        return None
+        return pb.WarmupResponse()

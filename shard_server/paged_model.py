@@ -1,0 +1,257 @@
+"""Serve a native model over the paged KV cache, one router-planned step at a time.
+
+The shard keeps one running set of sequences (prompt, generated tokens, stop rules,
+generator). The router's scheduler decides every step: which tokens of which
+sequences to compute and in which KV blocks (a `StepPlan`). Prefill, chunked prefill,
+prefix-cache hits, decode and recompute after preemption are all the same thing here:
+compute `token_ids` at their positions, and sample where the plan says so.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from textgate.kernels import AttentionMetadata
+from textgate.proto import generate_pb2 as pb
+from textgate.shard_server.kv_cache import KVCache
+from textgate.shard_server.model import StepOutput, append_tokens, sample
+from textgate.shard_server.sampler import Sampler, SamplingTensors
+from textgate.shard_server.sequence import Sequence, TokenizerInfo
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """How the shard sizes its KV cache at warmup."""
+
+    block_size: int = 16
+    """Tokens per KV block."""
+    kv_cache_memory: int = 1 << 30
+    """Bytes of KV cache on CPU."""
+    cuda_memory_fraction: float = 0.9
+    """Share of the GPU memory left free after loading that the cache may take."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {self.block_size}")
+        if self.kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if not 0 < self.cuda_memory_fraction <= 1:
+            raise ValueError("cuda_memory_fraction must lie in (0, 1]")
+
+
+@dataclass
+class StepInputs:
+    """The flat varlen batch of one step, and where each sequence's results are."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [N] token rows whose logits are needed
+    sample_rows: list[int] = field(default_factory=list)  # rows of logits to sample from
+    sampled: list[Sequence] = field(default_factory=list)  # their sequences, same order
+    # seq id -> (position of its first token this step, its logits rows)
+    prefill_rows: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
+
+
+class PagedModel:
+    """A native model, its KV cache and the running sequences of one shard."""
+
+    def __init__(
+        self,
+        model: Any,
+        info: TokenizerInfo,
+        model_id: str,
+        cache_config: CacheConfig,
+        world_size: int = 1,
+    ) -> None:
+        self.model = model
+        self.info = info
+        self.model_id = model_id
+        self.cache_config = cache_config
+        self.world_size = world_size
+        self.device = torch.device(model.device)
+        self.sampler = Sampler()
+        self.sequences: dict[int, Sequence] = {}
+        self.kv_cache: KVCache | None = None
+        self._prompt_logprobs: dict[int, list[float]] = {}
+
+    def describe(self) -> pb.InfoResponse:
+        config = self.model.config
+        return pb.InfoResponse(
+            requires_padding=False,
+            dtype=str(self.model.dtype).removeprefix("torch."),
+            device_type=self.device.type,
+            block_size=self.cache_config.block_size,
+            max_position_embeddings=config.max_position_embeddings,
+            model_id=self.model_id,
+            model_type=config.model_type,
+            world_size=self.world_size,
+        )
+
+    # -- warmup -----------------------------------------------------------------------
+
+    def num_blocks(self) -> int:
+        """How many KV blocks fit in the memory the cache may take."""
+        per_block = KVCache.bytes_per_block(
+            num_layers=self.model.num_layers,
+            block_size=self.cache_config.block_size,
+            num_kv_heads=self.model.num_kv_heads,
+            head_dim=self.model.head_dim,
+            dtype=self.model.dtype,
+        )
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * self.cache_config.cuda_memory_fraction)
+        else:
+            budget = self.cache_config.kv_cache_memory
+        return max(budget // per_block, 1)
+
+    def warmup(self, request: pb.WarmupRequest) -> pb.WarmupResponse:
+        """Allocate the cache, then run one prefill as large as the router allows."""
+        self.sequences.clear()
+        self.kv_cache = None
+        num_blocks = self.num_blocks()
+        self.kv_cache = self.model.allocate_kv_cache(num_blocks, self.cache_config.block_size)
+        block_size = self.cache_config.block_size
+        tokens = max(min(request.max_prefill_tokens, num_blocks * block_size), 1)
+        table = list(range(-(-tokens // block_size)))
+        metadata = AttentionMetadata.build(
+            query_lens=[tokens],
+            context_lens=[0],
+            block_tables=[table],
+            block_size=block_size,
+            device=self.device,
+        )
+        with torch.inference_mode():
+            self.model(
+                torch.zeros(tokens, dtype=torch.int64, device=self.device),
+                torch.arange(tokens, device=self.device),
+                self.kv_cache,
+                metadata,
+                torch.tensor([tokens - 1], device=self.device),
+            )
+        return pb.WarmupResponse(
+            max_supported_total_tokens=num_blocks * block_size, num_blocks=num_blocks
+        )
+
+    # -- one step -----------------------------------------------------------------------
+
+    def step(self, new_requests: Seq[pb.Request], plan: pb.StepPlan) -> StepOutput[None]:
+        """Admit `new_requests`, drop finished ones, run the plan, sample where it says."""
+        start = time.perf_counter_ns()
+        if self.kv_cache is None:
+            raise RuntimeError("the KV cache is not allocated: Warmup must run first")
+        for request_id in plan.finished_ids:
+            self._drop(request_id)
+        for request in new_requests:
+            self.sequences[request.id] = Sequence.from_pb(request, self.info, self.device)
+        if not plan.scheduled:
+            return StepOutput([], None, 0, 0)
+        inputs = self._inputs(plan.scheduled)
+        with torch.inference_mode():
+            logits = self.model(
+                inputs.input_ids,
+                inputs.positions,
+                self.kv_cache,
+                inputs.metadata,
+                inputs.logits_indices,
+            )  # [N, V]
+            self._record_prompt_logprobs(inputs, logits)
+            result = None
+            if inputs.sampled:
+                params = SamplingTensors.from_sequences(inputs.sampled, self.device)
+                rows = logits[inputs.sample_rows]  # [S, V]
+                result = sample(self.sampler, rows, inputs.sampled, params, self.info)
+        forward_done = time.perf_counter_ns()
+        generations: list[pb.Generation] = []
+        if result is not None:
+            generations, running = append_tokens(inputs.sampled, result, self.info)
+            self._attach_prompt_logprobs(inputs.sampled, generations)
+            still = set(running)
+            for seq in inputs.sampled:
+                if seq.id not in still:
+                    self._drop(seq.id)
+        return StepOutput(
+            generations, None, forward_done - start, time.perf_counter_ns() - forward_done
+        )
+
+    def _drop(self, request_id: int) -> None:
+        self.sequences.pop(request_id, None)
+        self._prompt_logprobs.pop(request_id, None)
+
+    def _inputs(self, scheduled: Seq[pb.ScheduledRequest]) -> StepInputs:
+        ids: list[int] = []
+        positions: list[int] = []
+        indices: list[int] = []
+        inputs_rows: list[tuple[Sequence, int, int, bool]] = []
+        for item in scheduled:
+            seq = self.sequences.get(item.request_id)
+            if seq is None:
+                raise KeyError(f"request {item.request_id} is not known to this shard")
+            offset, count = len(ids), len(item.token_ids)
+            ids.extend(item.token_ids)
+            positions.extend(range(item.start_position, item.start_position + count))
+            inputs_rows.append((seq, offset, count, item.produces_token))
+        metadata = AttentionMetadata.build(
+            query_lens=[len(s.token_ids) for s in scheduled],
+            context_lens=[s.start_position for s in scheduled],
+            block_tables=[list(s.block_table) for s in scheduled],
+            block_size=self.cache_config.block_size,
+            device=self.device,
+        )
+        step = StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
+            metadata=metadata,
+            logits_indices=torch.empty(0),
+        )
+        for (seq, offset, count, produces), item in zip(inputs_rows, scheduled, strict=True):
+            if self._wants_prompt_logprobs(seq, item.start_position):
+                rows = list(range(len(indices), len(indices) + count))
+                step.prefill_rows[seq.id] = (item.start_position, rows)
+                indices.extend(range(offset, offset + count))
+            elif produces:
+                indices.append(offset + count - 1)
+            if produces:
+                step.sample_rows.append(len(indices) - 1)
+                step.sampled.append(seq)
+        step.logits_indices = torch.tensor(indices, dtype=torch.int64, device=self.device)
+        return step
+
+    def _wants_prompt_logprobs(self, seq: Sequence, start: int) -> bool:
+        return seq.request.prefill_logprobs and not seq.generated_ids and start < seq.prompt_len
+
+    def _record_prompt_logprobs(self, inputs: StepInputs, logits: torch.Tensor) -> None:
+        """Logprob of each next prompt token, accumulated over the prompt's chunks.
+
+        Row j of a chunk starting at position p predicts the token at p + j + 1. Positions
+        computed before (a prefix-cache hit) have no logits here: they get NaN.
+        """
+        for seq_id, (start, rows) in inputs.prefill_rows.items():
+            seq = self.sequences[seq_id]
+            done = self._prompt_logprobs.setdefault(seq_id, [])
+            done.extend([float("nan")] * (start - len(done)))
+            targets = seq.all_ids[start + 1 : min(start + 1 + len(rows), seq.prompt_len)]
+            if not targets:
+                continue
+            logprobs = logits[rows[: len(targets)]].log_softmax(-1)  # [n, V]
+            index = torch.tensor(targets, device=logits.device)[:, None]
+            done.extend(logprobs.gather(1, index).squeeze(1).tolist())
+
+    def reset(self) -> None:
+        """Forget every sequence (ClearCache); the cache tensors stay allocated."""
+        self.sequences.clear()
+        self._prompt_logprobs.clear()
+
+    def _attach_prompt_logprobs(
+        self, sequences: Seq[Sequence], generations: list[pb.Generation]
+    ) -> None:
+        for seq, generation in zip(sequences, generations, strict=True):
+            values = self._prompt_logprobs.pop(seq.id, None)
+            if values is not None and len(seq.generated_ids) == 1:
+                generation.prefill_tokens.CopyFrom(seq.prefill_tokens(values, self.info))
