@@ -38,8 +38,8 @@ class Client:
         >>> client.generate("Why is the sky blue?", max_new_tokens=16).generated_text
         >>> text = "".join(r.token.text for r in client.generate_stream("Hi") if not r.token.special)
 
-    Each call opens its own connection; inside `with Client(...) as client:` calls share a
-    connection pool. Generation parameters are documented on `textgate.client.types.Parameters`.
+    Each call opens its own connection, closed when the answer ends, as the `text_generation`
+    client does; inside `with Client(...) as client:` calls share one connection pool. Generation parameters are documented on `textgate.client.types.Parameters`.
     Errors are the classes of `textgate.client.errors`; invalid parameters raise
     `ValidationError` before anything is sent.
     """

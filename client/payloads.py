@@ -112,9 +112,10 @@ def chat_payload(
         raise ValidationError("`messages` cannot be empty")
     values = _without_none(params)
     _apply(_OPENAI_RULES, values)
-    body: dict[str, Any] = {**values, "messages": [_dump(Message, m) for m in messages]}
+    body: dict[str, Any] = {**values}
+    body["messages"] = [_dump(Message, m, f"messages[{i}]") for i, m in enumerate(messages)]
     if "tools" in body:
-        body["tools"] = [_dump(Tool, tool) for tool in body["tools"]]
+        body["tools"] = [_dump(Tool, t, f"tools[{i}]") for i, t in enumerate(body["tools"])]
     body["stream"] = stream
     return body
 
@@ -141,18 +142,19 @@ def _apply(rules: list[Rule], values: Mapping[str, Any]) -> None:
             raise ValidationError(message)
 
 
-def _build(model: type[M], values: Any) -> M:
+def _build(model: type[M], values: Any, where: str = "") -> M:
     try:
         # from_attributes: messages may be objects of another client's `Message` class.
         return model.model_validate(values, from_attributes=True)
     except pydantic.ValidationError as err:
         first = err.errors()[0]
-        where = ".".join(str(part) for part in first["loc"])
-        raise ValidationError(f"`{where}`: {first['msg']}") from err
+        parts = [where] if where else []
+        field = ".".join(parts + [str(part) for part in first["loc"]])
+        raise ValidationError(f"`{field}`: {first['msg']}") from err
 
 
-def _dump(model: type[pydantic.BaseModel], value: Any) -> dict[str, Any]:
-    return _build(model, value).model_dump(mode="json", exclude_none=True)
+def _dump(model: type[pydantic.BaseModel], value: Any, where: str) -> dict[str, Any]:
+    return _build(model, value, where).model_dump(mode="json", exclude_none=True)
 
 
 def _without_none(params: Mapping[str, Any]) -> dict[str, Any]:
