@@ -90,7 +90,8 @@ class ScheduledRequest:
     token_ids: tuple[int, ...]
     """The tokens to compute this step (a prompt chunk, or the last sampled token)."""
     start_position: int
-    """Position of the first token; everything before it is already in the KV cache."""
+    """Position of the first token; everything before it is already in the KV cache
+    (on a request's first step: its prefix-cache hit, `Request.cache_len` in the contract)."""
     block_table: tuple[int, ...]
     """The request's KV blocks in token order (may extend past this step's tokens)."""
     slot_mapping: tuple[int, ...]
@@ -323,8 +324,11 @@ class Scheduler:
     # ---- the step ----
 
     def schedule(self) -> SchedulerOutput:
-        """Plan the next step: running requests first (decodes, then prefill chunks),
-        then waiting requests in arrival order as the budget and free blocks allow."""
+        """Plan the next step.
+
+        Running requests first (their decodes, then the one unfinished prefill), then
+        waiting requests in arrival order as the budget and free blocks allow.
+        """
         if self._in_flight:
             raise RuntimeError("schedule() called again before update() of the previous step")
         draft = _StepDraft(budget=self.token_budget)
@@ -346,24 +350,27 @@ class Scheduler:
         )
         return output
 
-    def update(self, result: ModelStepResult) -> None:
-        """Record the shards' result for the last scheduled step.
+    def update(self, result: ModelStepResult) -> tuple[int, ...]:
+        """Record the shards' result for the last scheduled step; return who finished.
 
         Advances each scheduled request's computed tokens, appends sampled tokens,
-        finishes requests (stopping criteria, or max_new_tokens as a safety net) and
-        publishes newly computed full blocks to the prefix cache.
+        finishes requests (stopping criteria, or max_new_tokens as a safety net), frees
+        their blocks and publishes newly computed full blocks to the prefix cache.
+        Raises ValueError, changing nothing, if the result does not match the step.
         """
         if self._in_flight is None:
             raise RuntimeError("update() called without a scheduled step")
         live = [s for s in self._in_flight if s.request_id in self._requests]
         self._check_result(live, result)
         self._in_flight = None
+        num_finished_before = len(self._finished_ids)
         for step in live:
             self._advance(self._requests[step.request_id], step, result)
         if self.budget_policy is not None and result.step_latency_s is not None:
             self.budget_policy.next_budget(
                 result.step_latency_s, self.allocator.usage, self._in_flight_has_decodes
             )
+        return tuple(self._finished_ids[num_finished_before:])
 
     # ---- internals ----
 
