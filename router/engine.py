@@ -1,0 +1,199 @@
+"""The paged engine loop: the scheduler plans each step, the shards run it.
+
+One step reads::
+
+    output = scheduler.schedule()           # which tokens, which KV blocks (pure Python)
+    response = shards.step(new, plan)       # the shards compute and sample
+    scheduler.update(result_of(response))   # record tokens, finish, free blocks
+
+It serves shards that report a block size (native models over the paged KV cache);
+`batcher.Batcher` serves the padded transformers fallback. Both have the same face to
+the HTTP handlers: `submit` -> channels, `num_active`, `close`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Iterable, Sequence
+
+from textgate.proto import generate_pb2 as pb
+from textgate.router.batcher import Entry, OverloadedError
+from textgate.router.channel import Channel, ErrorEvent, StepEvent
+from textgate.router.request import ValidRequest
+from textgate.router.scheduler import ModelStepResult, Scheduler, SchedulerOutput
+from textgate.router.shard_client import ShardedClient
+
+log = logging.getLogger("textgate.router")
+
+
+class PagedEngine:
+    """Owns the scheduler; one task steps the shards while requests are in flight."""
+
+    def __init__(
+        self, shards: ShardedClient, scheduler: Scheduler, max_concurrent_requests: int
+    ) -> None:
+        self._shards = shards
+        self.scheduler = scheduler
+        self._max_active = max_concurrent_requests
+        self._entries: dict[int, Entry] = {}
+        # Requests the shards hold state for (preempted ones keep theirs: only KV is lost).
+        self._in_shards: set[int] = set()
+        self._finished_for_shards: list[int] = []
+        self._request_ids = itertools.count()
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    @property
+    def num_active(self) -> int:
+        """Admitted requests without a final event yet."""
+        return len(self._entries)
+
+    def submit(self, requests: Sequence[ValidRequest]) -> list[Channel]:
+        """Admit all of `requests` or none (OverloadedError); one channel each."""
+        if self._closed or len(self._entries) + len(requests) > self._max_active:
+            raise OverloadedError()
+        channels = []
+        for request in requests:
+            entry = Entry(next(self._request_ids), request, Channel(request.input_length))
+            entry.channel.on_cancel(self._wakeup.set)
+            self._entries[entry.id] = entry
+            channels.append(entry.channel)
+            try:
+                self.scheduler.add_request(entry.id, request.input_ids, request.max_new_tokens)
+            except ValueError as exc:
+                self._fail([entry], str(exc), "validation")
+        self._wakeup.set()
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="textgate-engine")
+        return channels
+
+    async def close(self) -> None:
+        """Stop stepping; whatever is still admitted gets a final error event."""
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        self._fail_all("Request failed during generation: the server is shutting down")
+
+    async def _loop(self) -> None:
+        while not self._closed:
+            if not self.scheduler.has_unfinished_requests():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            try:
+                await self.step()
+            except Exception as exc:
+                # A bug must not leave requests hanging: fail everything, start afresh.
+                log.exception("engine step failed")
+                self._fail_all(f"Request failed during generation: {exc}")
+                self.scheduler = Scheduler(self.scheduler.config)
+                await self._reset_shards()
+
+    async def step(self) -> None:
+        """Abort cancelled requests, then plan, run and record one step."""
+        for entry in [e for e in self._entries.values() if e.channel.cancelled]:
+            self._abort(entry)
+        output = self.scheduler.schedule()
+        self._finished_for_shards.extend(output.finished_ids)
+        if not output.scheduled:
+            self.scheduler.update(ModelStepResult())
+            self._wakeup.clear()
+            # Nothing fits until a request leaves; wait for a cancellation or a new request.
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), timeout=0.05)
+            return
+        started = time.monotonic()
+        try:
+            response = await self._run(output)
+        except Exception as exc:
+            log.error("shard step failed: %s", exc)
+            self._fail_all(f"Request failed during generation: {exc}")
+            self.scheduler.update(ModelStepResult())
+            await self._reset_shards()
+            return
+        result = self._route(response.generations, output, time.monotonic() - started)
+        self.scheduler.update(result)
+
+    async def _run(self, output: SchedulerOutput) -> pb.PrefillResponse | pb.DecodeResponse:
+        plan = pb.StepPlan(
+            scheduled=[
+                pb.ScheduledRequest(
+                    request_id=s.request_id,
+                    token_ids=s.token_ids,
+                    start_position=s.start_position,
+                    block_table=s.block_table,
+                    produces_token=s.produces_token,
+                )
+                for s in output.scheduled
+            ],
+            finished_ids=self._finished_for_shards,
+        )
+        self._finished_for_shards = []
+        new = [i for i in output.new_request_ids if i not in self._in_shards]
+        now = time.monotonic()
+        for request_id in new:
+            self._entries[request_id].channel.started_at = now
+        self._in_shards.difference_update(plan.finished_ids)
+        self._in_shards.update(new)
+        requests = [self._entries[i].request.to_pb(i) for i in new]
+        return await self._shards.step(requests, plan)
+
+    def _route(
+        self, generations: Iterable[pb.Generation], output: SchedulerOutput, latency_s: float
+    ) -> ModelStepResult:
+        """Send each Generation to its request; tell the scheduler what was sampled."""
+        sampled: dict[int, list[int]] = {}
+        finished: set[int] = set()
+        for generation in generations:
+            entry = self._entries.get(generation.request_id)
+            if entry is None:
+                continue
+            event = StepEvent.from_pb(generation)
+            entry.channel.push(event)
+            sampled[entry.id] = list(generation.tokens.ids)
+            if event.finished is not None:
+                finished.add(entry.id)
+                self._release(entry)
+        producing = [s.request_id for s in output.scheduled if s.produces_token]
+        lost = [i for i in producing if i not in sampled and self.scheduler.has_request(i)]
+        for request_id in lost:
+            self._fail(
+                [self._entries[request_id]], "Incomplete generation", "incomplete_generation"
+            )
+        return ModelStepResult(
+            sampled_token_ids=sampled, finished_ids=frozenset(finished), step_latency_s=latency_s
+        )
+
+    def _fail_all(self, message: str) -> None:
+        self._fail(list(self._entries.values()), message)
+        self._in_shards.clear()
+        self._finished_for_shards = []
+
+    def _fail(self, entries: Iterable[Entry], message: str, error_type: str = "generation") -> None:
+        for entry in entries:
+            entry.channel.push(ErrorEvent(message, error_type))
+            self._abort(entry)
+
+    def _abort(self, entry: Entry) -> None:
+        """Forget a request that will not finish normally; its blocks are freed now."""
+        self._release(entry)
+        self.scheduler.abort(entry.id)
+        if entry.id in self._in_shards:
+            # A preempted request waits without blocks, but the shards still hold its state.
+            self._finished_for_shards.append(entry.id)
+
+    def _release(self, entry: Entry) -> None:
+        self._entries.pop(entry.id, None)
+
+    async def _reset_shards(self) -> None:
+        try:
+            await self._shards.clear_cache(None)
+        except Exception as exc:
+            log.error("ClearCache failed: %s", exc)
