@@ -1,0 +1,179 @@
+"""The SDPA paged-attention reference against attention computed one sequence at a time."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from textgate.kernels import (
+    AttentionMetadata,
+    SdpaAttentionBackend,
+    get_attention_backend,
+    register_attention_backend,
+)
+from textgate.shard_server.kv_cache import KVCache
+
+DIM = 8
+
+
+def naive_attention(q, k, v, context: int, window: int | None) -> torch.Tensor:
+    """q [S, Hq, D] at positions context.., over k/v [L, Hkv, D]: causal softmax attention."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.einsum("shd,lhd->hsl", q.double(), k.double()) / math.sqrt(q.shape[-1])
+    query_pos = torch.arange(q.shape[0])[:, None] + context
+    key_pos = torch.arange(k.shape[0])[None, :]
+    allowed = key_pos <= query_pos
+    if window is not None:
+        allowed &= key_pos > query_pos - window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hsl,lhd->shd", scores.softmax(-1), v.double()).float()
+
+
+def run_case(
+    query_lens: list[int],
+    context_lens: list[int],
+    heads: int = 4,
+    kv_heads: int = 2,
+    block_size: int = 4,
+    window: int | None = None,
+    seed: int = 0,
+) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    seq_lens = [q + c for q, c in zip(query_lens, context_lens, strict=True)]
+    blocks_needed = [math.ceil(n / block_size) for n in seq_lens]
+    num_blocks = sum(blocks_needed) + 2
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    tables = []
+    for needed in blocks_needed:
+        tables.append([order.pop() for _ in range(needed)])
+    cache = KVCache.allocate(
+        num_layers=1,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        num_kv_heads=kv_heads,
+        head_dim=DIM,
+        dtype=torch.float32,
+    )
+    keys = [torch.randn(n, kv_heads, DIM, generator=generator) for n in seq_lens]
+    values = [torch.randn(n, kv_heads, DIM, generator=generator) for n in seq_lens]
+    # Write every token, prefix included, the way earlier steps would have.
+    full = AttentionMetadata.build(
+        query_lens=seq_lens,
+        context_lens=[0] * len(seq_lens),
+        block_tables=tables,
+        block_size=block_size,
+    )
+    cache.store(0, torch.cat(keys), torch.cat(values), full.slot_mapping)
+    # Pad block tables with -1 past each sequence's blocks, as a caller may.
+    width = max(blocks_needed) + 1
+    metadata = AttentionMetadata.build(
+        query_lens=query_lens, context_lens=context_lens, block_tables=tables, block_size=block_size
+    )
+    padded = torch.tensor([t + [-1] * (width - len(t)) for t in tables])
+    metadata = AttentionMetadata(
+        metadata.query_start_loc,
+        metadata.seq_lens,
+        padded,
+        metadata.slot_mapping,
+        metadata.max_seqlen_q,
+        metadata.max_seqlen_k,
+    )
+    queries = torch.randn(sum(query_lens), heads, DIM, generator=generator)
+    backend = SdpaAttentionBackend()
+    out = backend.forward(
+        queries,
+        *cache.layer(0),
+        backend.prepare(metadata),
+        scale=DIM**-0.5,
+        sliding_window=window,
+    )
+    assert out.shape == queries.shape
+    starts = metadata.query_start_loc.tolist()
+    for b, context in enumerate(context_lens):
+        expected = naive_attention(
+            queries[starts[b] : starts[b + 1]], keys[b], values[b], context, window
+        )
+        torch.testing.assert_close(out[starts[b] : starts[b + 1]], expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (6, 3), (4, 1)])
+@pytest.mark.parametrize(
+    ("query_lens", "context_lens"),
+    [
+        ([7], [0]),  # one prompt
+        ([5, 9, 1], [0, 0, 0]),  # prompts of several lengths
+        ([4, 6], [8, 3]),  # prompts over cached prefixes (prefix hits, chunked prefill)
+        ([1, 1, 1], [4, 17, 9]),  # pure decode
+        ([1, 6, 1, 3, 2], [12, 0, 3, 5, 0]),  # everything at once
+    ],
+    ids=["prefill", "prefills", "prefix", "decode", "mixed"],
+)
+def test_matches_per_sequence_attention(query_lens, context_lens, heads, kv_heads, block_size):
+    run_case(query_lens, context_lens, heads, kv_heads, block_size)
+
+
+@pytest.mark.parametrize("window", [1, 3, 8])
+@pytest.mark.parametrize(
+    ("query_lens", "context_lens"),
+    [([9], [0]), ([1, 1], [10, 3]), ([1, 5, 2], [12, 0, 7])],
+    ids=["prefill", "decode", "mixed"],
+)
+def test_sliding_window(query_lens, context_lens, window):
+    run_case(query_lens, context_lens, window=window)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seqs=st.lists(st.tuples(st.integers(1, 9), st.integers(0, 12)), min_size=1, max_size=5),
+    block_size=st.sampled_from([1, 2, 4, 8]),
+    group=st.sampled_from([1, 2, 3]),
+    window=st.one_of(st.none(), st.integers(1, 10)),
+)
+def test_any_batch_matches_per_sequence_attention(seqs, block_size, group, window):
+    query_lens, context_lens = [q for q, _ in seqs], [c for _, c in seqs]
+    run_case(query_lens, context_lens, 2 * group, 2, block_size, window)
+
+
+def test_metadata_build_maps_tokens_to_slots_and_positions():
+    md = AttentionMetadata.build(
+        query_lens=[3, 1], context_lens=[0, 5], block_tables=[[7], [2, 4]], block_size=4
+    )
+    assert md.query_start_loc.tolist() == [0, 3, 4]
+    assert md.cu_seqlens_q is md.query_start_loc
+    assert md.seq_lens.tolist() == [3, 6]
+    assert md.slot_mapping.tolist() == [28, 29, 30, 4 * 4 + 1]
+    assert md.block_tables.tolist() == [[7, 0], [2, 4]]
+    assert (md.max_seqlen_q, md.max_seqlen_k, md.num_seqs, md.num_tokens) == (3, 6, 2, 4)
+    assert md.positions().tolist() == [0, 1, 2, 5]
+    assert md.token_seq_index().tolist() == [0, 0, 0, 1]
+    assert md.context_lens().tolist() == [0, 5]
+
+
+@pytest.mark.parametrize(
+    ("query_lens", "context_lens", "tables", "match"),
+    [
+        ([3], [2], [[0]], "cannot hold"),
+        ([0], [2], [[0]], "no new tokens"),
+        ([1, 1], [0], [[0], [1]], "differ in length"),
+    ],
+)
+def test_metadata_build_rejects_inconsistent_input(query_lens, context_lens, tables, match):
+    with pytest.raises(ValueError, match=match):
+        AttentionMetadata.build(
+            query_lens=query_lens, context_lens=context_lens, block_tables=tables, block_size=4
+        )
+
+
+def test_registry():
+    assert isinstance(get_attention_backend(), SdpaAttentionBackend)
+    assert isinstance(get_attention_backend("sdpa"), SdpaAttentionBackend)
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
+        get_attention_backend("flash")
+    with pytest.raises(ValueError, match="already registered"):
+        register_attention_backend("sdpa")(SdpaAttentionBackend)

@@ -1,0 +1,110 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from textgate.shard_server.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
+
+HEAD_DIM = 16
+SCALINGS = [
+    {"rope_type": "default"},
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "dynamic", "factor": 2.0},
+    {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    },
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    {"rope_type": "yarn", "factor": 4.0, "beta_fast": 16, "mscale": 1.0, "mscale_all_dim": 0.5},
+]
+
+
+def _hf_config(rope: dict) -> LlamaConfig:
+    return LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        max_position_embeddings=32,
+        rope_parameters={**rope, "rope_theta": 1000.0},
+    )
+
+
+@pytest.mark.parametrize("rope", SCALINGS, ids=lambda rope: rope["rope_type"])
+@pytest.mark.parametrize("length", [20, 50])
+def test_cos_sin_match_transformers(rope, length):
+    hf_config = _hf_config(rope)
+    reference = LlamaRotaryEmbedding(hf_config)
+    ours = RotaryEmbedding(RopeConfig.from_config(hf_config.to_dict()), HEAD_DIM)
+    positions = torch.arange(length)
+    x = torch.zeros(1, length, HEAD_DIM)
+    cos_ref, sin_ref = reference(x, positions[None])
+    cos, sin = ours.cos_sin(positions, torch.float32, torch.full((length,), length))
+    torch.testing.assert_close(cos, cos_ref[0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(sin, sin_ref[0], atol=1e-6, rtol=0)
+
+
+def test_dynamic_rescales_each_sequence_by_its_own_length():
+    ours = RotaryEmbedding(RopeConfig.from_config(_hf_config(SCALINGS[2]).to_dict()), HEAD_DIM)
+    positions = torch.tensor([10, 40])
+    cos, _ = ours.cos_sin(positions, torch.float32, torch.tensor([11, 41]))
+    short, _ = ours.cos_sin(positions[:1], torch.float32, torch.tensor([11]))
+    long, _ = ours.cos_sin(positions[1:], torch.float32, torch.tensor([41]))
+    torch.testing.assert_close(cos, torch.cat([short, long]))
+    with pytest.raises(ValueError, match="sequence length"):
+        ours.cos_sin(positions, torch.float32)
+
+
+def test_apply_rotary_matches_transformers():
+    torch.manual_seed(0)
+    q, k = torch.randn(7, 4, HEAD_DIM), torch.randn(7, 2, HEAD_DIM)
+    ours = RotaryEmbedding(RopeConfig(theta=500.0), HEAD_DIM)
+    cos, sin = ours.cos_sin(torch.arange(7), torch.float32)
+    # transformers' layout is [batch, heads, seq, dim]
+    q_ref, k_ref = apply_rotary_pos_emb(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None], sin[None]
+    )
+    torch.testing.assert_close(apply_rotary(q, cos, sin), q_ref[0].transpose(0, 1))
+    torch.testing.assert_close(apply_rotary(k, cos, sin), k_ref[0].transpose(0, 1))
+
+
+def test_reads_transformers_4_spelling():
+    old = {
+        "max_position_embeddings": 4096,
+        "rope_theta": 500000.0,
+        "rope_scaling": {"type": "linear", "factor": 2.0},
+    }
+    assert RopeConfig.from_config(old) == RopeConfig("linear", 500000.0, 4096, {"factor": 2.0})
+
+
+def test_reads_transformers_5_spelling():
+    new = {
+        "max_position_embeddings": 4096,
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0},
+    }
+    cfg = RopeConfig.from_config(new)
+    assert (cfg.rope_type, cfg.theta) == ("llama3", 5e5)
+    # Missing in older Llama 3 configs: the trained context is the config's own.
+    assert cfg.params["original_max_position_embeddings"] == 4096
+
+
+def test_defaults_without_rope_settings():
+    assert RopeConfig.from_config({"max_position_embeddings": 128}) == RopeConfig(
+        "default", 10000.0, 128, {}
+    )
+
+
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "not supported"),
+        ({"rope_parameters": {"rope_type": "default"}, "partial_rotary_factor": 0.5}, "partial"),
+        ({"rope_parameters": {"full_attention": {"rope_type": "default"}}}, "per-layer"),
+    ],
+)
+def test_unsupported_settings_are_rejected(config, match):
+    with pytest.raises(ValueError, match=match):
+        RopeConfig.from_config(config)

@@ -1,0 +1,69 @@
+from __future__ import annotations
+
+import pytest
+from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+from textgate.shard_server.models import ModelConfig
+
+BASE = {
+    "vocab_size": 10,
+    "hidden_size": 8,
+    "intermediate_size": 16,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+}
+
+
+def test_reads_transformers_config_objects():
+    config = ModelConfig.parse(LlamaConfig(**BASE, num_key_value_heads=2, tie_word_embeddings=True))
+    assert (config.model_type, config.num_kv_heads, config.head_dim) == ("llama", 2, 2)
+    assert config.tie_word_embeddings
+    assert not (config.qkv_bias or config.o_bias or config.mlp_bias)
+    assert config.sliding_windows == (None, None, None)
+    assert ModelConfig.parse(config) is config
+
+
+def test_defaults_kv_heads_and_head_dim():
+    config = ModelConfig.from_dict({**BASE, "model_type": "llama"})
+    assert (config.num_kv_heads, config.head_dim) == (4, 2)
+
+
+def test_llama_attention_bias_covers_qkv_and_output():
+    config = ModelConfig.from_dict({**BASE, "model_type": "llama", "attention_bias": True})
+    assert config.qkv_bias and config.o_bias
+
+
+def test_qwen2_has_qkv_bias_only():
+    config = ModelConfig.parse(Qwen2Config(**BASE))
+    assert config.qkv_bias and not config.o_bias
+
+
+def test_qwen2_slides_from_max_window_layers_on():
+    hf = Qwen2Config(**BASE, use_sliding_window=True, sliding_window=7, max_window_layers=1)
+    assert ModelConfig.parse(hf).sliding_windows == (None, 7, 7)
+    # Older config.json files have no layer_types.
+    old = {**BASE, "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 7}
+    assert ModelConfig.from_dict({**old, "max_window_layers": 2}).sliding_windows == (None, None, 7)
+    old_off = {**old, "use_sliding_window": False, "max_window_layers": 0}
+    assert ModelConfig.from_dict(old_off).sliding_windows == (None, None, None)
+
+
+def test_mistral_slides_on_every_layer_when_set():
+    assert ModelConfig.parse(MistralConfig(**BASE, sliding_window=5)).sliding_windows == (5, 5, 5)
+    assert ModelConfig.parse(MistralConfig(**BASE, sliding_window=None)).sliding_windows == (
+        None,
+        None,
+        None,
+    )
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"sliding_window": 4, "layer_types": ["chunked_attention"] * 3}, "layer_types"),
+    ],
+)
+def test_unsupported_settings_are_rejected(extra, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_dict({**BASE, **extra})
