@@ -1,0 +1,7 @@
+"""`python -m textgate.bench`: the same as the `textgate-bench` console script."""
+
+from __future__ import annotations
+
+from textgate.bench.cli import main
+
+raise SystemExit(main())

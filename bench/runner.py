@@ -1,0 +1,161 @@
+"""Run a benchmark: every load level against every target, targets taking turns.
+
+With two targets (`--compare`) each level runs as A, B, A, B, … (`rounds` times each),
+so slow drifts of a shared machine (thermal, other tenants) hit both servers alike. Each
+round sends a fresh, reproducible prompt set — the same one to both targets — so a
+server's prefix cache cannot profit from prompts it saw in an earlier round. Rounds of
+one target at one level are pooled: outcomes are concatenated and durations summed.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import httpx
+
+from textgate.bench.backends import GenerationSettings, get_backend
+from textgate.bench.load import LoadLevel, SendFn, run_closed_loop, run_load
+from textgate.bench.metrics import BenchmarkMetrics, RequestOutcome, compute_metrics
+from textgate.bench.request import send_request
+from textgate.bench.tokenizer import BenchTokenizer
+from textgate.bench.workload import BenchRequest, WorkloadSpec, build_requests
+
+Log = Callable[[str], None]
+
+
+def log_stderr(message: str) -> None:
+    """Progress goes to stderr so stdout holds only the results."""
+    print(message, file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class Target:
+    """A server to benchmark."""
+
+    url: str
+    backend: str = "tgi"
+    model: str | None = None  # the OpenAI `model` field; None = ask GET /v1/models
+    name: str = "A"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Everything about a benchmark except where it is sent."""
+
+    workload: WorkloadSpec
+    levels: tuple[LoadLevel, ...]
+    output_len: int = 64
+    ignore_eos: bool = True
+    num_requests: int | None = None  # per level and round; None = level.default_num_requests()
+    warmup: int = 2
+    rounds: int = 1
+    timeout_s: float = 600.0
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.levels:
+            raise ValueError("at least one load level is needed")
+        if self.output_len < 1 or self.warmup < 0 or self.rounds < 1:
+            raise ValueError("output_len and rounds must be >= 1, warmup >= 0")
+
+
+@dataclass
+class RunResult:
+    """The pooled outcomes of one target at one load level."""
+
+    target: Target
+    level: LoadLevel
+    outcomes: list[RequestOutcome] = field(default_factory=list)
+    duration_s: float = 0.0
+    rounds: int = 0
+
+    def add_round(self, outcomes: Sequence[RequestOutcome], duration_s: float) -> None:
+        """Pool one more round into this result."""
+        self.outcomes.extend(outcomes)
+        self.duration_s += duration_s
+        self.rounds += 1
+        self.__dict__.pop("metrics", None)
+
+    @cached_property
+    def metrics(self) -> BenchmarkMetrics:
+        """The metrics of all rounds pooled."""
+        return compute_metrics(self.outcomes, self.duration_s)
+
+
+async def resolve_model_name(client: httpx.AsyncClient, target: Target) -> str:
+    """The `model` field to send: the target's, else the server's first model, else "tgi"."""
+    if target.model is not None:
+        return target.model
+    try:
+        response = await client.get(target.url.rstrip("/") + "/v1/models")
+        response.raise_for_status()
+        return str(response.json()["data"][0]["id"])
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        # TGI's OpenAI routes accept any model name; "tgi" is what its docs use.
+        return "tgi"
+
+
+async def run_benchmark(
+    targets: Sequence[Target],
+    config: BenchConfig,
+    tokenizer: BenchTokenizer,
+    log: Log = log_stderr,
+) -> list[RunResult]:
+    """Run every level of `config` against every target; results ordered by level, target."""
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(config.timeout_s)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
+        settings = {
+            t.name: GenerationSettings(
+                config.output_len, config.ignore_eos, await resolve_model_name(client, t)
+            )
+            for t in targets
+        }
+        results: list[RunResult] = []
+        for level_index, level in enumerate(config.levels):
+            level_results = [RunResult(t, level) for t in targets]
+            num = config.num_requests or level.default_num_requests()
+            for round_index in range(config.rounds):
+                stream = level_index * config.rounds + round_index
+                requests = build_requests(config.workload, tokenizer, config.warmup + num, stream)
+                for result in level_results:
+                    log(
+                        f"[{result.target.name} {level.label} round {round_index + 1}] {num} requests"
+                    )
+                    outcomes, duration = await _run_round(
+                        client, result.target, settings[result.target.name], level, requests,
+                        config, tokenizer,
+                    )  # fmt: skip
+                    result.add_round(outcomes, duration)
+                    log(f"  done in {duration:.1f}s, {sum(not o.success for o in outcomes)} failed")
+            results.extend(level_results)
+        return results
+
+
+async def _run_round(
+    client: httpx.AsyncClient,
+    target: Target,
+    settings: GenerationSettings,
+    level: LoadLevel,
+    requests: list[BenchRequest],
+    config: BenchConfig,
+    tokenizer: BenchTokenizer,
+) -> tuple[list[RequestOutcome], float]:
+    backend = get_backend(target.backend)
+
+    def sender(batch: list[BenchRequest]) -> SendFn:
+        async def send(index: int) -> RequestOutcome:
+            return await send_request(
+                client, target.url, backend, batch[index], settings, tokenizer.count
+            )
+
+        return send
+
+    warmup, measured = requests[: config.warmup], requests[config.warmup :]
+    if warmup:
+        await run_closed_loop(len(warmup), level.concurrency or len(warmup), sender(warmup))
+    return await run_load(level, len(measured), sender(measured), seed=config.workload.seed)
