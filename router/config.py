@@ -1,0 +1,134 @@
+"""The router's settings: built once by the launcher, passed as JSON, frozen and validated."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Every knob of the router process; field names follow TGI's launcher flags."""
+
+    model_id: str
+    """Model name shown by /info."""
+    tokenizer_path: str
+    """Local folder with tokenizer.json / tokenizer_config.json (loaded with AutoTokenizer)."""
+    shard_uds_path: str = "/tmp/textgate-server"
+    """Shard rank r listens on unix://{shard_uds_path}-{r}; the router dials rank 0 first."""
+    hostname: str = "0.0.0.0"
+    """Address the HTTP server binds."""
+    port: int = 8080
+    """Port the HTTP server binds."""
+    max_concurrent_requests: int = 128
+    """Requests in flight (validating, waiting or generating) before answering 429."""
+    max_best_of: int = 2
+    """Largest best_of a request may ask for."""
+    max_stop_sequences: int = 4
+    """Most stop sequences per request."""
+    max_top_n_tokens: int = 5
+    """Largest top_n_tokens a request may ask for."""
+    max_input_tokens: int = 4095
+    """Longest prompt in tokens (after truncation)."""
+    max_total_tokens: int = 4096
+    """Longest prompt + max_new_tokens of one request."""
+    max_batch_prefill_tokens: int = 4145
+    """Prompt tokens one prefill may compute."""
+    max_batch_total_tokens: int | None = None
+    """Tokens (prompt + budget) the running batch may hold; None = from Warmup or a default."""
+    max_batch_size: int | None = None
+    """Most requests in the running batch; None = unlimited."""
+    waiting_served_ratio: float = 0.3
+    """A prefill joins a running batch when waiting >= ratio * running requests."""
+    max_waiting_tokens: int = 20
+    """Decode steps after which waiting requests join regardless of the ratio."""
+    max_client_batch_size: int = 4
+    """Most inputs in one client request (shown by /info)."""
+    validation_workers: int = 2
+    """Threads that tokenize and validate requests off the event loop."""
+    api_key: str | None = None
+    """When set, every route requires `Authorization: Bearer <api_key>`."""
+    cors_allow_origin: tuple[str, ...] = ()
+    """Origins allowed by CORS; empty = no CORS headers."""
+    payload_limit: int = 2_000_000
+    """Largest request body in bytes."""
+    json_output: bool = False
+    """Log JSON lines instead of text."""
+    model_dtype: str | None = None
+    """Dtype shown by /info; None = the shard's Info."""
+    model_device_type: str | None = None
+    """Device type shown by /info; None = the shard's Info."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port {self.port} is out of range")
+        for name in (
+            "max_concurrent_requests",
+            "max_best_of",
+            "max_input_tokens",
+            "max_total_tokens",
+            "max_batch_prefill_tokens",
+            "max_client_batch_size",
+            "validation_workers",
+            "payload_limit",
+        ):
+            _require_positive(name, getattr(self, name))
+        for name in ("max_stop_sequences", "max_top_n_tokens", "max_waiting_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_batch_size is not None:
+            _require_positive("max_batch_size", self.max_batch_size)
+        if self.waiting_served_ratio < 0:
+            raise ValueError(f"waiting_served_ratio must be >= 0, got {self.waiting_served_ratio}")
+        self._check_token_limits()
+
+    def _check_token_limits(self) -> None:
+        if self.max_input_tokens >= self.max_total_tokens:
+            raise ValueError(
+                f"max_input_tokens ({self.max_input_tokens}) must be < "
+                f"max_total_tokens ({self.max_total_tokens})"
+            )
+        if self.max_batch_prefill_tokens < self.max_input_tokens:
+            raise ValueError(
+                f"max_batch_prefill_tokens ({self.max_batch_prefill_tokens}) must be >= "
+                f"max_input_tokens ({self.max_input_tokens})"
+            )
+        total = self.max_batch_total_tokens
+        if total is not None and total < max(self.max_batch_prefill_tokens, self.max_total_tokens):
+            raise ValueError(
+                f"max_batch_total_tokens ({total}) must be >= max_batch_prefill_tokens "
+                f"({self.max_batch_prefill_tokens}) and >= max_total_tokens ({self.max_total_tokens})"
+            )
+
+    @classmethod
+    def from_json(cls, text: str) -> RouterConfig:
+        """Parse the launcher's `--config-json`; unknown keys are an error, not ignored."""
+        try:
+            data: Any = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"router config is not valid JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ValueError("router config must be a JSON object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown router config keys: {', '.join(unknown)}")
+        if data.get("cors_allow_origin") is not None:
+            data["cors_allow_origin"] = tuple(data["cors_allow_origin"])
+        else:
+            data.pop("cors_allow_origin", None)
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise ValueError(f"router config: {exc}") from exc
+
+    def default_batch_total_tokens(self) -> int:
+        """TGI's fallback when neither the flag nor the shard's Warmup gives a capacity."""
+        return max(16_000, self.max_total_tokens, self.max_batch_prefill_tokens)
+
+
+def _require_positive(name: str, value: int) -> None:
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}")

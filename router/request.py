@@ -1,0 +1,88 @@
+"""A request as validation leaves it: tokenized, every parameter resolved to a concrete value."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from textgate.proto import generate_pb2 as pb
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen (TGI defaults; ranges already checked)."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    typical_p: float = 1.0
+    do_sample: bool = False
+    seed: int = 0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+
+    def to_pb(self) -> pb.NextTokenChooserParameters:
+        return pb.NextTokenChooserParameters(**dataclasses.asdict(self))
+
+
+@dataclass(frozen=True)
+class StoppingParams:
+    """When generation stops."""
+
+    max_new_tokens: int
+    stop_sequences: tuple[str, ...] = ()
+    ignore_eos_token: bool = False
+    min_new_tokens: int = 0
+
+    def to_pb(self) -> pb.StoppingCriteriaParameters:
+        return pb.StoppingCriteriaParameters(
+            max_new_tokens=self.max_new_tokens,
+            stop_sequences=list(self.stop_sequences),
+            ignore_eos_token=self.ignore_eos_token,
+            min_new_tokens=self.min_new_tokens,
+        )
+
+
+@dataclass(frozen=True)
+class ValidRequest:
+    """A validated generation request, ready to be queued and sent to the shards."""
+
+    inputs: str
+    """The prompt text as the client sent it."""
+    input_ids: tuple[int, ...]
+    """Prompt token ids, already truncated."""
+    sampling: SamplingParams
+    stopping: StoppingParams
+    top_n_tokens: int = 0
+    decoder_input_details: bool = False
+    """Ask the shard for the prompt tokens' logprobs."""
+    best_of: int = 1
+    """Candidates to generate; the response keeps the one with the highest logprob sum."""
+
+    @property
+    def input_length(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.stopping.max_new_tokens
+
+    @property
+    def max_tokens(self) -> int:
+        """Tokens this request may occupy in a batch: prompt plus generation budget."""
+        return self.input_length + self.max_new_tokens
+
+    def with_seed(self, seed: int) -> ValidRequest:
+        """The same request with another sampling seed (best_of candidates)."""
+        return dataclasses.replace(self, sampling=dataclasses.replace(self.sampling, seed=seed))
+
+    def to_pb(self, request_id: int) -> pb.Request:
+        return pb.Request(
+            id=request_id,
+            inputs=self.inputs,
+            input_ids=list(self.input_ids),
+            parameters=self.sampling.to_pb(),
+            stopping_parameters=self.stopping.to_pb(),
+            prefill_logprobs=self.decoder_input_details,
+            top_n_tokens=self.top_n_tokens,
+        )

@@ -1,0 +1,201 @@
+"""TGI's HTTP bodies as pydantic models; `model_dump(mode="json")` gives TGI's exact JSON.
+
+Field names, defaults and nulls follow text-generation-inference's router: optional
+response fields TGI leaves out (`details` when not asked for, empty `top_tokens`,
+`best_of_sequences` without best_of) are left out here too, not sent as null.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import SerializerFunctionWrapHandler as Handler
+
+FinishReason = Literal["length", "eos_token", "stop_sequence"]
+
+
+class GenerateParameters(BaseModel):
+    """The `parameters` of a /generate or /generate_stream body (TGI names and defaults)."""
+
+    best_of: int | None = None
+    """Generate this many sequences and return the one with the highest logprob sum."""
+    decoder_input_details: bool = False
+    """Return the prompt tokens with their logprobs in `details.prefill`."""
+    details: bool = False
+    """Return `details` (finish reason, tokens, seed)."""
+    do_sample: bool = False
+    """Sample instead of greedy decoding."""
+    frequency_penalty: float | None = None
+    """Penalty proportional to a token's count so far, in [-2, 2]."""
+    max_new_tokens: int | None = None
+    """Most tokens to generate; None: up to max_total_tokens - prompt tokens."""
+    repetition_penalty: float | None = None
+    """CTRL-style penalty on tokens already present; 1.0 disables."""
+    return_full_text: bool | None = None
+    """Prepend the prompt to the generated text."""
+    seed: int | None = None
+    """Sampling seed; random when unset."""
+    stop: list[str] = Field(default_factory=list)
+    """Stop when the generated text ends with one of these."""
+    temperature: float | None = None
+    """Softmax temperature, > 0."""
+    top_k: int | None = None
+    """Keep the k most likely tokens, > 0."""
+    top_n_tokens: int | None = None
+    """Return this many most likely alternatives for every generated token."""
+    top_p: float | None = None
+    """Nucleus sampling mass, in (0, 1)."""
+    truncate: int | None = None
+    """Keep only the last `truncate` prompt tokens."""
+    typical_p: float | None = None
+    """Typical decoding mass, in (0, 1)."""
+    watermark: bool = False
+    """Kirchenbauer et al. watermark; not implemented, so setting it is rejected."""
+    adapter_id: str | None = None
+    """LoRA adapter id; no adapters are loaded, so setting it is rejected."""
+    grammar: Any = None
+    """Guided decoding grammar; not implemented, so setting it is rejected."""
+    ignore_eos: bool = False
+    """Keep generating after the end-of-sequence token (benchmarking)."""
+    min_new_tokens: int | None = None
+    """End-of-sequence is suppressed until this many tokens were generated (benchmarking)."""
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _null_stop_is_empty(cls, value: Any) -> Any:
+        return [] if value is None else value
+
+
+class GenerateRequest(BaseModel):
+    """Body of POST /generate and /generate_stream."""
+
+    inputs: str
+    parameters: GenerateParameters = Field(default_factory=GenerateParameters)
+    add_special_tokens: bool = True
+    """Let the tokenizer add its special tokens (e.g. BOS) to the prompt."""
+    stream: bool = False
+    """Only read by the compat route `/`."""
+
+
+class _Response(BaseModel):
+    """A response body that leaves out the fields TGI omits when they are null or empty."""
+
+    model_config = ConfigDict(frozen=True)
+    _omit_if_empty: ClassVar[frozenset[str]] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _omit_empty(self, handler: Handler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        for name in self._omit_if_empty:
+            if data.get(name) in (None, []):
+                data.pop(name, None)
+        return data
+
+
+class Token(_Response):
+    """A generated token (also used for top-n alternatives)."""
+
+    id: int
+    text: str
+    logprob: float | None
+    special: bool
+
+
+class PrefillToken(_Response):
+    """A prompt token; the first one has no logprob (null)."""
+
+    id: int
+    text: str
+    logprob: float | None
+
+
+class BestOfSequence(_Response):
+    """One of the best_of candidates that was not chosen."""
+
+    _omit_if_empty = frozenset({"top_tokens"})
+
+    generated_text: str
+    finish_reason: FinishReason
+    generated_tokens: int
+    seed: int | None
+    prefill: list[PrefillToken]
+    tokens: list[Token]
+    top_tokens: list[list[Token]] = Field(default_factory=list)
+
+
+class Details(_Response):
+    """`details` of a /generate response."""
+
+    _omit_if_empty = frozenset({"best_of_sequences", "top_tokens"})
+
+    finish_reason: FinishReason
+    generated_tokens: int
+    seed: int | None
+    prefill: list[PrefillToken]
+    tokens: list[Token]
+    best_of_sequences: list[BestOfSequence] | None = None
+    top_tokens: list[list[Token]] = Field(default_factory=list)
+
+
+class GenerateResponse(_Response):
+    """Body of a /generate answer."""
+
+    _omit_if_empty = frozenset({"details"})
+
+    generated_text: str
+    details: Details | None = None
+
+
+class StreamDetails(_Response):
+    """`details` of the last /generate_stream event."""
+
+    finish_reason: FinishReason
+    generated_tokens: int
+    seed: int | None
+    input_length: int
+
+
+class StreamResponse(_Response):
+    """One /generate_stream event: a token; the last one also carries the whole text."""
+
+    _omit_if_empty = frozenset({"top_tokens"})
+
+    index: int
+    token: Token
+    top_tokens: list[Token] = Field(default_factory=list)
+    generated_text: str | None = None
+    details: StreamDetails | None = None
+
+
+class ErrorResponse(_Response):
+    """Every error body, and the last event of a stream that failed."""
+
+    error: str
+    error_type: str
+
+
+class Info(_Response):
+    """Body of GET /info (TGI's fields across versions: `max_input_length` is the old name)."""
+
+    model_id: str
+    model_sha: str | None = None
+    model_dtype: str
+    model_device_type: str
+    model_pipeline_tag: str | None = None
+    max_concurrent_requests: int
+    max_best_of: int
+    max_stop_sequences: int
+    max_input_tokens: int
+    max_input_length: int
+    max_total_tokens: int
+    waiting_served_ratio: float
+    max_batch_total_tokens: int
+    max_waiting_tokens: int
+    max_batch_size: int | None
+    validation_workers: int
+    max_client_batch_size: int
+    router: str
+    version: str
+    sha: str | None = None
+    docker_label: str | None = None

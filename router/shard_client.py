@@ -1,0 +1,158 @@
+"""gRPC clients for the model shards: `ShardClient` for one socket, `ShardedClient` for all.
+
+Every shard gets the same call (tensor-parallel ranks step together) and rank 0's
+answer is the one used. Failures surface as `ShardError` carrying the shard's message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+
+from textgate.proto import generate_pb2 as pb
+from textgate.proto import generate_pb2_grpc as pb_grpc
+
+T = TypeVar("T")
+
+_CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", 256 * 1024 * 1024),
+    ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+]
+
+
+class ShardError(Exception):
+    """A shard call failed; the message is the shard's (or the transport's)."""
+
+
+def shard_url(uds_path: str, rank: int) -> str:
+    """The gRPC address of shard `rank` (the launcher's naming)."""
+    return f"unix://{uds_path}-{rank}"
+
+
+class ShardClient:
+    """One shard over one unix socket."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._channel = grpc.aio.insecure_channel(url, options=_CHANNEL_OPTIONS)
+        self._stub = pb_grpc.TextGenerationServiceStub(self._channel)
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Wait until the socket accepts connections."""
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), timeout_s)
+        except asyncio.TimeoutError as exc:
+            raise ShardError(f"shard {self.url} not reachable after {timeout_s:.0f}s") from exc
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def info(self) -> pb.InfoResponse:
+        return await self._call(self._stub.Info, pb.InfoRequest())
+
+    async def health(self, timeout_s: float | None = None) -> None:
+        await self._call(self._stub.Health, pb.HealthRequest(), timeout_s)
+
+    async def service_discovery(self) -> list[str]:
+        response = await self._call(self._stub.ServiceDiscovery, pb.ServiceDiscoveryRequest())
+        return list(response.urls)
+
+    async def clear_cache(self, batch_id: int | None = None) -> None:
+        await self._call(self._stub.ClearCache, pb.ClearCacheRequest(id=batch_id))
+
+    async def filter_batch(self, batch_id: int, request_ids: Sequence[int]) -> pb.CachedBatch:
+        request = pb.FilterBatchRequest(batch_id=batch_id, request_ids=list(request_ids))
+        response = await self._call(self._stub.FilterBatch, request)
+        return response.batch
+
+    async def warmup(self, request: pb.WarmupRequest) -> int | None:
+        """The shard's KV capacity in tokens, or None when it is not cache-limited."""
+        response = await self._call(self._stub.Warmup, request)
+        if response.HasField("max_supported_total_tokens"):
+            return int(response.max_supported_total_tokens)
+        return None
+
+    async def prefill(self, batch: pb.Batch) -> pb.PrefillResponse:
+        return await self._call(self._stub.Prefill, pb.PrefillRequest(batch=batch))
+
+    async def decode(self, batches: Sequence[pb.CachedBatch]) -> pb.DecodeResponse:
+        return await self._call(self._stub.Decode, pb.DecodeRequest(batches=list(batches)))
+
+    async def step(
+        self, requests: Sequence[pb.Request], plan: pb.StepPlan
+    ) -> pb.PrefillResponse | pb.DecodeResponse:
+        """Paged shards: run one planned step (Prefill when it admits new requests)."""
+        if requests:
+            batch = pb.Batch(requests=list(requests), size=len(requests))
+            return await self._call(self._stub.Prefill, pb.PrefillRequest(batch=batch, plan=plan))
+        return await self._call(self._stub.Decode, pb.DecodeRequest(plan=plan))
+
+    async def _call(self, method: Any, request: Any, timeout_s: float | None = None) -> Any:
+        try:
+            return await method(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise ShardError(f"Server error: {exc.details() or exc.code().name}") from exc
+
+
+class ShardedClient:
+    """All shards of one model; each call goes to every shard, rank 0 answers."""
+
+    def __init__(self, clients: Sequence[ShardClient]) -> None:
+        if not clients:
+            raise ValueError("ShardedClient needs at least one shard")
+        self.clients = list(clients)
+
+    @classmethod
+    async def connect(cls, uds_path: str, timeout_s: float = 60.0) -> ShardedClient:
+        """Dial rank 0 at unix://{uds_path}-0, then every shard it lists."""
+        master = ShardClient(shard_url(uds_path, 0))
+        try:
+            await master.wait_ready(timeout_s)
+            urls = await master.service_discovery() or [master.url]
+        except BaseException:
+            await master.close()
+            raise
+        clients = [master] + [ShardClient(url) for url in urls if url != master.url]
+        sharded = cls(clients)
+        try:
+            await asyncio.gather(*(c.wait_ready(timeout_s) for c in clients[1:]))
+        except BaseException:
+            await sharded.close()
+            raise
+        return sharded
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self.clients))
+
+    async def info(self) -> pb.InfoResponse:
+        return await self._all(lambda c: c.info())
+
+    async def health(self, timeout_s: float | None = None) -> None:
+        await self._all(lambda c: c.health(timeout_s))
+
+    async def clear_cache(self, batch_id: int | None = None) -> None:
+        await self._all(lambda c: c.clear_cache(batch_id))
+
+    async def filter_batch(self, batch_id: int, request_ids: Sequence[int]) -> pb.CachedBatch:
+        return await self._all(lambda c: c.filter_batch(batch_id, request_ids))
+
+    async def warmup(self, request: pb.WarmupRequest) -> int | None:
+        return await self._all(lambda c: c.warmup(request))
+
+    async def prefill(self, batch: pb.Batch) -> pb.PrefillResponse:
+        return await self._all(lambda c: c.prefill(batch))
+
+    async def decode(self, batches: Sequence[pb.CachedBatch]) -> pb.DecodeResponse:
+        return await self._all(lambda c: c.decode(batches))
+
+    async def step(
+        self, requests: Sequence[pb.Request], plan: pb.StepPlan
+    ) -> pb.PrefillResponse | pb.DecodeResponse:
+        return await self._all(lambda c: c.step(requests, plan))
+
+    async def _all(self, call: Callable[[ShardClient], Awaitable[T]]) -> T:
+        results = await asyncio.gather(*(call(c) for c in self.clients))
+        return results[0]

@@ -1,0 +1,217 @@
+"""Request validation: TGI's rules and messages, tokenization off the event loop.
+
+Every rejected request raises `ValidationError`, answered 422 with
+`{"error": str(err), "error_type": "validation"}`. The order of the checks is TGI's,
+so a request breaking several rules gets the same message it would get from TGI.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
+
+from textgate.router.config import RouterConfig
+from textgate.router.request import SamplingParams, StoppingParams, ValidRequest
+from textgate.router.schemas import GenerateParameters, GenerateRequest
+
+MAX_SEED = 2**64
+
+
+class ValidationError(Exception):
+    """A request the router rejects with 422; the message is TGI's."""
+
+    error_type = "validation"
+
+
+class Tokenizer(Protocol):
+    """What validation needs from a tokenizer (transformers' tokenizers fit)."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+
+class Validator:
+    """Checks requests against the router's limits and tokenizes them in a thread pool."""
+
+    def __init__(self, config: RouterConfig, tokenizer: Tokenizer) -> None:
+        self._config = config
+        self._tokenizer = tokenizer
+        self._executor = ThreadPoolExecutor(
+            max_workers=config.validation_workers, thread_name_prefix="tokenizer"
+        )
+
+    async def validate(self, request: GenerateRequest, *, stream: bool = False) -> ValidRequest:
+        """The validated request, or ValidationError with TGI's message."""
+        params = request.parameters
+        _check_unsupported(params)
+        _check_stream(params, stream)
+        best_of = _check_best_of(params, self._config.max_best_of)
+        sampling = _sampling(params, best_of)
+        _check_counts(params, self._config)
+        if not request.inputs:
+            raise ValidationError("`inputs` cannot be empty")
+        truncate = _check_truncate(params.truncate, self._config.max_input_tokens)
+        ids = await self._tokenize(request.inputs, request.add_special_tokens)
+        if truncate is not None:
+            ids = ids[-truncate:]
+        max_new_tokens = self._check_lengths(len(ids), params.max_new_tokens)
+        return ValidRequest(
+            inputs=request.inputs,
+            input_ids=tuple(ids),
+            sampling=sampling,
+            stopping=_stopping(params, max_new_tokens),
+            top_n_tokens=params.top_n_tokens or 0,
+            decoder_input_details=params.decoder_input_details,
+            best_of=best_of,
+        )
+
+    def close(self) -> None:
+        """Stop the tokenizer threads (pending work is dropped)."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(
+                self._executor, self._encode, text, add_special_tokens
+            )
+        except Exception as exc:
+            raise ValidationError(f"tokenizer error {exc}") from exc
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def _check_lengths(self, input_length: int, max_new_tokens: int | None) -> int:
+        """The request's max_new_tokens (defaulting to what max_total_tokens leaves)."""
+        max_total = self._config.max_total_tokens
+        if max_new_tokens is None:
+            max_new_tokens = max(max_total - input_length, 0)
+        if input_length + max_new_tokens > max_total:
+            raise ValidationError(
+                f"`inputs` tokens + `max_new_tokens` must be <= {max_total}. "
+                f"Given: {input_length} `inputs` tokens and {max_new_tokens} `max_new_tokens`"
+            )
+        if input_length > self._config.max_input_tokens:
+            raise ValidationError(
+                f"`inputs` must have less than {self._config.max_input_tokens} tokens. "
+                f"Given: {input_length}"
+            )
+        return max_new_tokens
+
+
+def _check_unsupported(p: GenerateParameters) -> None:
+    # Silently ignoring these would return output the client did not ask for.
+    if p.watermark:
+        raise ValidationError("`watermark` is not supported: this server does not watermark")
+    if p.adapter_id is not None:
+        raise ValidationError("`adapter_id` is not supported: this server loads no adapters")
+    if p.grammar is not None:
+        raise ValidationError("grammar is not supported")
+
+
+def _check_stream(p: GenerateParameters, stream: bool) -> None:
+    if not stream:
+        return
+    if p.best_of is not None and p.best_of != 1:
+        raise ValidationError("`best_of` != 1 is not supported when streaming tokens")
+    if p.decoder_input_details:
+        raise ValidationError(
+            "`decoder_input_details` == true is not supported when streaming tokens"
+        )
+
+
+def _check_best_of(p: GenerateParameters, max_best_of: int) -> int:
+    best_of = 1 if p.best_of is None else p.best_of
+    if max_best_of == 1 and best_of != 1:
+        raise ValidationError("`best_of` != 1 is not allowed for this endpoint")
+    if not 0 < best_of <= max_best_of:
+        raise ValidationError(f"`best_of` must be > 0 and <= {max_best_of}. Given: {best_of}")
+    if best_of > 1 and not _wants_sampling(p):
+        raise ValidationError("you must use sampling when `best_of` is > 1")
+    return best_of
+
+
+def _wants_sampling(p: GenerateParameters) -> bool:
+    """TGI samples when asked to, or when any sampling parameter is set."""
+    warpers = (p.temperature, p.top_k, p.top_p, p.typical_p)
+    return p.do_sample or any(value is not None for value in warpers)
+
+
+def _sampling(p: GenerateParameters, best_of: int) -> SamplingParams:
+    temperature = 1.0 if p.temperature is None else p.temperature
+    if temperature <= 0:
+        raise ValidationError("`temperature` must be strictly positive")
+    repetition_penalty = 1.0 if p.repetition_penalty is None else p.repetition_penalty
+    if repetition_penalty <= 0:
+        raise ValidationError("`repetition_penalty` must be strictly positive")
+    frequency_penalty = 0.0 if p.frequency_penalty is None else p.frequency_penalty
+    if not -2.0 <= frequency_penalty <= 2.0:
+        raise ValidationError("`frequency_penalty` must be >= -2.0 and <= 2.0")
+    if p.top_p is not None and not 0.0 < p.top_p < 1.0:
+        raise ValidationError("`top_p` must be > 0.0 and < 1.0")
+    if p.typical_p is not None and not 0.0 < p.typical_p < 1.0:
+        raise ValidationError("`typical_p` must be > 0.0 and < 1.0")
+    if p.top_k is not None and p.top_k <= 0:
+        raise ValidationError("`top_k` must be strictly positive")
+    return SamplingParams(
+        temperature=temperature,
+        top_k=p.top_k or 0,
+        top_p=1.0 if p.top_p is None else p.top_p,
+        typical_p=1.0 if p.typical_p is None else p.typical_p,
+        # The shard gets an explicit choice: TGI samples whenever a warper is set.
+        do_sample=_wants_sampling(p),
+        seed=_seed(p.seed, best_of),
+        repetition_penalty=repetition_penalty,
+        frequency_penalty=frequency_penalty,
+    )
+
+
+def _seed(seed: int | None, best_of: int) -> int:
+    if seed is None:
+        return secrets.randbits(64)
+    if best_of > 1:
+        raise ValidationError("`seed` must not be set when `best_of` > 1")
+    if not 0 <= seed < MAX_SEED:
+        raise ValidationError(f"`seed` must be >= 0 and < 2^64. Given: {seed}")
+    return seed
+
+
+def _check_counts(p: GenerateParameters, config: RouterConfig) -> None:
+    if p.max_new_tokens is not None and p.max_new_tokens <= 0:
+        raise ValidationError("`max_new_tokens` must be strictly positive")
+    if len(p.stop) > config.max_stop_sequences:
+        raise ValidationError(
+            f"`stop` supports up to {config.max_stop_sequences} stop sequences. "
+            f"Given: {len(p.stop)}"
+        )
+    top_n = p.top_n_tokens
+    if top_n is not None and not 0 <= top_n <= config.max_top_n_tokens:
+        raise ValidationError(
+            f"`top_n_tokens` must be >= 0 and <= {config.max_top_n_tokens}. Given: {top_n}"
+        )
+    min_new = p.min_new_tokens
+    if min_new is not None and (
+        min_new < 0 or (p.max_new_tokens is not None and min_new > p.max_new_tokens)
+    ):
+        raise ValidationError(
+            f"`min_new_tokens` must be >= 0 and <= `max_new_tokens`. Given: {min_new}"
+        )
+
+
+def _check_truncate(truncate: int | None, max_input_tokens: int) -> int | None:
+    if truncate is not None and not 0 < truncate <= max_input_tokens:
+        raise ValidationError(
+            f"`truncate` must be strictly positive and less than {max_input_tokens}. "
+            f"Given: {truncate}"
+        )
+    return truncate
+
+
+def _stopping(p: GenerateParameters, max_new_tokens: int) -> StoppingParams:
+    return StoppingParams(
+        max_new_tokens=max_new_tokens,
+        stop_sequences=tuple(p.stop),
+        ignore_eos_token=p.ignore_eos,
+        min_new_tokens=min(p.min_new_tokens or 0, max_new_tokens),
+    )
