@@ -45,17 +45,17 @@ class TokenTimer(BaseStreamer):
         """Nothing to flush: times are recorded as tokens arrive."""
 
 
-def load_model(model_dir: str | Path, dtype: str = "float32") -> Any:
-    """The model in `model_dir`, in eval mode, with weights in `dtype`."""
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
-    return model.eval()
+def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu") -> Any:
+    """The model in `model_dir`, in eval mode, with weights in `dtype` on `device`."""
+    model: Any = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
+    return model.to(device).eval()
 
 
 def generate_timed(
     model: Any, tokenizer: BenchTokenizer, request: BenchRequest, output_len: int
 ) -> RequestOutcome:
     """Generate exactly `output_len` greedy tokens for one prompt, timing every token."""
-    ids = torch.tensor([tokenizer.model_input_ids(request.prompt)])
+    ids = torch.tensor([tokenizer.model_input_ids(request.prompt)], device=model.device)
     eos = model.generation_config.eos_token_id
     config = GenerationConfig(
         max_new_tokens=output_len,
@@ -110,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-requests", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, …")
     parser.add_argument("--json-out", default=None, help="append one JSON line")
     add_workload_args(parser)
     parser.set_defaults(input_len=40)
@@ -124,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     model_dir = Path(args.model) if args.model else default_model_dir()
     tokenizer = load_tokenizer(args.tokenizer or model_dir)
     requests = build_requests(spec_from_args(args), tokenizer, args.num_requests)
-    model = load_model(model_dir, args.dtype)
+    model = load_model(model_dir, args.dtype, args.device)
     outcomes, duration = run_naive(model, tokenizer, requests, args.output_len, args.warmup)
     metrics = compute_metrics(outcomes, duration)
     print(
@@ -136,6 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "target": "naive",
             "model": str(model_dir),
             "dtype": args.dtype,
+            "device": args.device,
             "threads": torch.get_num_threads(),
             "dataset": args.dataset,
             "input_len": args.input_len,

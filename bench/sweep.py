@@ -159,16 +159,18 @@ def run_naive_baseline(
     """The naive transformers baseline on `requests` (the first one doubles as warmup)."""
     from textgate.bench.naive import load_model, run_naive
 
-    model = load_model(model_dir, args.dtype)
+    model = load_model(model_dir, args.dtype, args.device)
     outcomes, duration = run_naive(model, tokenizer, requests, args.output_len, warmup=1)
     return compute_metrics(outcomes, duration)
 
 
-def run_roofline(model_dir: Path, batches: Sequence[int], dtype: str) -> dict[int, float]:
+def run_roofline(
+    model_dir: Path, batches: Sequence[int], dtype: str, device: str = "cpu"
+) -> dict[int, float]:
     """Roofline tok/s for each batch size."""
     from textgate.bench.roofline import linear_shapes, measure
 
-    rows = measure(linear_shapes(model_dir), batches, [dtype], repeats=3)
+    rows = measure(linear_shapes(model_dir), batches, [dtype], repeats=3, device=device)
     return {row.batch: row.tok_per_s for row in rows}
 
 
@@ -223,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--skip-naive", action="store_true")
     parser.add_argument("--skip-roofline", action="store_true")
     parser.add_argument("--dtype", default="float32", help="naive baseline and roofline dtype")
+    parser.add_argument("--device", default="cpu", help="naive baseline and roofline device")
     parser.add_argument("--json-out", default=None, help="append one JSON line per run")
     parser.add_argument("--plot", default=None, help="write a PNG of the sweep")
     add_workload_args(parser)
@@ -285,7 +288,7 @@ def _baselines(
     roofline: dict[int, float] = {}
     batches = [lv.concurrency for lv in config.levels if lv.concurrency is not None]
     if not args.skip_roofline and batches:
-        roofline = run_roofline(model_dir, batches, args.dtype)
+        roofline = run_roofline(model_dir, batches, args.dtype, args.device)
     return Baselines(naive, roofline)
 
 
