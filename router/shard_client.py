@@ -68,12 +68,9 @@ class ShardClient:
         response = await self._call(self._stub.FilterBatch, request)
         return response.batch
 
-    async def warmup(self, request: pb.WarmupRequest) -> int | None:
-        """The shard's KV capacity in tokens, or None when it is not cache-limited."""
-        response = await self._call(self._stub.Warmup, request)
-        if response.HasField("max_supported_total_tokens"):
-            return int(response.max_supported_total_tokens)
-        return None
+    async def warmup(self, request: pb.WarmupRequest) -> pb.WarmupResponse:
+        """Run the warmup batch; the answer carries the KV capacity (tokens, blocks)."""
+        return await self._call(self._stub.Warmup, request)
 
     async def prefill(self, batch: pb.Batch) -> pb.PrefillResponse:
         return await self._call(self._stub.Prefill, pb.PrefillRequest(batch=batch))
@@ -139,7 +136,7 @@ class ShardedClient:
     async def filter_batch(self, batch_id: int, request_ids: Sequence[int]) -> pb.CachedBatch:
         return await self._all(lambda c: c.filter_batch(batch_id, request_ids))
 
-    async def warmup(self, request: pb.WarmupRequest) -> int | None:
+    async def warmup(self, request: pb.WarmupRequest) -> pb.WarmupResponse:
         return await self._all(lambda c: c.warmup(request))
 
     async def prefill(self, batch: pb.Batch) -> pb.PrefillResponse:

@@ -78,7 +78,8 @@ async def start_router(
     servers: list[tuple[uvicorn.Server, asyncio.Task[None]]] = []
 
     async def start(**overrides: Any) -> str:
-        app = build_app(make_config(**overrides), sharded, FakeTokenizer())
+        info = await sharded.info()
+        app = build_app(make_config(**overrides), sharded, FakeTokenizer(), shard_info=info)
         server = _QuietServer(
             uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, ws="none", lifespan="on")
         )

@@ -70,6 +70,8 @@ class FakeShard(pb_grpc.TextGenerationServiceServicer):
         self.healthy = True
         self.max_supported_total_tokens: int | None = None
         """What Warmup reports; None leaves the field unset."""
+        self.block_size = 0
+        """What Info reports; > 0 pretends to be a paged shard."""
 
     def calls_to(self, method: str) -> list[Any]:
         return [request for name, request in self.calls if name == method]
@@ -84,6 +86,7 @@ class FakeShard(pb_grpc.TextGenerationServiceServicer):
         await self._enter("Info", request, context)
         return pb.InfoResponse(
             requires_padding=False,
+            block_size=self.block_size,
             dtype="float32",
             device_type="cpu",
             max_position_embeddings=4096,

@@ -24,7 +24,7 @@ def limits(**overrides: object) -> BatchLimits:
         "max_waiting_tokens": 10,
     }
     values.update(overrides)
-    return BatchLimits(**values)  # type: ignore[arg-type]
+    return BatchLimits(**values)
 
 
 def queue_of(*reqs: Req, **overrides: object) -> Queue[Req]:

@@ -1,0 +1,189 @@
+"""The router process: reach the shards, warm them up, serve HTTP until SIGTERM/SIGINT.
+
+Startup order: connect to rank 0 (ServiceDiscovery gives the others), ClearCache,
+Info, Health, Warmup with a batch as large as the prefill budget, then uvicorn.
+Padded shards (Info.block_size 0) get the `Batcher`; paged shards the scheduler's
+`PagedEngine`, sized by the KV blocks Warmup reports.
+`Router listening on http://{hostname}:{port}` is logged once connections are
+accepted. On a signal uvicorn stops accepting, lets in-flight requests finish (each
+gets its final event), then the batcher closes and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import signal
+from typing import Any, cast
+
+import uvicorn
+from starlette.applications import Starlette
+
+from textgate.proto import generate_pb2 as pb
+from textgate.router.app import Engine, batch_limits, build_app
+from textgate.router.batcher import Batcher
+from textgate.router.config import RouterConfig
+from textgate.router.engine import PagedEngine
+from textgate.router.request import SamplingParams, StoppingParams
+from textgate.router.scheduler import Scheduler, SchedulerConfig
+from textgate.router.shard_client import ShardedClient
+from textgate.router.validation import Tokenizer
+
+log = logging.getLogger("textgate.router")
+
+CONNECT_TIMEOUT_S = 120.0
+WARMUP_BATCH_ID = 2**64 - 1
+# Any id every vocabulary has; warmup only needs the shapes.
+WARMUP_TOKEN_ID = 0
+# Running requests of a paged engine when max_batch_size is unset.
+DEFAULT_MAX_NUM_SEQS = 256
+
+
+async def serve(config: RouterConfig) -> None:
+    """Run the router until a signal; raises if the shards cannot be reached or warmed up."""
+    shards = await ShardedClient.connect(config.shard_uds_path, CONNECT_TIMEOUT_S)
+    try:
+        await shards.clear_cache()
+        info = await shards.info()
+        await shards.health()
+        tokenizer = await asyncio.to_thread(load_tokenizer, config.tokenizer_path)
+        log.info("Warming up the model")
+        warmup = await shards.warmup(warmup_request(config))
+        supported = (
+            warmup.max_supported_total_tokens
+            if warmup.HasField("max_supported_total_tokens")
+            else None
+        )
+        config = resolve_config(config, info, supported)
+        log.info("Max batch total tokens: %d", config.max_batch_total_tokens)
+        engine = make_engine(config, shards, info, warmup)
+        app = build_app(config, shards, tokenizer, shard_info=info, engine=engine)
+        await run_http(app, config.hostname, config.port)
+    finally:
+        await shards.close()
+
+
+def make_engine(
+    config: RouterConfig,
+    shards: ShardedClient,
+    info: pb.InfoResponse,
+    warmup: pb.WarmupResponse,
+) -> Engine:
+    """A PagedEngine for paged shards (block_size > 0), else the padded-batch Batcher."""
+    if info.block_size == 0:
+        limits = batch_limits(config, info)
+        return Batcher(shards, limits, config.max_concurrent_requests)
+    if warmup.num_blocks == 0:
+        raise RuntimeError("the paged shards reported no KV-cache blocks at warmup")
+    scheduler = Scheduler(
+        SchedulerConfig(
+            num_blocks=warmup.num_blocks,
+            block_size=info.block_size,
+            max_num_batched_tokens=config.max_batch_prefill_tokens,
+            max_num_seqs=min(
+                config.max_batch_size or DEFAULT_MAX_NUM_SEQS, config.max_batch_prefill_tokens
+            ),
+        )
+    )
+    return PagedEngine(shards, scheduler, config.max_concurrent_requests)
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """The model's tokenizer from a local folder (transformers' AutoTokenizer)."""
+    from transformers import AutoTokenizer  # heavy: imported only by the router process
+
+    return cast(Tokenizer, AutoTokenizer.from_pretrained(path))
+
+
+def warmup_request(config: RouterConfig) -> pb.WarmupRequest:
+    """A batch of max_input_tokens-long prompts filling max_batch_prefill_tokens."""
+    requests: list[pb.Request] = []
+    remaining = config.max_batch_prefill_tokens
+    while remaining > 0 and (
+        config.max_batch_size is None or len(requests) < config.max_batch_size
+    ):
+        length = min(config.max_input_tokens, remaining)
+        stopping = StoppingParams(max_new_tokens=config.max_total_tokens - length)
+        requests.append(
+            pb.Request(
+                id=len(requests),
+                inputs="",
+                input_ids=[WARMUP_TOKEN_ID] * length,
+                parameters=SamplingParams().to_pb(),
+                stopping_parameters=stopping.to_pb(),
+                prefill_logprobs=True,
+                top_n_tokens=config.max_top_n_tokens,
+            )
+        )
+        remaining -= length
+    batch = pb.Batch(
+        id=WARMUP_BATCH_ID,
+        requests=requests,
+        size=len(requests),
+        max_tokens=len(requests) * config.max_total_tokens,
+    )
+    return pb.WarmupRequest(
+        batch=batch,
+        max_input_tokens=config.max_input_tokens,
+        max_prefill_tokens=config.max_batch_prefill_tokens,
+        max_total_tokens=config.max_total_tokens,
+    )
+
+
+def resolve_config(
+    config: RouterConfig, info: pb.InfoResponse, supported_total_tokens: int | None
+) -> RouterConfig:
+    """The config with the batch budget and the /info facts the shards reported filled in."""
+    total = config.max_batch_total_tokens or config.default_batch_total_tokens()
+    if supported_total_tokens is not None:
+        if supported_total_tokens < config.max_total_tokens:
+            raise RuntimeError(
+                f"the KV cache holds {supported_total_tokens} tokens, less than "
+                f"max_total_tokens ({config.max_total_tokens}): lower max_total_tokens"
+            )
+        if config.max_batch_total_tokens is None:
+            total = supported_total_tokens
+        elif total > supported_total_tokens:
+            log.warning(
+                "max_batch_total_tokens lowered to the %d tokens the cache holds",
+                supported_total_tokens,
+            )
+            total = supported_total_tokens
+    return dataclasses.replace(
+        config,
+        max_batch_total_tokens=total,
+        # A prefill can never use more tokens than the whole cache.
+        max_batch_prefill_tokens=min(config.max_batch_prefill_tokens, total),
+        model_dtype=config.model_dtype or info.dtype or None,
+        model_device_type=config.model_device_type or info.device_type or None,
+    )
+
+
+async def run_http(app: Starlette, hostname: str, port: int) -> None:
+    """Serve `app` with uvicorn until SIGTERM/SIGINT, then drain in-flight requests."""
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=hostname, port=port, log_config=None, access_log=False)
+    )
+    # uvicorn re-raises the signal it caught once it has drained; a no-op handler
+    # turns that into a clean return (exit code 0) instead of a kill.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _ignore_signal)
+    task = asyncio.create_task(server.serve())
+    while not server.started and not task.done():
+        await asyncio.sleep(0.05)
+    if server.started:
+        log.info("Router listening on http://%s:%d", hostname, bound_port(server, port))
+    await task
+
+
+def bound_port(server: uvicorn.Server, default: int) -> int:
+    """The port uvicorn actually bound (differs from the config's when that is 0)."""
+    for listener in server.servers:
+        for sock in listener.sockets:
+            return int(sock.getsockname()[1])
+    return default
+
+
+def _ignore_signal(signum: int, frame: Any) -> None:
+    """Replaced by uvicorn's handler while serving; see run_http."""

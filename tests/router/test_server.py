@@ -1,0 +1,182 @@
+"""Router startup: warmup sizing, budget resolution, and the real process against a fake shard."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from textgate.proto import generate_pb2 as pb
+from textgate.router.batcher import Batcher
+from textgate.router.config import RouterConfig
+from textgate.router.engine import PagedEngine
+from textgate.router.server import make_engine, resolve_config, warmup_request
+from textgate.router.shard_client import ShardedClient
+from textgate.tests.router.fake_shard import FakeShard
+
+INFO = pb.InfoResponse(dtype="bfloat16", device_type="cuda")
+
+
+def test_warmup_fills_the_prefill_budget_with_max_length_prompts(
+    make_config: Callable[..., RouterConfig],
+) -> None:
+    request = warmup_request(make_config(max_input_tokens=100, max_batch_prefill_tokens=250))
+    lengths = [len(r.input_ids) for r in request.batch.requests]
+    assert lengths == [100, 100, 50]
+    assert [r.stopping_parameters.max_new_tokens for r in request.batch.requests] == [28, 28, 78]
+    assert request.batch.size == 3
+    assert len({r.id for r in request.batch.requests}) == 3
+    assert (request.max_input_tokens, request.max_prefill_tokens, request.max_total_tokens) == (
+        100,
+        250,
+        128,
+    )
+
+
+def test_warmup_respects_max_batch_size(make_config: Callable[..., RouterConfig]) -> None:
+    request = warmup_request(make_config(max_input_tokens=10, max_batch_size=2))
+    assert request.batch.size == 2
+
+
+def test_budget_defaults_when_the_shard_reports_no_capacity(
+    make_config: Callable[..., RouterConfig],
+) -> None:
+    config = resolve_config(make_config(), INFO, None)
+    assert config.max_batch_total_tokens == 16_000
+    assert (config.model_dtype, config.model_device_type) == ("bfloat16", "cuda")
+    pinned = resolve_config(make_config(max_batch_total_tokens=5000), INFO, None)
+    assert pinned.max_batch_total_tokens == 5000
+
+
+def test_budget_follows_the_shard_capacity(make_config: Callable[..., RouterConfig]) -> None:
+    assert resolve_config(make_config(), INFO, 1000).max_batch_total_tokens == 1000
+    capped = resolve_config(make_config(max_batch_total_tokens=900), INFO, 1000)
+    assert capped.max_batch_total_tokens == 900
+    lowered = resolve_config(make_config(max_batch_total_tokens=5000), INFO, 1000)
+    assert lowered.max_batch_total_tokens == 1000
+    small = resolve_config(make_config(), INFO, 200)
+    assert (small.max_batch_total_tokens, small.max_batch_prefill_tokens) == (200, 200)
+
+
+def test_a_cache_smaller_than_one_request_is_refused(
+    make_config: Callable[..., RouterConfig],
+) -> None:
+    with pytest.raises(RuntimeError, match="lower max_total_tokens"):
+        resolve_config(make_config(), INFO, 100)
+
+
+async def test_the_engine_follows_the_shard_kind(
+    sharded: ShardedClient, make_config: Callable[..., RouterConfig]
+) -> None:
+    config = make_config(max_batch_total_tokens=1000)
+    padded = make_engine(config, sharded, pb.InfoResponse(), pb.WarmupResponse())
+    assert isinstance(padded, Batcher)
+    paged = make_engine(
+        config, sharded, pb.InfoResponse(block_size=16), pb.WarmupResponse(num_blocks=64)
+    )
+    assert isinstance(paged, PagedEngine)
+    assert paged.scheduler.config.num_blocks == 64
+    assert paged.scheduler.config.block_size == 16
+    assert paged.scheduler.config.max_num_batched_tokens == config.max_batch_prefill_tokens
+    with pytest.raises(RuntimeError, match="no KV-cache blocks"):
+        make_engine(config, sharded, pb.InfoResponse(block_size=16), pb.WarmupResponse())
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def read_until(stream: asyncio.StreamReader, needle: str, timeout: float) -> list[str]:
+    lines: list[str] = []
+
+    async def read() -> list[str]:
+        while True:
+            line = (await stream.readline()).decode()
+            if not line:
+                raise AssertionError("router exited:\n" + "".join(lines))
+            lines.append(line)
+            if needle in line:
+                return lines
+
+    return await asyncio.wait_for(read(), timeout)
+
+
+async def test_router_process_serves_then_drains_on_sigterm(
+    fake: FakeShard, make_config: Callable[..., RouterConfig], tokenizer_dir: Path
+) -> None:
+    port = free_port()
+    config: dict[str, Any] = {
+        **make_config(tokenizer_path=str(tokenizer_dir)).__dict__,
+        "hostname": "127.0.0.1",
+        "port": port,
+        "json_output": True,
+        "cors_allow_origin": [],
+    }
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "textgate.router",
+        "--config-json",
+        json.dumps(config),
+        stderr=asyncio.subprocess.PIPE,
+    )
+    assert process.stderr is not None
+    try:
+        lines = await read_until(process.stderr, "Router listening on", timeout=120)
+        listening = json.loads(lines[-1])
+        assert listening["message"] == f"Router listening on http://127.0.0.1:{port}"
+        assert listening["level"] == "INFO"
+        assert [name for name, _ in fake.calls[:5]] == [
+            "ServiceDiscovery",
+            "ClearCache",
+            "Info",
+            "Health",
+            "Warmup",
+        ]
+
+        fake.step_delay_s = 0.02
+        events = []
+        async with (
+            httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client,
+            client.stream(
+                "POST",
+                "/generate_stream",
+                json={"inputs": "w5", "parameters": {"max_new_tokens": 20}},
+            ) as response,
+        ):
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(json.loads(line.removeprefix("data: ")))
+                    if len(events) == 1:
+                        process.send_signal(signal.SIGTERM)
+        assert len(events) == 20, "the in-flight stream finished after SIGTERM"
+        assert events[-1]["generated_text"] is not None
+        assert await asyncio.wait_for(process.wait(), 30) == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+async def test_router_process_rejects_a_bad_config() -> None:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "textgate.router",
+        "--config-json",
+        '{"model_id": "m", "tokenizer_path": "t", "nonsense": 1}',
+        stderr=asyncio.subprocess.PIPE,
+    )
+    _, stderr = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode == 2
+    assert b"nonsense" in stderr
