@@ -188,7 +188,9 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = layer(hidden, residual, ctx)
         assert residual is not None
         # The final norm is per row, so only the rows that need logits go through it.
-        hidden, _ = self.norm(hidden[logits_indices], residual[logits_indices])  # [N, hidden]
+        hidden, _ = self.norm(
+            hidden.index_select(0, logits_indices), residual.index_select(0, logits_indices)
+        )  # [N, hidden]
         return self.lm_head(hidden).float()
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:

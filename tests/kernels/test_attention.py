@@ -108,11 +108,12 @@ def run_case(
     [
         ([7], [0]),  # one prompt
         ([5, 9, 1], [0, 0, 0]),  # prompts of several lengths
+        ([6, 6], [0, 0]),  # prompts of one length: SDPA's own causal mask
         ([4, 6], [8, 3]),  # prompts over cached prefixes (prefix hits, chunked prefill)
         ([1, 1, 1], [4, 17, 9]),  # pure decode
         ([1, 6, 1, 3, 2], [12, 0, 3, 5, 0]),  # everything at once
     ],
-    ids=["prefill", "prefills", "prefix", "decode", "mixed"],
+    ids=["prefill", "prefills", "equal-prefills", "prefix", "decode", "mixed"],
 )
 def test_matches_per_sequence_attention(query_lens, context_lens, heads, kv_heads, block_size):
     run_case(query_lens, context_lens, heads, kv_heads, block_size)
