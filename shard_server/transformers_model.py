@@ -99,7 +99,8 @@ class TransformersModel(Model[CausalLMBatch]):
             generations[row].prefill_tokens.CopyFrom(seq.prefill_tokens(chosen, self.info))
 
     def warmup(self, request: pb.WarmupRequest) -> pb.WarmupResponse:
-        batch: CausalLMBatch | None = self.batch_from_pb(request.batch)
-        while batch is not None:
-            batch = self.generate_token(batch).batch
+        """One prefill and one decode of the router's largest batch; the batch is dropped."""
+        step = self.generate_token(self.batch_from_pb(request.batch))
+        if step.batch is not None:
+            self.generate_token(step.batch)
         return pb.WarmupResponse()

@@ -1,0 +1,37 @@
+"""What every route handler shares: config, tokenizer, validator, engine, shards."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from textgate.proto import generate_pb2 as pb
+from textgate.router.channel import Channel
+from textgate.router.config import RouterConfig
+from textgate.router.request import ValidRequest
+from textgate.router.shard_client import ShardedClient
+from textgate.router.validation import Tokenizer, Validator
+
+
+class Engine(Protocol):
+    """What the handlers need from the loop that steps the shards (Batcher, PagedEngine)."""
+
+    @property
+    def num_active(self) -> int: ...
+
+    def submit(self, requests: Sequence[ValidRequest]) -> list[Channel]: ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class RouterState:
+    """Built once by `build_app`; route modules (TGI, OpenAI) take it explicitly."""
+
+    config: RouterConfig
+    shards: ShardedClient
+    tokenizer: Tokenizer
+    validator: Validator
+    engine: Engine
+    shard_info: pb.InfoResponse | None
