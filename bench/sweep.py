@@ -151,6 +151,7 @@ class Baselines:
 
     naive: BenchmarkMetrics | None
     roofline_tok_s: dict[int, float]
+    threads: int = 0  # torch intra-op threads both ran with
 
 
 def run_naive_baseline(
@@ -226,6 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--skip-roofline", action="store_true")
     parser.add_argument("--dtype", default="float32", help="naive baseline and roofline dtype")
     parser.add_argument("--device", default="cpu", help="naive baseline and roofline device")
+    parser.add_argument("--threads", type=int, default=None, help="naive/roofline torch threads")
     parser.add_argument("--json-out", default=None, help="append one JSON line per run")
     parser.add_argument("--plot", default=None, help="write a PNG of the sweep")
     add_workload_args(parser)
@@ -280,6 +282,10 @@ def _bench(
 def _baselines(
     model_dir: Path, tokenizer: BenchTokenizer, config: BenchConfig, args: argparse.Namespace
 ) -> Baselines:
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
     naive = None
     if not args.skip_naive and args.naive_requests > 0:
         # The first level's prompt set: the server's warmup prompts, then its first measured ones.
@@ -289,14 +295,17 @@ def _baselines(
     batches = [lv.concurrency for lv in config.levels if lv.concurrency is not None]
     if not args.skip_roofline and batches:
         roofline = run_roofline(model_dir, batches, args.dtype, args.device)
-    return Baselines(naive, roofline)
+    return Baselines(naive, roofline, torch.get_num_threads())
 
 
 def _report(results: Sequence[RunResult], baselines: Baselines, args: argparse.Namespace) -> None:
     print(format_results(results))
     if baselines.naive is not None:
         print()
-        print(f"naive baseline (transformers generate, one request at a time, {args.dtype}):")
+        print(
+            "naive baseline (transformers generate, one request at a time, "
+            f"{args.dtype}, {args.device}, {baselines.threads} threads):"
+        )
         print(format_metrics([("naive", baselines.naive)]))
     print()
     print(format_table(SUMMARY_HEADERS, summary_rows(results, baselines)))
