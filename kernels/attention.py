@@ -213,14 +213,15 @@ class SdpaAttentionBackend(AttentionBackend[SdpaPlan]):
     [B, H_kv, max_k, D] batch and runs one masked SDPA. Decoding sequences (one query)
     and prefilling ones go in separate calls so a long prompt does not pad every
     decode to its length. GQA folds each kv head's query group into the query-length
-    dimension, so keys and values are never repeated per query head.
+    dimension, so keys and values are never repeated per query head. Whole prompts of
+    one length (the common single-prompt prefill) use SDPA's own causal mask instead.
+    The plan reads a few counts on the host, which is free on CPU.
     """
 
     def prepare(self, metadata: AttentionMetadata) -> SdpaPlan:
-        query_lens = metadata.query_lens()
         if metadata.max_seqlen_q == 1:
             return SdpaPlan([self._group(metadata, None, 1, metadata.max_seqlen_k)])
-        is_decode = query_lens == 1
+        is_decode = metadata.query_lens() == 1
         num_decodes = int(is_decode.sum())
         if num_decodes == 0:
             return SdpaPlan(
@@ -236,13 +237,13 @@ class SdpaAttentionBackend(AttentionBackend[SdpaPlan]):
     def _group(md: AttentionMetadata, member: Tensor | None, max_q: int, max_k: int) -> SeqGroup:
         """The group of sequences selected by boolean `member` [B] (None: all of them)."""
         device = md.seq_lens.device
-        starts, seq_lens = md.query_start_loc[:-1], md.seq_lens
+        seq_lens = md.seq_lens
         block_tables = md.block_tables.clamp(min=0)
         token_seq = md.token_seq_index()  # [T]
         token_index = None
         local_seq = token_seq  # [Tg] index of each token's sequence within the group
         if member is not None:
-            starts, seq_lens, block_tables = starts[member], seq_lens[member], block_tables[member]
+            seq_lens, block_tables = seq_lens[member], block_tables[member]
             token_index = torch.nonzero(member[token_seq]).squeeze(1)
             local_seq = (member.long().cumsum(0) - 1)[token_seq[token_index]]
         num_seqs, num_tokens = seq_lens.shape[0], local_seq.shape[0]

@@ -146,10 +146,11 @@ class LlamaForCausalLM(nn.Module):
         self.config = config = ModelConfig.parse(config)
         self.attention_backend = attention_backend or get_attention_backend()
         self.embed_tokens = TensorParallelEmbedding.load(weights, "model.embed_tokens")
-        self.layers = nn.ModuleList(
+        layers = [
             LlamaDecoderLayer(config, weights, f"model.layers.{i}", i)
             for i in range(config.num_layers)
-        )
+        ]
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm.load(weights, "model.norm", config.rms_norm_eps)
         if config.tie_word_embeddings:
             self.lm_head = TensorParallelHead.load(weights, "model.embed_tokens", self.embed_tokens)
@@ -158,7 +159,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, weights.device)
         self.dtype, self.device = weights.dtype, weights.device
         self.num_layers = config.num_layers
-        self.num_kv_heads = self.layers[0].self_attn.num_kv_heads
+        self.num_kv_heads = layers[0].self_attn.num_kv_heads
         self.head_dim = config.head_dim
         self.vocab_size = config.vocab_size
 

@@ -178,3 +178,22 @@ def test_registry():
         get_attention_backend("flash")
     with pytest.raises(ValueError, match="already registered"):
         register_attention_backend("sdpa")(SdpaAttentionBackend)
+
+
+@pytest.mark.parametrize(
+    ("query_lens", "context_lens", "group_shapes"),
+    [
+        ([1, 1], [3, 7], [(2, 1, 8)]),
+        ([4, 2], [0, 5], [(2, 4, 7)]),
+        ([1, 4, 1], [9, 0, 2], [(2, 1, 10), (1, 4, 4)]),
+    ],
+)
+def test_plan_batches_decodes_apart_from_prefills(query_lens, context_lens, group_shapes):
+    metadata = AttentionMetadata.build(
+        query_lens=query_lens,
+        context_lens=context_lens,
+        block_tables=[[0, 1, 2]] * len(query_lens),
+        block_size=4,
+    )
+    plan = SdpaAttentionBackend().prepare(metadata)
+    assert [(g.num_seqs, g.max_q, g.max_k) for g in plan.groups] == group_shapes

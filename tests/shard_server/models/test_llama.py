@@ -6,6 +6,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from textgate.kernels import AttentionMetadata
+from textgate.quantization import Weights
 from textgate.shard_server.models import LlamaForCausalLM, load_model
 
 ATOL = 1e-4
@@ -170,3 +172,17 @@ def test_bfloat16_runs_close_to_float32(tiny, runner, reference):
     logits = runner(path, dtype=torch.bfloat16).step({0: prompt}, all_logits=True)[0]
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, reference(hf, prompt), atol=0.15, rtol=0.05)
+
+
+def test_builds_from_a_transformers_config_and_weights(tiny, reference):
+    path, hf = tiny("qwen2")
+    weights = Weights(path.glob("*.safetensors"), device="cpu", dtype=torch.float32)
+    model = LlamaForCausalLM(hf.config, weights)
+    prompt = _prompt(6)
+    metadata = AttentionMetadata.build(
+        query_lens=[6], context_lens=[0], block_tables=[[1, 0]], block_size=4
+    )
+    cache = model.allocate_kv_cache(num_blocks=2, block_size=4)
+    with torch.inference_mode():
+        logits = model(torch.tensor(prompt), metadata.positions(), cache, metadata, torch.arange(6))
+    torch.testing.assert_close(logits, reference(hf, prompt), atol=ATOL, rtol=0)
