@@ -137,12 +137,18 @@ def running_server(
         process = subprocess.Popen(
             argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
+    succeeded = False
     try:
         wait_healthy(url, process, log_path, startup_timeout_s)
         log(f"server healthy at {url}")
         yield url
+        succeeded = True
     finally:
         stop_process(process)
+        if succeeded:
+            log_path.unlink(missing_ok=True)
+        else:
+            log(f"server output kept in {log_path}")
 
 
 @dataclass(frozen=True)
@@ -313,7 +319,8 @@ def _report(results: Sequence[RunResult], baselines: Baselines, args: argparse.N
         context = {"label": "sweep", "input_len": args.input_len, "output_len": args.output_len}
         records = [result_record(r, context) for r in results]
         if baselines.naive is not None:
-            records.append(metrics_record(baselines.naive, {**context, "target": "naive"}))
+            naive_context = {**context, "target": "naive", "concurrency": 1}
+            records.append(metrics_record(baselines.naive, naive_context))
         append_json_lines(args.json_out, records)
     if args.plot:
         from textgate.bench.plot import plot_results

@@ -35,22 +35,27 @@ def test_launcher_command_targets_localhost() -> None:
 def test_running_server_waits_for_health_and_stops(fake_server_command) -> None:
     import httpx
 
-    with sweep.running_server(fake_server_command, startup_timeout_s=30, log=print) as url:
+    messages: list[str] = []
+    with sweep.running_server(fake_server_command, 30, log=messages.append) as url:
         assert httpx.get(url + "/health").status_code == 200
     with pytest.raises(httpx.ConnectError):
         httpx.get(url + "/health")
+    log_path = Path(messages[0].split("(output in ")[1].rstrip(")"))
+    assert not log_path.exists()  # a clean run leaves no log behind
 
 
 def test_a_crashing_server_shows_its_output() -> None:
     def command(port: int) -> list[str]:
         return [sys.executable, "-c", "import sys; print('no model here'); sys.exit(3)"]
 
+    messages: list[str] = []
     with (
         pytest.raises(sweep.ServerStartError, match="code 3") as exc,
-        sweep.running_server(command, startup_timeout_s=30, log=print),
+        sweep.running_server(command, startup_timeout_s=30, log=messages.append),
     ):
         pass
     assert "no model here" in str(exc.value)
+    assert "server output kept in" in messages[-1]
 
 
 def test_a_server_that_never_gets_healthy_times_out_and_is_stopped() -> None:
