@@ -10,16 +10,14 @@ import torch
 from textgate.kernels import AttentionMetadata
 from textgate.shard_server.models import load_model
 
-SMOL = Path("/tmp/smol")
-
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (SMOL / "config.json").is_file(), reason="SmolLM2 is not at /tmp/smol")
-def test_smollm2_logits_match_transformers():
+def test_smollm2_logits_match_transformers(default_model_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    reference = AutoModelForCausalLM.from_pretrained(SMOL, dtype=torch.float32).eval()
-    model = load_model(SMOL, torch.float32, "cpu")
+    smol = default_model_dir
+    reference = AutoModelForCausalLM.from_pretrained(smol, dtype=torch.float32).eval()
+    model = load_model(smol, torch.float32, "cpu")
     prompt = torch.randint(0, model.vocab_size, (24,), generator=torch.Generator().manual_seed(0))
     cache = model.allocate_kv_cache(num_blocks=8, block_size=16)
     with torch.inference_mode():
