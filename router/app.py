@@ -1,62 +1,47 @@
-"""The HTTP app: TGI's routes over the validator, the batcher and the shards."""
+"""The HTTP app: TGI's routes, the OpenAI ones and the API docs, over one `RouterState`.
+
+Errors are raised by the handlers as typed exceptions (ValidationError, OverloadedError,
+GenerationError, PayloadTooLargeError) and answered here with TGI's body
+`{"error", "error_type"}` and status. With an API key, the routes that generate need
+`Authorization: Bearer <key>`; probes, /info, /metrics and the docs stay open, as in TGI.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import hmac
-import secrets
-import time
-from collections.abc import AsyncIterator, Awaitable, Sequence
+import importlib.util
+import logging
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Protocol, TypeVar
 
-import pydantic
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.responses import Response
+from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import textgate
 from textgate.proto import generate_pb2 as pb
-from textgate.router.batcher import Batcher, OverloadedError
-from textgate.router.channel import Channel
+from textgate.router.batcher import Batcher, OverloadedError, batch_limits
 from textgate.router.config import RouterConfig
 from textgate.router.errors import PayloadTooLargeError, error_response
-from textgate.router.generate import (
-    Generated,
-    GenerationError,
-    best_of,
-    collect,
-    generate_response,
-    stream_frames,
-)
-from textgate.router.queue import BatchLimits
-from textgate.router.request import ValidRequest
-from textgate.router.schemas import GenerateRequest, Info
+from textgate.router.generate import GenerationError
+from textgate.router.metrics import Metrics
+from textgate.router.openapi import DOCS_PATH, SPEC_PATH, docs_routes
 from textgate.router.shard_client import ShardedClient
-from textgate.router.sse import SseResponse
+from textgate.router.state import Engine, RouterState
+from textgate.router.tgi_routes import tgi_routes
 from textgate.router.validation import Tokenizer, ValidationError, Validator
 
-T = TypeVar("T")
-HEALTH_TIMEOUT_S = 5.0
+log = logging.getLogger("textgate.router")
 
-
-class ClientDisconnectedError(Exception):
-    """The client closed the connection before its answer was ready."""
-
-
-class Engine(Protocol):
-    """What the handlers need from the loop that steps the shards (Batcher, PagedEngine)."""
-
-    @property
-    def num_active(self) -> int: ...
-
-    def submit(self, requests: Sequence[ValidRequest]) -> list[Channel]: ...
-
-    async def close(self) -> None: ...
+# Routes an API key does not guard (TGI's "info routes"): probes and scrapers carry no key.
+OPEN_PATHS = frozenset(
+    {"/health", "/ping", "/info", "/metrics", "/v1/models", "/chat_tokenize", DOCS_PATH, SPEC_PATH}
+)
 
 
 def build_app(
@@ -66,17 +51,24 @@ def build_app(
     *,
     shard_info: pb.InfoResponse | None = None,
     engine: Engine | None = None,
+    metrics: Metrics | None = None,
 ) -> Starlette:
     """The router's Starlette app.
 
     `shard_info` (rank 0's Info) fills /info; `engine` defaults to a `Batcher` for
-    padded shards under the config's budgets. The app closes the engine on shutdown.
+    padded shards under the config's budgets. Give an engine the same `metrics` as the
+    app, or its step metrics will not show at /metrics. The app closes the engine on
+    shutdown.
     """
+    if metrics is None:
+        metrics = Metrics(config.max_input_tokens, config.max_total_tokens)
     if engine is None:
         limits = batch_limits(config, shard_info)
-        engine = Batcher(shards, limits, config.max_concurrent_requests)
+        engine = Batcher(shards, limits, config.max_concurrent_requests, metrics=metrics)
     validator = Validator(config, tokenizer)
-    handlers = _Handlers(config, shards, validator, engine, shard_info)
+    state = RouterState(config, shards, tokenizer, validator, engine, shard_info, metrics)
+    routes = [*tgi_routes(state), *_openai_routes(state)]
+    routes += docs_routes(routes, textgate.__version__)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -85,205 +77,53 @@ def build_app(
         validator.close()
 
     app = Starlette(
-        routes=[
-            Route("/generate", handlers.generate, methods=["POST"]),
-            Route("/generate_stream", handlers.generate_stream, methods=["POST"]),
-            Route("/health", handlers.health, methods=["GET"]),
-            Route("/info", handlers.info, methods=["GET"]),
-        ],
+        routes=routes,
         middleware=_middleware(config),
         exception_handlers={
             ValidationError: _typed_error,
             OverloadedError: _typed_error,
             GenerationError: _typed_error,
             PayloadTooLargeError: _typed_error,
+            HTTPException: _http_error,
+            Exception: _internal_error,
         },
         lifespan=lifespan,
     )
     app.state.engine = engine
+    app.state.router = state
     return app
 
 
-def batch_limits(config: RouterConfig, shard_info: pb.InfoResponse | None) -> BatchLimits:
-    """The batcher's budgets from the (warmup-resolved) config."""
-    return BatchLimits(
-        max_batch_prefill_tokens=config.max_batch_prefill_tokens,
-        max_batch_total_tokens=config.max_batch_total_tokens or config.default_batch_total_tokens(),
-        max_batch_size=config.max_batch_size,
-        waiting_served_ratio=config.waiting_served_ratio,
-        max_waiting_tokens=config.max_waiting_tokens,
-        requires_padding=bool(shard_info and shard_info.requires_padding),
-    )
+def _openai_routes(state: RouterState) -> list[BaseRoute]:
+    """The OpenAI-compatible routes (/v1/chat/completions, /v1/completions, /v1/models, ...)."""
+    if importlib.util.find_spec("textgate.router.openai_routes") is None:
+        return []
+    from textgate.router.openai_routes import openai_routes
 
-
-class _Handlers:
-    def __init__(
-        self,
-        config: RouterConfig,
-        shards: ShardedClient,
-        validator: Validator,
-        engine: Engine,
-        shard_info: pb.InfoResponse | None,
-    ) -> None:
-        self._config = config
-        self._shards = shards
-        self._validator = validator
-        self._engine = engine
-        self._info = _info(config, shard_info)
-        device = self._info.model_device_type
-        self._compute_type = f"{'gpu' if device == 'cuda' else device}+optimized"
-
-    async def generate(self, request: Request) -> Response:
-        start = time.monotonic()
-        body = await _read_generate_request(request, self._config.payload_limit)
-        valid = await self._validator.validate(body)
-        candidates = [valid]
-        if valid.best_of > 1:
-            candidates = [valid.with_seed(secrets.randbits(64)) for _ in range(valid.best_of)]
-        channels = self._engine.submit(candidates)
-        try:
-            results = await _unless_disconnected(request, _collect_all(channels))
-        except ClientDisconnectedError:
-            return Response(status_code=499)
-        best, others = best_of(results)
-        answer = generate_response(best, others, body.parameters, body.inputs)
-        headers = _timing_headers(start, best, len(body.inputs), self._compute_type)
-        return JSONResponse(answer.model_dump(mode="json"), headers=headers)
-
-    async def generate_stream(self, request: Request) -> Response:
-        body = await _read_generate_request(request, self._config.payload_limit)
-        valid = await self._validator.validate(body, stream=True)
-        (channel,) = self._engine.submit([valid])
-        headers = {
-            "x-compute-type": self._compute_type,
-            "x-compute-characters": str(len(body.inputs)),
-        }
-        frames = stream_frames(channel, body.parameters, body.inputs)
-        return SseResponse(frames, on_disconnect=channel.cancel, headers=headers)
-
-    async def health(self, request: Request) -> Response:
-        try:
-            await self._shards.health(timeout_s=HEALTH_TIMEOUT_S)
-        except Exception:
-            return error_response("unhealthy", "healthcheck", 503)
-        return Response(status_code=200)
-
-    async def info(self, request: Request) -> Response:
-        return JSONResponse(self._info.model_dump(mode="json"))
-
-
-def _info(config: RouterConfig, shard_info: pb.InfoResponse | None) -> Info:
-    return Info(
-        model_id=config.model_id,
-        model_dtype=config.model_dtype or (shard_info.dtype if shard_info else "") or "unknown",
-        model_device_type=config.model_device_type
-        or (shard_info.device_type if shard_info else "")
-        or "unknown",
-        max_concurrent_requests=config.max_concurrent_requests,
-        max_best_of=config.max_best_of,
-        max_stop_sequences=config.max_stop_sequences,
-        max_input_tokens=config.max_input_tokens,
-        max_input_length=config.max_input_tokens,
-        max_total_tokens=config.max_total_tokens,
-        waiting_served_ratio=config.waiting_served_ratio,
-        max_batch_total_tokens=batch_limits(config, shard_info).max_batch_total_tokens,
-        max_waiting_tokens=config.max_waiting_tokens,
-        max_batch_size=config.max_batch_size,
-        validation_workers=config.validation_workers,
-        max_client_batch_size=config.max_client_batch_size,
-        router="textgate-router",
-        version=textgate.__version__,
-    )
-
-
-async def _read_generate_request(request: Request, limit: int) -> GenerateRequest:
-    body = await _read_body(request, limit)
-    try:
-        return GenerateRequest.model_validate_json(body)
-    except pydantic.ValidationError as exc:
-        raise ValidationError(_describe(exc)) from exc
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLargeError(limit)
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise PayloadTooLargeError(limit)
-    return bytes(body)
-
-
-def _describe(exc: pydantic.ValidationError) -> str:
-    first = exc.errors()[0]
-    where = ".".join(str(part) for part in first["loc"])
-    detail = f"{where}: {first['msg']}" if where else first["msg"]
-    return f"Failed to deserialize the JSON body into the target type: {detail}"
-
-
-async def _collect_all(channels: Sequence[Channel]) -> list[Generated]:
-    try:
-        return list(await asyncio.gather(*(collect(c) for c in channels)))
-    finally:
-        # Stop the other best_of candidates when one failed (no-op for finished ones).
-        for channel in channels:
-            channel.cancel()
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """`await work`, unless the client disconnects first (ClientDisconnectedError)."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_disconnected(request.receive))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    raise ClientDisconnectedError()
-
-
-async def _disconnected(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-def _timing_headers(
-    start: float, generated: Generated, num_chars: int, compute_type: str
-) -> dict[str, str]:
-    """TGI's response headers; durations in milliseconds."""
-    total = time.monotonic() - start
-    inference = generated.ended_at - generated.started_at
-    num_tokens = generated.finished.generated_tokens
-    return {
-        "x-compute-type": compute_type,
-        "x-compute-time": _ms(total),
-        "x-compute-characters": str(num_chars),
-        "x-total-time": _ms(total),
-        "x-validation-time": _ms(generated.queued_at - start),
-        "x-queue-time": _ms(generated.started_at - generated.queued_at),
-        "x-inference-time": _ms(inference),
-        "x-time-per-token": _ms(inference / max(num_tokens, 1)),
-        "x-prompt-tokens": str(generated.input_length),
-        "x-generated-tokens": str(num_tokens),
-    }
-
-
-def _ms(seconds: float) -> str:
-    return str(max(int(seconds * 1000), 0))
+    return list(openai_routes(state))
 
 
 async def _typed_error(request: Request, exc: Exception) -> Response:
     return error_response(str(exc), getattr(exc, "error_type", "generation"))
 
 
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    error_type = exc.detail.lower().replace(" ", "_")
+    response = error_response(exc.detail, error_type, exc.status_code)
+    response.headers.update(exc.headers or {})
+    return response
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    log.error("%s %s failed: %r", request.method, request.url.path, exc)
+    return error_response("Internal server error", "internal", 500)
+
+
 def _middleware(config: RouterConfig) -> list[Middleware]:
     middleware = []
     if config.cors_allow_origin:
+        # Outside the key check: browsers send preflights without credentials.
         middleware.append(
             Middleware(
                 CORSMiddleware,
@@ -298,14 +138,14 @@ def _middleware(config: RouterConfig) -> list[Middleware]:
 
 
 class ApiKeyMiddleware:
-    """Answers 401 unless the request carries `Authorization: Bearer <api_key>`."""
+    """Answers 401 unless a generating request carries `Authorization: Bearer <api_key>`."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self._app = app
         self._expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and not self._authorized(scope):
+        if scope["type"] == "http" and _guarded(scope) and not self._authorized(scope):
             response = error_response("Unauthorized", "unauthorized", 401)
             await response(scope, receive, send)
             return
@@ -315,3 +155,11 @@ class ApiKeyMiddleware:
         headers: list[tuple[bytes, bytes]] = scope.get("headers", [])
         given = next((v for k, v in headers if k == b"authorization"), b"")
         return hmac.compare_digest(given, self._expected)
+
+
+def _guarded(scope: Scope) -> bool:
+    path = scope.get("path", "")
+    if path in OPEN_PATHS:
+        return False
+    # `GET /` is TGI's health check; `POST /` generates.
+    return not (path == "/" and scope.get("method") in ("GET", "HEAD"))

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 from textgate.proto import generate_pb2 as pb
 from textgate.router.channel import Channel, ErrorEvent, StepEvent
+from textgate.router.config import RouterConfig
+from textgate.router.metrics import DECODE, PREFILL, Metrics
 from textgate.router.queue import BatchLimits, Queue, Running
 from textgate.router.request import ValidRequest
 from textgate.router.shard_client import ShardedClient
@@ -37,6 +39,18 @@ class OverloadedError(Exception):
 
     def __init__(self) -> None:
         super().__init__("Model is overloaded")
+
+
+def batch_limits(config: RouterConfig, shard_info: pb.InfoResponse | None) -> BatchLimits:
+    """The batcher's budgets from the (warmup-resolved) config."""
+    return BatchLimits(
+        max_batch_prefill_tokens=config.max_batch_prefill_tokens,
+        max_batch_total_tokens=config.max_batch_total_tokens or config.default_batch_total_tokens(),
+        max_batch_size=config.max_batch_size,
+        waiting_served_ratio=config.waiting_served_ratio,
+        max_waiting_tokens=config.max_waiting_tokens,
+        requires_padding=bool(shard_info and shard_info.requires_padding),
+    )
 
 
 @dataclass
@@ -61,9 +75,16 @@ class Batcher:
     """Owns the waiting queue and the running batch; one task steps the shards."""
 
     def __init__(
-        self, shards: ShardedClient, limits: BatchLimits, max_concurrent_requests: int
+        self,
+        shards: ShardedClient,
+        limits: BatchLimits,
+        max_concurrent_requests: int,
+        *,
+        metrics: Metrics | None = None,
     ) -> None:
+        """`metrics` gets the queue, batch and per-call metrics (a private one by default)."""
         self._shards = shards
+        self._metrics = metrics or Metrics()
         self._queue: Queue[Entry] = Queue(limits)
         self._max_active = max_concurrent_requests
         self._num_active = 0
@@ -92,6 +113,7 @@ class Batcher:
             self._queue.append(entry)
             channels.append(entry.channel)
         self._num_active += len(requests)
+        self._metrics.queue_size(len(self._queue))
         self._wakeup.set()
         if self._task is None:
             self._task = asyncio.create_task(self._loop(), name="textgate-batcher")
@@ -125,6 +147,15 @@ class Batcher:
         self._running = await self._decode(batches) if batches else None
         if self._running is not None:
             self._steps_since_prefill += 1
+        self._report_batch()
+
+    def _report_batch(self) -> None:
+        running = self._running
+        self._metrics.queue_size(len(self._queue))
+        if running is None:
+            self._metrics.running_batch(0, 0)
+        else:
+            self._metrics.running_batch(running.size, running.max_tokens)
 
     async def _loop(self) -> None:
         while not self._closed:
@@ -140,6 +171,7 @@ class Batcher:
                 self._fail(list(self._in_shards.values()), "Request failed during generation")
                 self._in_shards.clear()
                 self._running = None
+                self._report_batch()
                 await self._clear_cache(None)
 
     def _running_view(self) -> Running | None:
@@ -191,29 +223,39 @@ class Batcher:
             max_tokens=sum(e.request.max_tokens for e in entries),
         )
         now = time.monotonic()
+        self._metrics.next_batch(len(entries))
         for entry in entries:
             entry.channel.started_at = now
             self._in_shards[entry.id] = entry
         try:
             response = await self._shards.prefill(batch)
         except Exception as exc:
+            self._metrics.batch_inference(PREFILL, time.monotonic() - now, None)
             self._fail_in_shards([e.id for e in entries], exc)
             await self._clear_cache(batch.id)
             return None
+        routed = time.monotonic()
+        self._metrics.batch_inference(PREFILL, routed - now, response)
         cached = response.batch if response.HasField("batch") else None
         self._route(response.generations, [e.id for e in entries], cached)
+        self._metrics.batch_filtered(PREFILL, time.monotonic() - routed)
         return cached
 
     async def _decode(self, batches: list[pb.CachedBatch]) -> pb.CachedBatch | None:
         ids = [i for b in batches for i in b.request_ids]
+        started = time.monotonic()
         try:
             response = await self._shards.decode(batches)
         except Exception as exc:
+            self._metrics.batch_inference(DECODE, time.monotonic() - started, None)
             self._fail_in_shards(ids, exc)
             await self._clear_cache(None)
             return None
+        routed = time.monotonic()
+        self._metrics.batch_inference(DECODE, routed - started, response)
         cached = response.batch if response.HasField("batch") else None
         self._route(response.generations, ids, cached)
+        self._metrics.batch_filtered(DECODE, time.monotonic() - routed)
         return cached
 
     def _route(

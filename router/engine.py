@@ -23,6 +23,7 @@ from collections.abc import Iterable, Sequence
 from textgate.proto import generate_pb2 as pb
 from textgate.router.batcher import Entry, OverloadedError
 from textgate.router.channel import Channel, ErrorEvent, StepEvent
+from textgate.router.metrics import DECODE, PREFILL, KvCacheStats, Metrics
 from textgate.router.request import ValidRequest
 from textgate.router.scheduler import ModelStepResult, Scheduler, SchedulerOutput
 from textgate.router.shard_client import ShardedClient
@@ -34,8 +35,14 @@ class PagedEngine:
     """Owns the scheduler; one task steps the shards while requests are in flight."""
 
     def __init__(
-        self, shards: ShardedClient, scheduler: Scheduler, max_concurrent_requests: int
+        self,
+        shards: ShardedClient,
+        scheduler: Scheduler,
+        max_concurrent_requests: int,
+        *,
+        metrics: Metrics | None = None,
     ) -> None:
+        """`metrics` gets the step metrics and watches the KV cache (a private one by default)."""
         self._shards = shards
         self.scheduler = scheduler
         self._max_active = max_concurrent_requests
@@ -47,6 +54,8 @@ class PagedEngine:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
+        self._metrics = metrics or Metrics()
+        self._metrics.watch_kv_cache(self._kv_cache_stats)
 
     @property
     def num_active(self) -> int:
@@ -67,6 +76,7 @@ class PagedEngine:
                 self.scheduler.add_request(entry.id, request.input_ids, request.max_new_tokens)
             except ValueError as exc:
                 self._fail([entry], str(exc), "validation")
+        self._metrics.queue_size(self.scheduler.num_waiting)
         self._wakeup.set()
         if self._task is None:
             self._task = asyncio.create_task(self._loop(), name="textgate-engine")
@@ -110,16 +120,22 @@ class PagedEngine:
                 await asyncio.wait_for(self._wakeup.wait(), timeout=0.05)
             return
         started = time.monotonic()
+        method = _method(output)
         try:
             response = await self._run(output)
         except Exception as exc:
+            self._metrics.batch_inference(method, time.monotonic() - started, None)
             log.error("shard step failed: %s", exc)
             self._fail_all(f"Request failed during generation: {exc}")
             self.scheduler.update(ModelStepResult())
             await self._reset_shards()
             return
-        result = self._route(response.generations, output, time.monotonic() - started)
+        routed = time.monotonic()
+        self._metrics.batch_inference(method, routed - started, response)
+        result = self._route(response.generations, output, routed - started)
         self.scheduler.update(result)
+        self._metrics.batch_filtered(method, time.monotonic() - routed)
+        self._report_batch()
 
     async def _run(self, output: SchedulerOutput) -> pb.PrefillResponse | pb.DecodeResponse:
         plan = pb.StepPlan(
@@ -137,6 +153,8 @@ class PagedEngine:
         )
         self._finished_for_shards = []
         new = [i for i in output.new_request_ids if i not in self._in_shards]
+        if new:
+            self._metrics.next_batch(len(new))
         now = time.monotonic()
         for request_id in new:
             self._entries[request_id].channel.started_at = now
@@ -192,8 +210,34 @@ class PagedEngine:
     def _release(self, entry: Entry) -> None:
         self._entries.pop(entry.id, None)
 
+    def _report_batch(self) -> None:
+        """Queue and running-batch gauges; a paged batch's max tokens are its KV-cache tokens."""
+        allocator = self.scheduler.allocator
+        self._metrics.queue_size(self.scheduler.num_waiting)
+        self._metrics.running_batch(
+            self.scheduler.num_running, allocator.num_used_blocks * allocator.block_size
+        )
+
+    def _kv_cache_stats(self) -> KvCacheStats:
+        allocator = self.scheduler.allocator
+        return KvCacheStats(
+            num_used_blocks=allocator.num_used_blocks,
+            num_free_blocks=allocator.num_free_blocks,
+            block_size=allocator.block_size,
+            num_prefix_hit_tokens=allocator.num_prefix_hit_tokens,
+            num_prefix_query_tokens=allocator.num_prefix_query_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
     async def _reset_shards(self) -> None:
         try:
             await self._shards.clear_cache(None)
         except Exception as exc:
             log.error("ClearCache failed: %s", exc)
+
+
+def _method(output: SchedulerOutput) -> str:
+    """TGI's `method` label: a step computing any prompt tokens counts as a prefill."""
+    if output.new_request_ids or any(s.num_new_tokens > 1 for s in output.scheduled):
+        return PREFILL
+    return DECODE

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 from textgate.router.channel import Channel, ErrorEvent, Finished, TokenInfo
 from textgate.router.schemas import (
@@ -20,6 +21,9 @@ from textgate.router.schemas import (
 from textgate.router.sse import error_frame, sse_frame
 
 INCOMPLETE = ErrorEvent("Incomplete generation", "incomplete_generation")
+
+StreamEnd: TypeAlias = Finished | ErrorEvent
+"""How a stream ended: its request finished, or failed (a client that left is neither)."""
 
 
 class GenerationError(Exception):
@@ -79,16 +83,24 @@ def best_of(candidates: Sequence[Generated]) -> tuple[Generated, list[Generated]
 
 
 def generate_response(
-    best: Generated, others: Sequence[Generated], params: GenerateParameters, prompt: str
+    best: Generated,
+    others: Sequence[Generated],
+    params: GenerateParameters,
+    prompt: str,
+    *,
+    sampled: bool = True,
 ) -> GenerateResponse:
-    """The /generate body; `others` are the best_of candidates not chosen."""
+    """The /generate body; `others` are the best_of candidates not chosen.
+
+    `sampled`: whether the request sampled; greedy ones report no seed, as TGI's do.
+    """
     prefix = prompt if params.return_full_text else ""
     details = None
     if params.details or params.decoder_input_details:
         details = Details(
             finish_reason=best.finished.finish_reason,
             generated_tokens=best.finished.generated_tokens,
-            seed=best.finished.seed,
+            seed=best.finished.seed if sampled else None,
             prefill=[_prefill_token(t) for t in best.prefill],
             tokens=[_token(t) for t in best.tokens],
             top_tokens=[[_token(t) for t in top] for top in best.top_tokens],
@@ -98,20 +110,32 @@ def generate_response(
 
 
 async def stream_frames(
-    channel: Channel, params: GenerateParameters, prompt: str
+    channel: Channel,
+    params: GenerateParameters,
+    prompt: str,
+    *,
+    sampled: bool = True,
+    on_end: Callable[[StreamEnd], None] | None = None,
 ) -> AsyncIterator[bytes]:
-    """SSE frames for /generate_stream: one per token, then an error frame on failure."""
+    """SSE frames for /generate_stream: one per token, then an error frame on failure.
+
+    `sampled` as for `generate_response`; `on_end` hears how the stream ended, before
+    its last frame is sent.
+    """
     prefix = prompt if params.return_full_text else ""
     index = 0
+    end = INCOMPLETE
     try:
         async for event in channel:
             if isinstance(event, ErrorEvent):
-                yield error_frame(event.message, event.error_type)
-                return
+                end = event
+                break
             for i, token in enumerate(event.tokens):
                 index += 1
                 last = i == len(event.tokens) - 1
                 finished = event.finished if last else None
+                if finished is not None and on_end is not None:
+                    on_end(finished)
                 top = event.top_tokens[i] if i < len(event.top_tokens) else []
                 yield sse_frame(
                     StreamResponse(
@@ -119,26 +143,28 @@ async def stream_frames(
                         token=_token(token),
                         top_tokens=[_token(t) for t in top],
                         generated_text=None if finished is None else prefix + finished.text,
-                        details=_stream_details(finished, channel, params),
+                        details=_stream_details(finished, channel, params, sampled),
                     )
                 )
             if event.finished is not None and event.tokens:
                 return
-        yield error_frame(INCOMPLETE.message, INCOMPLETE.error_type)
+        if on_end is not None:
+            on_end(end)
+        yield error_frame(end.message, end.error_type)
     finally:
         # No-op once finished; otherwise the client left (or the server is closing).
         channel.cancel()
 
 
 def _stream_details(
-    finished: Finished | None, channel: Channel, params: GenerateParameters
+    finished: Finished | None, channel: Channel, params: GenerateParameters, sampled: bool
 ) -> StreamDetails | None:
     if finished is None or not params.details:
         return None
     return StreamDetails(
         finish_reason=finished.finish_reason,
         generated_tokens=finished.generated_tokens,
-        seed=finished.seed,
+        seed=finished.seed if sampled else None,
         input_length=channel.input_length,
     )
 

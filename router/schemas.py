@@ -168,6 +168,15 @@ class StreamResponse(_Response):
     details: StreamDetails | None = None
 
 
+class SimpleToken(_Response):
+    """One prompt token of a /tokenize answer: id, text, and its character span in the prompt."""
+
+    id: int
+    text: str
+    start: int
+    stop: int
+
+
 class ErrorResponse(_Response):
     """Every error body, and the last event of a stream that failed."""
 

@@ -21,13 +21,15 @@ import uvicorn
 from starlette.applications import Starlette
 
 from textgate.proto import generate_pb2 as pb
-from textgate.router.app import Engine, batch_limits, build_app
-from textgate.router.batcher import Batcher
+from textgate.router.app import build_app
+from textgate.router.batcher import Batcher, batch_limits
 from textgate.router.config import RouterConfig
 from textgate.router.engine import PagedEngine
+from textgate.router.metrics import Metrics
 from textgate.router.request import SamplingParams, StoppingParams
 from textgate.router.scheduler import Scheduler, SchedulerConfig
 from textgate.router.shard_client import ShardedClient
+from textgate.router.state import Engine
 from textgate.router.validation import Tokenizer
 
 log = logging.getLogger("textgate.router")
@@ -57,8 +59,9 @@ async def serve(config: RouterConfig) -> None:
         )
         config = resolve_config(config, info, supported)
         log.info("Max batch total tokens: %d", config.max_batch_total_tokens)
-        engine = make_engine(config, shards, info, warmup)
-        app = build_app(config, shards, tokenizer, shard_info=info, engine=engine)
+        metrics = Metrics(config.max_input_tokens, config.max_total_tokens)
+        engine = make_engine(config, shards, info, warmup, metrics=metrics)
+        app = build_app(config, shards, tokenizer, shard_info=info, engine=engine, metrics=metrics)
         await run_http(app, config.hostname, config.port)
     finally:
         await shards.close()
@@ -69,11 +72,16 @@ def make_engine(
     shards: ShardedClient,
     info: pb.InfoResponse,
     warmup: pb.WarmupResponse,
+    *,
+    metrics: Metrics | None = None,
 ) -> Engine:
-    """A PagedEngine for paged shards (block_size > 0), else the padded-batch Batcher."""
+    """A PagedEngine for paged shards (block_size > 0), else the padded-batch Batcher.
+
+    `metrics` (the app's) gets the engine's step metrics.
+    """
     if info.block_size == 0:
         limits = batch_limits(config, info)
-        return Batcher(shards, limits, config.max_concurrent_requests)
+        return Batcher(shards, limits, config.max_concurrent_requests, metrics=metrics)
     if warmup.num_blocks == 0:
         raise RuntimeError("the paged shards reported no KV-cache blocks at warmup")
     scheduler = Scheduler(
@@ -86,7 +94,7 @@ def make_engine(
             ),
         )
     )
-    return PagedEngine(shards, scheduler, config.max_concurrent_requests)
+    return PagedEngine(shards, scheduler, config.max_concurrent_requests, metrics=metrics)
 
 
 def load_tokenizer(path: str) -> Tokenizer:

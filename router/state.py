@@ -1,14 +1,15 @@
-"""What every route handler shares: config, tokenizer, validator, engine, shards."""
+"""What every route handler shares: config, tokenizer, validator, engine, shards, metrics."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from textgate.proto import generate_pb2 as pb
 from textgate.router.channel import Channel
 from textgate.router.config import RouterConfig
+from textgate.router.metrics import Metrics
 from textgate.router.request import ValidRequest
 from textgate.router.shard_client import ShardedClient
 from textgate.router.validation import Tokenizer, Validator
@@ -35,3 +36,5 @@ class RouterState:
     validator: Validator
     engine: Engine
     shard_info: pb.InfoResponse | None
+    metrics: Metrics = field(default_factory=Metrics)
+    """The app's Prometheus metrics: handlers record `request_*`, the engine `batch_*`."""

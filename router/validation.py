@@ -10,11 +10,11 @@ from __future__ import annotations
 import asyncio
 import secrets
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 from textgate.router.config import RouterConfig
 from textgate.router.request import SamplingParams, StoppingParams, ValidRequest
-from textgate.router.schemas import GenerateParameters, GenerateRequest
+from textgate.router.schemas import GenerateParameters, GenerateRequest, SimpleToken
 
 MAX_SEED = 2**64
 
@@ -66,6 +66,25 @@ class Validator:
             best_of=best_of,
         )
 
+    async def tokenize(self, request: GenerateRequest) -> list[SimpleToken]:
+        """The prompt's tokens with their character spans (TGI's /tokenize).
+
+        `parameters.truncate` keeps the last tokens, as generation would.
+        """
+        truncate = _check_truncate(request.parameters.truncate, self._config.max_input_tokens)
+        loop = asyncio.get_running_loop()
+        try:
+            tokens = await loop.run_in_executor(
+                self._executor,
+                token_spans,
+                self._tokenizer,
+                request.inputs,
+                request.add_special_tokens,
+            )
+        except Exception as exc:
+            raise ValidationError(f"tokenizer error {exc}") from exc
+        return tokens[-truncate:] if truncate is not None else tokens
+
     def close(self) -> None:
         """Stop the tokenizer threads (pending work is dropped)."""
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -98,6 +117,29 @@ class Validator:
                 f"Given: {input_length}"
             )
         return max_new_tokens
+
+
+def token_spans(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[SimpleToken]:
+    """Token ids with the text each one covers.
+
+    Fast (transformers) tokenizers give character offsets; a tokenizer that cannot gives
+    ids with empty spans, as TGI does for those.
+    """
+    if callable(tokenizer):
+        try:
+            encoding = cast(Any, tokenizer)(
+                text, add_special_tokens=add_special_tokens, return_offsets_mapping=True
+            )
+            ids, offsets = encoding["input_ids"], encoding["offset_mapping"]
+        except NotImplementedError:
+            pass  # a slow tokenizer: no offsets
+        else:
+            return [
+                SimpleToken(id=i, text=text[start:stop], start=start, stop=stop)
+                for i, (start, stop) in zip(ids, offsets, strict=True)
+            ]
+    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return [SimpleToken(id=i, text="", start=0, stop=0) for i in ids]
 
 
 def _check_unsupported(p: GenerateParameters) -> None:

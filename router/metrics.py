@@ -1,0 +1,307 @@
+"""Prometheus metrics under TGI's names, so TGI's Grafana dashboards and alerts work unchanged.
+
+Every app owns a `Metrics` with its own `CollectorRegistry` (tests build many apps in
+one process). The HTTP handlers record per-request metrics (`request_*`), the engines
+record per-step ones (`batch_*`, `queue_size`, `running_batch`) and expose their KV
+cache through `watch_kv_cache`, read at scrape time.
+
+`render()` writes the Prometheus text format the way TGI's exporter does: counters keep
+their bare name (`tgi_request_count`, not `tgi_request_count_total`) and there are no
+`_created` series. Duration histograms use TGI's buckets (geometric, 0.15 ms to ~20 min);
+token-count histograms use 100 even steps up to the configured token limits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from textgate.proto import generate_pb2 as pb
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+DURATION_BUCKETS = tuple(0.0001 * 1.5**k for k in range(1, 36))
+BATCH_SIZE_BUCKETS = tuple(float(n) for n in range(1, 1025))
+# TGI's `err` label values; other error types keep their own name.
+FAILURE_LABELS = {"incomplete_generation": "incomplete"}
+PREFILL, DECODE = "prefill", "decode"
+
+
+@dataclass(frozen=True)
+class RequestTimings:
+    """When a successful request was received, queued, started and ended (monotonic seconds)."""
+
+    received_at: float
+    queued_at: float
+    started_at: float
+    ended_at: float
+    generated_tokens: int
+
+
+@dataclass(frozen=True)
+class KvCacheStats:
+    """A paged engine's KV cache, read at scrape time."""
+
+    num_used_blocks: int
+    num_free_blocks: int
+    block_size: int
+    num_prefix_hit_tokens: int
+    """Prompt tokens served from the prefix cache since the scheduler started."""
+    num_prefix_query_tokens: int
+    """Prompt tokens looked up in the prefix cache since the scheduler started."""
+    num_preemptions: int
+    """Requests whose blocks were taken back (recompute) since the scheduler started."""
+
+
+class Metrics:
+    """TGI's metrics (and textgate's KV-cache ones) in a registry of their own."""
+
+    def __init__(self, max_input_tokens: int = 4095, max_total_tokens: int = 4096) -> None:
+        """Token-count histograms get 100 even buckets up to the given limits (TGI's choice)."""
+        self.registry = CollectorRegistry()
+        self._kv_cache: _KvCacheCollector | None = None
+        self._define_request_metrics(max_input_tokens, max_total_tokens)
+        self._define_batch_metrics()
+
+    # ---- requests (HTTP handlers) ----
+
+    def request_received(self) -> None:
+        """A generation request arrived (counted before it is even parsed, as TGI does)."""
+        self._request_count.inc()
+
+    def request_validated(self, input_length: int, max_new_tokens: int) -> None:
+        self._input_length.observe(input_length)
+        self._max_new_tokens.observe(max_new_tokens)
+
+    def request_failed(self, error_type: str) -> None:
+        """`error_type` is the one sent to the client (validation, overloaded, generation, ...)."""
+        self._request_failure.labels(err=FAILURE_LABELS.get(error_type, error_type)).inc()
+
+    def request_succeeded(self, timings: RequestTimings) -> None:
+        inference = max(timings.ended_at - timings.started_at, 0.0)
+        self._request_success.inc()
+        self._request_duration.observe(max(timings.ended_at - timings.received_at, 0.0))
+        self._validation_duration.observe(max(timings.queued_at - timings.received_at, 0.0))
+        self._queue_duration.observe(max(timings.started_at - timings.queued_at, 0.0))
+        self._inference_duration.observe(inference)
+        self._time_per_token.observe(inference / max(timings.generated_tokens, 1))
+        self._generated_tokens.observe(timings.generated_tokens)
+
+    @contextlib.contextmanager
+    def count_failures(self) -> Iterator[None]:
+        """Count an exception carrying an `error_type` (ValidationError, ...) as a failure."""
+        try:
+            yield
+        except Exception as exc:
+            error_type = getattr(exc, "error_type", None)
+            if isinstance(error_type, str):
+                self.request_failed(error_type)
+            raise
+
+    # ---- steps (engines) ----
+
+    def queue_size(self, num_waiting: int) -> None:
+        self._queue_size.set(num_waiting)
+
+    def running_batch(self, size: int, max_tokens: int) -> None:
+        """The running batch after a step: its requests and their token budget."""
+        self._batch_size.set(size)
+        self._batch_max_tokens.set(max_tokens)
+
+    def next_batch(self, size: int) -> None:
+        """A new batch of `size` requests is about to be prefilled."""
+        self._batch_next_size.observe(size)
+
+    def batch_inference(
+        self,
+        method: str,
+        duration_s: float,
+        response: pb.PrefillResponse | pb.DecodeResponse | None,
+    ) -> None:
+        """One Prefill/Decode call (`method`) took `duration_s`; `response` is None if it failed."""
+        self._inference_count.labels(method=method).inc()
+        if response is None:
+            return
+        self._inference_success.labels(method=method).inc()
+        self._batch_inference_duration.labels(method=method).observe(duration_s)
+        self._forward_duration.labels(method=method).observe(response.forward_ns / 1e9)
+        self._decode_duration.labels(method=method).observe(response.decode_ns / 1e9)
+        if isinstance(response, pb.DecodeResponse) and response.HasField("concat_ns"):
+            self._concat_duration.labels(method=method).observe(response.concat_ns / 1e9)
+
+    def batch_filtered(self, method: str, duration_s: float) -> None:
+        """Routing a step's tokens to their requests (and dropping finished ones) took this long."""
+        self._filter_duration.labels(method=method).observe(duration_s)
+
+    def watch_kv_cache(self, stats: Callable[[], KvCacheStats]) -> None:
+        """Export the paged KV cache: `stats` is called at every scrape."""
+        if self._kv_cache is None:
+            self._kv_cache = _KvCacheCollector(stats)
+            self.registry.register(self._kv_cache)
+        else:
+            self._kv_cache.stats = stats
+
+    # ---- exposition ----
+
+    def render(self) -> bytes:
+        """The Prometheus text format, with TGI's series names."""
+        return render(self.registry)
+
+    def _define_request_metrics(self, max_input_tokens: int, max_total_tokens: int) -> None:
+        r = self.registry
+        self._request_count = Counter("tgi_request_count", "Total number of requests", registry=r)
+        self._request_success = Counter(
+            "tgi_request_success", "Number of successful requests", registry=r
+        )
+        self._request_failure = Counter(
+            "tgi_request_failure", "Failed requests per error kind", ["err"], registry=r
+        )
+        self._request_duration = _seconds("tgi_request_duration", "End-to-end request time", r)
+        self._validation_duration = _seconds(
+            "tgi_request_validation_duration", "Time spent validating the request", r
+        )
+        self._queue_duration = _seconds(
+            "tgi_request_queue_duration", "Time spent in the queue per request", r
+        )
+        self._inference_duration = _seconds(
+            "tgi_request_inference_duration", "Request inference duration", r
+        )
+        self._time_per_token = _seconds(
+            "tgi_request_mean_time_per_token_duration", "Mean time per token per request", r
+        )
+        self._input_length = _tokens(
+            "tgi_request_input_length", "Input token length per request", max_input_tokens, r
+        )
+        self._generated_tokens = _tokens(
+            "tgi_request_generated_tokens", "Generated tokens per request", max_total_tokens, r
+        )
+        self._max_new_tokens = _tokens(
+            "tgi_request_max_new_tokens", "Maximum new tokens per request", max_total_tokens, r
+        )
+
+    def _define_batch_metrics(self) -> None:
+        r = self.registry
+        self._queue_size = Gauge("tgi_queue_size", "Current queue size", registry=r)
+        self._batch_size = Gauge("tgi_batch_current_size", "Current batch size", registry=r)
+        self._batch_max_tokens = Gauge(
+            "tgi_batch_current_max_tokens", "Maximum tokens for the current batch", registry=r
+        )
+        self._batch_next_size = Histogram(
+            "tgi_batch_next_size",
+            "Batch size of the next batch",
+            buckets=BATCH_SIZE_BUCKETS,
+            registry=r,
+        )
+        self._inference_count = Counter(
+            "tgi_batch_inference_count", "Inference calls per method", ["method"], registry=r
+        )
+        self._inference_success = Counter(
+            "tgi_batch_inference_success",
+            "Successful inference calls per method",
+            ["method"],
+            registry=r,
+        )
+        self._batch_inference_duration = _seconds(
+            "tgi_batch_inference_duration", "Batch inference duration", r, ["method"]
+        )
+        self._forward_duration = _seconds(
+            "tgi_batch_forward_duration", "Batch forward duration per method", r, ["method"]
+        )
+        self._decode_duration = _seconds(
+            "tgi_batch_decode_duration", "Time spent decoding a batch per method", r, ["method"]
+        )
+        self._filter_duration = _seconds(
+            "tgi_batch_filter_duration",
+            "Time spent filtering batches and sending generated tokens per method",
+            r,
+            ["method"],
+        )
+        self._concat_duration = _seconds(
+            "tgi_batch_concat_duration", "Time spent concatenating batches", r, ["method"]
+        )
+
+
+def _seconds(
+    name: str, documentation: str, registry: CollectorRegistry, labels: Iterable[str] = ()
+) -> Histogram:
+    return Histogram(name, documentation, labels, buckets=DURATION_BUCKETS, registry=registry)
+
+
+def _tokens(name: str, documentation: str, limit: int, registry: CollectorRegistry) -> Histogram:
+    buckets = sorted({limit / 100 * (k + 1) for k in range(100)})
+    return Histogram(name, documentation, buckets=buckets, registry=registry)
+
+
+class _KvCacheCollector(Collector):
+    """textgate's own KV-cache metrics, read from the engine at every scrape."""
+
+    def __init__(self, stats: Callable[[], KvCacheStats]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterable[Metric]:
+        s = self.stats()
+        total = s.num_used_blocks + s.num_free_blocks
+        yield GaugeMetricFamily(
+            "textgate_kv_cache_blocks_used", "KV-cache blocks held by requests", s.num_used_blocks
+        )
+        yield GaugeMetricFamily(
+            "textgate_kv_cache_blocks_free",
+            "KV-cache blocks free (including evictable prefix-cache blocks)",
+            s.num_free_blocks,
+        )
+        yield GaugeMetricFamily(
+            "textgate_kv_cache_usage",
+            "Fraction of KV-cache blocks in use",
+            s.num_used_blocks / total if total else 0.0,
+        )
+        yield GaugeMetricFamily(
+            "textgate_kv_cache_block_size", "Tokens per KV-cache block", s.block_size
+        )
+        yield CounterMetricFamily(
+            "textgate_prefix_cache_hit_tokens",
+            "Prompt tokens served from the prefix cache",
+            s.num_prefix_hit_tokens,
+        )
+        yield CounterMetricFamily(
+            "textgate_prefix_cache_query_tokens",
+            "Prompt tokens looked up in the prefix cache",
+            s.num_prefix_query_tokens,
+        )
+        yield CounterMetricFamily(
+            "textgate_preemptions", "Requests preempted to free KV blocks", s.num_preemptions
+        )
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    """Prometheus text format (0.0.4) with counters under their bare family name, like TGI."""
+    lines: list[str] = []
+    for family in registry.collect():
+        kind = "untyped" if family.type == "unknown" else family.type
+        lines.append(f"# HELP {family.name} {_escape_help(family.documentation)}")
+        lines.append(f"# TYPE {family.name} {kind}")
+        for sample in family.samples:
+            if sample.name == family.name + "_created":
+                continue
+            name = family.name if sample.name == family.name + "_total" else sample.name
+            lines.append(f"{name}{_labels(sample.labels)} {floatToGoString(sample.value)}")
+    return ("\n".join(lines) + "\n").encode()
+
+
+def _labels(labels: dict[str, str]) -> str:
+    if not labels:
+        return ""
+    pairs = ",".join(f'{key}="{_escape_label(value)}"' for key, value in sorted(labels.items()))
+    return "{" + pairs + "}"
+
+
+def _escape_label(value: str) -> str:
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+
+
+def _escape_help(text: str) -> str:
+    return text.replace("\\", r"\\").replace("\n", r"\n")
