@@ -39,12 +39,15 @@ def plot_results(
                 ys = [getattr(getattr(r.metrics, attr), f"{pct}_ms") for r in runs]
                 latency_ax.plot(xs, ys, style, label=f"{name} {text} {pct}")
     for name, metrics in (baselines or {}).items():
-        throughput_ax.axhline(metrics.output_throughput, linestyle=":", color="gray", label=name)
+        label = f"{name} ({metrics.output_throughput:.1f} tok/s)"
+        throughput_ax.axhline(metrics.output_throughput, linestyle=":", color="gray", label=label)
     throughput_ax.set(xlabel=xlabel, ylabel="output tokens/s", title="Output token throughput")
     latency_ax.set(xlabel=xlabel, ylabel="ms", title="Latency percentiles", yscale="log")
+    levels = sorted({r.level.x_value for r in results})
     for ax in (throughput_ax, latency_ax):
         if not open_loop:
             ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [f"{x:g}" for x in levels])
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")
     fig.savefig(str(path), dpi=100)
