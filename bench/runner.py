@@ -109,53 +109,66 @@ async def run_benchmark(
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(config.timeout_s)
     async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
-        settings = {
-            t.name: GenerationSettings(
-                config.output_len, config.ignore_eos, await resolve_model_name(client, t)
-            )
-            for t in targets
-        }
+        settings = {}
+        for t in targets:
+            model = await resolve_model_name(client, t)
+            settings[t.name] = GenerationSettings(config.output_len, config.ignore_eos, model)
+        session = _Session(client, config, tokenizer, settings, log)
         results: list[RunResult] = []
         for level_index, level in enumerate(config.levels):
-            level_results = [RunResult(t, level) for t in targets]
-            num = config.num_requests or level.default_num_requests()
-            for round_index in range(config.rounds):
-                stream = level_index * config.rounds + round_index
-                requests = build_requests(config.workload, tokenizer, config.warmup + num, stream)
-                for result in level_results:
-                    log(
-                        f"[{result.target.name} {level.label} round {round_index + 1}] {num} requests"
-                    )
-                    outcomes, duration = await _run_round(
-                        client, result.target, settings[result.target.name], level, requests,
-                        config, tokenizer,
-                    )  # fmt: skip
-                    result.add_round(outcomes, duration)
-                    log(f"  done in {duration:.1f}s, {sum(not o.success for o in outcomes)} failed")
-            results.extend(level_results)
+            results.extend(await session.run_level(targets, level, level_index))
         return results
 
 
-async def _run_round(
-    client: httpx.AsyncClient,
-    target: Target,
-    settings: GenerationSettings,
-    level: LoadLevel,
-    requests: list[BenchRequest],
-    config: BenchConfig,
-    tokenizer: BenchTokenizer,
-) -> tuple[list[RequestOutcome], float]:
-    backend = get_backend(target.backend)
+@dataclass
+class _Session:
+    """What every round of one benchmark shares."""
 
-    def sender(batch: list[BenchRequest]) -> SendFn:
+    client: httpx.AsyncClient
+    config: BenchConfig
+    tokenizer: BenchTokenizer
+    settings: dict[str, GenerationSettings]
+    log: Log
+
+    async def run_level(
+        self, targets: Sequence[Target], level: LoadLevel, level_index: int
+    ) -> list[RunResult]:
+        """All rounds of one level, the targets taking turns within each round."""
+        config = self.config
+        results = [RunResult(t, level) for t in targets]
+        num = config.num_requests or level.default_num_requests()
+        for round_index in range(config.rounds):
+            stream = level_index * config.rounds + round_index
+            requests = build_requests(config.workload, self.tokenizer, config.warmup + num, stream)
+            for result in results:
+                self.log(
+                    f"[{result.target.name} {level.label} round {round_index + 1}] {num} requests"
+                )
+                outcomes, duration = await self.run_round(result.target, level, requests)
+                result.add_round(outcomes, duration)
+                failed = sum(not o.success for o in outcomes)
+                self.log(f"  done in {duration:.1f}s, {failed} failed")
+        return results
+
+    async def run_round(
+        self, target: Target, level: LoadLevel, requests: list[BenchRequest]
+    ) -> tuple[list[RequestOutcome], float]:
+        """Warm up on the first `warmup` requests, then measure the rest at `level`."""
+        warmup, measured = requests[: self.config.warmup], requests[self.config.warmup :]
+        if warmup:
+            clients = level.concurrency or len(warmup)
+            await run_closed_loop(len(warmup), clients, self.sender(target, warmup))
+        seed = self.config.workload.seed
+        return await run_load(level, len(measured), self.sender(target, measured), seed)
+
+    def sender(self, target: Target, batch: list[BenchRequest]) -> SendFn:
+        """A SendFn streaming `batch[index]` from `target`."""
+        backend = get_backend(target.backend)
+        settings = self.settings[target.name]
+
         async def send(index: int) -> RequestOutcome:
             return await send_request(
-                client, target.url, backend, batch[index], settings, tokenizer.count
+                self.client, target.url, backend, batch[index], settings, self.tokenizer.count
             )
 
         return send
-
-    warmup, measured = requests[: config.warmup], requests[config.warmup :]
-    if warmup:
-        await run_closed_loop(len(warmup), level.concurrency or len(warmup), sender(warmup))
-    return await run_load(level, len(measured), sender(measured), seed=config.workload.seed)
