@@ -138,6 +138,7 @@ class Batcher:
         new = self._queue.admit(self._running_view())
         if not new and self._running is None and len(self._queue):
             self._reject_head()
+        self._metrics.queue_size(len(self._queue))
         batches = [self._running] if self._running is not None else []
         if new:
             cached = await self._prefill(new)

@@ -35,14 +35,28 @@ _WORD = re.compile(r"^[wt](\d+)$")
 
 
 class FakeTokenizer:
-    """Whitespace words to ids: "wN"/"tN" -> N, anything else -> 3 + len(word)."""
+    """Whitespace words to ids: "wN"/"tN" -> N, anything else -> 3 + len(word).
+
+    Called like a transformers fast tokenizer with `return_offsets_mapping=True`, it
+    also gives each word's character span.
+    """
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = []
-        for word in text.split():
-            match = _WORD.match(word)
-            ids.append(int(match.group(1)) if match else 3 + len(word))
-        return ids
+        return [_word_id(match.group()) for match in re.finditer(r"\S+", text)]
+
+    def __call__(
+        self, text: str, add_special_tokens: bool = True, return_offsets_mapping: bool = False
+    ) -> dict[str, list[Any]]:
+        matches = list(re.finditer(r"\S+", text))
+        encoding: dict[str, list[Any]] = {"input_ids": [_word_id(m.group()) for m in matches]}
+        if return_offsets_mapping:
+            encoding["offset_mapping"] = [m.span() for m in matches]
+        return encoding
+
+
+def _word_id(word: str) -> int:
+    match = _WORD.match(word)
+    return int(match.group(1)) if match else 3 + len(word)
 
 
 @dataclass

@@ -128,3 +128,28 @@ async def test_a_closed_stream_cancels_its_request() -> None:
     await anext(frames)
     await frames.aclose()
     assert channel.cancelled
+
+
+def test_greedy_answers_hide_the_shards_seed() -> None:
+    best = Generated(done(" t1", 1, seed=9), input_length=1, queued_at=0, started_at=0)
+    params = GenerateParameters(details=True)
+    assert generate_response(best, [], params, "", sampled=False).details.seed is None  # type: ignore[union-attr]
+    assert generate_response(best, [], params, "", sampled=True).details.seed == 9  # type: ignore[union-attr]
+
+
+async def test_stream_end_is_reported_before_the_last_frame() -> None:
+    ends: list[Any] = []
+    finished = done(" t1", 1, seed=9)
+    channel = channel_with(StepEvent([tok(1)], finished=finished))
+    params = GenerateParameters(details=True)
+    frames = [
+        f async for f in stream_frames(channel, params, "", sampled=False, on_end=ends.append)
+    ]
+    assert ends == [finished]
+    assert json.loads(frames[-1][len(b"data: ") :])["details"]["seed"] is None
+    failing = channel_with(StepEvent([tok(1)]), ErrorEvent("boom", "generation"))
+    [f async for f in stream_frames(failing, params, "", on_end=ends.append)]
+    assert ends[-1] == ErrorEvent("boom", "generation")
+    cut = channel_with(StepEvent([], finished=done("", 0)))
+    [f async for f in stream_frames(cut, params, "", on_end=ends.append)]
+    assert ends[-1].error_type == "incomplete_generation"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -11,7 +12,7 @@ import pytest
 
 from textgate.router.config import RouterConfig
 from textgate.router.schemas import GenerateRequest
-from textgate.router.validation import ValidationError, Validator
+from textgate.router.validation import ValidationError, Validator, token_spans
 from textgate.tests.router.fake_shard import FakeTokenizer
 
 LONG_PROMPT = " ".join(["w5"] * 65)  # max_input_tokens is 64 in the test config
@@ -207,3 +208,31 @@ async def test_tokenizer_errors_are_validation_errors(
     with pytest.raises(ValidationError, match="tokenizer error boom"):
         await validator.validate(generate_request("w5"))
     validator.close()
+
+
+def test_token_spans_come_from_a_fast_tokenizers_offsets(tokenizer_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    spans = token_spans(tokenizer, "w5 w17  w6", add_special_tokens=True)
+    assert [(s.id, s.text, s.start, s.stop) for s in spans] == [
+        (5, "w5", 0, 2),
+        (17, "w17", 3, 6),
+        (6, "w6", 8, 10),
+    ]
+
+
+def test_token_spans_without_offsets_are_empty_like_tgis() -> None:
+    class EncodeOnly:
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            return [1, 2]
+
+    spans = token_spans(EncodeOnly(), "anything", add_special_tokens=True)
+    assert [(s.id, s.text, s.start, s.stop) for s in spans] == [(1, "", 0, 0), (2, "", 0, 0)]
+
+
+async def test_tokenize_truncates_and_checks_truncate(validator: Validator) -> None:
+    tokens = await validator.tokenize(generate_request("w5 w6 w7", truncate=1))
+    assert [(t.id, t.text) for t in tokens] == [(7, "w7")]
+    with pytest.raises(ValidationError, match="`truncate` must be strictly positive"):
+        await validator.tokenize(generate_request("w5", truncate=0))
