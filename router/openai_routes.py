@@ -14,21 +14,21 @@ and statuses, so these routes answer like the TGI ones next to them.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
 
-import pydantic
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
-from starlette.types import Receive
 
 from textgate.router.batcher import OverloadedError
-from textgate.router.channel import Channel
+from textgate.router.channel import Channel, ErrorEvent
 from textgate.router.chat_template import render_chat
 from textgate.router.errors import PayloadTooLargeError, error_response
 from textgate.router.generate import Generated, GenerationError, collect
+from textgate.router.http import ClientDisconnectedError, read_json, unless_disconnected
+from textgate.router.metrics import RequestTimings
 from textgate.router.openai_output import (
     ResponseMeta,
     TextOptions,
@@ -53,15 +53,20 @@ from textgate.router.openai_schemas import (
     ModelCard,
     ModelList,
     SamplingRequest,
-    SimpleToken,
 )
-from textgate.router.openai_stream import ChatChunks, ChunkWriter, CompletionChunks, openai_frames
+from textgate.router.openai_stream import (
+    ChatChunks,
+    ChunkWriter,
+    CompletionChunks,
+    OnEnd,
+    openai_frames,
+)
+from textgate.router.request import ValidRequest
 from textgate.router.schemas import GenerateRequest
 from textgate.router.sse import SseResponse
 from textgate.router.state import RouterState
 from textgate.router.validation import ValidationError
 
-Body = TypeVar("Body", bound=pydantic.BaseModel)
 Handler = Callable[[Request], Awaitable[Response]]
 # A client that left before its (non-streamed) answer was ready (nginx's code).
 CLIENT_CLOSED_REQUEST = 499
@@ -82,37 +87,65 @@ class _OpenAIHandlers:
     def __init__(self, state: RouterState) -> None:
         self._state = state
         self._config = state.config
+        self._metrics = state.metrics
         self._created = int(time.time())
 
     async def chat_completions(self, request: Request) -> Response:
-        body = await _read_body(request, ChatCompletionRequest, self._config.payload_limit)
+        """POST /v1/chat/completions: OpenAI chat completion (messages through the chat template)."""
+        received = time.monotonic()
+        self._metrics.request_received()
+        with self._metrics.count_failures():
+            return await self._chat(request, received)
+
+    async def completions(self, request: Request) -> Response:
+        """POST /v1/completions: OpenAI (legacy) text completion of one or more prompts."""
+        received = time.monotonic()
+        self._metrics.request_received()
+        with self._metrics.count_failures():
+            return await self._complete(request, received)
+
+    async def models(self, request: Request) -> Response:
+        """GET /v1/models: the served model, OpenAI's model list."""
+        card = ModelCard(id=self._config.model_id, created=self._created)
+        return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
+
+    async def chat_tokenize(self, request: Request) -> Response:
+        """POST /chat_tokenize: the chat-templated prompt and its tokens with their spans."""
+        body = await read_json(request, ChatCompletionRequest, self._config.payload_limit)
+        prompt = await self._render(body)
+        inputs = GenerateRequest(inputs=prompt, add_special_tokens=False)
+        tokens = await self._state.validator.tokenize(inputs)
+        answer = ChatTokenizeResponse(tokenize_response=tokens, templated_text=prompt)
+        return JSONResponse(answer.model_dump(mode="json"))
+
+    async def _chat(self, request: Request, received: float) -> Response:
+        body = await read_json(request, ChatCompletionRequest, self._config.payload_limit)
         params = chat_parameters(body, self._config)
         fanout = chat_fanout(body, self._config)
         prompt = await self._render(body)
+        # The template already holds the special tokens the model expects (BOS, markers).
         inputs = GenerateRequest(inputs=prompt, parameters=params, add_special_tokens=False)
-        valid = await self._state.validator.validate(inputs, stream=body.stream)
+        valid = await self._validate(inputs, body.stream)
         channels = self._state.engine.submit(candidates(valid, body.seed, fanout.num_candidates))
         meta = ResponseMeta.new("chatcmpl", body.model or self._config.model_id)
         options = _text_options(body)
         if body.stream:
             writer = ChatChunks(meta, len(channels), options, logprobs=body.logprobs)
-            return _stream(channels, writer, valid.input_length, body)
-        results = await _collect_unless_disconnected(request, channels)
+            return self._stream(channels, writer, valid.input_length, body, received)
+        results = await self._collect(request, channels, received)
         if results is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         answer = chat_completion(meta, results, valid.input_length, options, logprobs=body.logprobs)
         return JSONResponse(answer.model_dump(mode="json"))
 
-    async def completions(self, request: Request) -> Response:
-        body = await _read_body(request, CompletionRequest, self._config.payload_limit)
+    async def _complete(self, request: Request, received: float) -> Response:
+        body = await read_json(request, CompletionRequest, self._config.payload_limit)
         prompts = prompt_list(body)
         params = completion_parameters(body, self._config)
         fanout = completion_fanout(body, self._config)
         valids = await asyncio.gather(
             *(
-                self._state.validator.validate(
-                    GenerateRequest(inputs=p, parameters=params), stream=body.stream
-                )
+                self._validate(GenerateRequest(inputs=p, parameters=params), body.stream)
                 for p in prompts
             )
         )
@@ -128,8 +161,8 @@ class _OpenAIHandlers:
             writer = CompletionChunks(
                 meta, choice_prompts, options, echo=body.echo, logprobs=logprobs
             )
-            return _stream(channels, writer, prompt_tokens, body)
-        results = await _collect_unless_disconnected(request, channels)
+            return self._stream(channels, writer, prompt_tokens, body, received)
+        results = await self._collect(request, channels, received)
         if results is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         size = fanout.num_candidates
@@ -140,17 +173,6 @@ class _OpenAIHandlers:
         answer = completion(
             meta, prompts, chosen, prompt_tokens, options, echo=body.echo, logprobs=logprobs
         )
-        return JSONResponse(answer.model_dump(mode="json"))
-
-    async def models(self, request: Request) -> Response:
-        card = ModelCard(id=self._config.model_id, created=self._created)
-        return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
-
-    async def chat_tokenize(self, request: Request) -> Response:
-        body = await _read_body(request, ChatCompletionRequest, self._config.payload_limit)
-        prompt = await self._render(body)
-        tokens = await asyncio.to_thread(_token_spans, self._state.tokenizer, prompt)
-        answer = ChatTokenizeResponse(tokenize_response=tokens, templated_text=prompt)
         return JSONResponse(answer.model_dump(mode="json"))
 
     async def _render(self, body: ChatCompletionRequest) -> str:
@@ -168,17 +190,59 @@ class _OpenAIHandlers:
             continue_final_message=body.continue_final_message,
         )
 
+    async def _validate(self, inputs: GenerateRequest, stream: bool) -> ValidRequest:
+        valid = await self._state.validator.validate(inputs, stream=stream)
+        self._metrics.request_validated(valid.input_length, valid.max_new_tokens)
+        return valid
+
+    async def _collect(
+        self, request: Request, channels: Sequence[Channel], received: float
+    ) -> list[Generated] | None:
+        """Every channel's result, or None when the client left first (all are cancelled)."""
+        try:
+            results = await unless_disconnected(request, _collect_all(channels))
+        except ClientDisconnectedError:
+            return None
+        self._metrics.request_succeeded(
+            RequestTimings(
+                received_at=received,
+                queued_at=min(g.queued_at for g in results),
+                started_at=min(g.started_at for g in results),
+                ended_at=max(g.ended_at for g in results),
+                generated_tokens=sum(g.finished.generated_tokens for g in results),
+            )
+        )
+        return results
+
+    def _stream(
+        self,
+        channels: Sequence[Channel],
+        writer: ChunkWriter,
+        prompt_tokens: int,
+        body: SamplingRequest,
+        received: float,
+    ) -> Response:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        frames = openai_frames(
+            channels, writer, prompt_tokens, include_usage, self._on_stream_end(channels, received)
+        )
+        return SseResponse(frames, on_disconnect=lambda: _cancel_all(channels))
+
+    def _on_stream_end(self, channels: Sequence[Channel], received: float) -> OnEnd:
+        def on_end(failure: ErrorEvent | None, generated_tokens: int) -> None:
+            if failure is not None:
+                self._metrics.request_failed(failure.error_type)
+                return
+            queued = min(c.queued_at for c in channels)
+            started = min(c.started_at or c.queued_at for c in channels)
+            timings = RequestTimings(received, queued, started, time.monotonic(), generated_tokens)
+            self._metrics.request_succeeded(timings)
+
+        return on_end
+
 
 def _text_options(body: SamplingRequest) -> TextOptions:
     return TextOptions(stop=tuple(stop_sequences(body)), keep_stop=body.include_stop_str_in_output)
-
-
-def _stream(
-    channels: Sequence[Channel], writer: ChunkWriter, prompt_tokens: int, body: SamplingRequest
-) -> Response:
-    include_usage = body.stream_options is not None and body.stream_options.include_usage
-    frames = openai_frames(channels, writer, prompt_tokens, include_usage)
-    return SseResponse(frames, on_disconnect=lambda: _cancel_all(channels))
 
 
 def _cancel_all(channels: Sequence[Channel]) -> None:
@@ -186,75 +250,26 @@ def _cancel_all(channels: Sequence[Channel]) -> None:
         channel.cancel()
 
 
-async def _collect_unless_disconnected(
-    request: Request, channels: Sequence[Channel]
-) -> list[Generated] | None:
-    """Every channel's result; None if the client left first (then all are cancelled).
-
-    GenerationError if one fails; the others are cancelled then too.
-    """
+async def _collect_all(channels: Sequence[Channel]) -> list[Generated]:
+    """Every channel's result; GenerationError when one fails (the others are cancelled)."""
     tasks = [asyncio.ensure_future(collect(c)) for c in channels]
-    results = asyncio.gather(*tasks)
-    watch = asyncio.ensure_future(_disconnected(request.receive))
-    first: set[asyncio.Future[Any]] = {results, watch}
     try:
-        await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
+        return list(await asyncio.gather(*tasks))
     finally:
-        watch.cancel()
-        # No-ops for finished requests; frees the shards from the others.
+        # No-ops once finished; otherwise the shards drop the rest (failure, client gone),
+        # and their collectors, which would wait for events that no longer come, stop.
         _cancel_all(channels)
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, watch, return_exceptions=True)
-    if results.done() and not results.cancelled():
-        return results.result()
-    return None
-
-
-async def _disconnected(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _read_body(request: Request, model: type[Body], limit: int) -> Body:
-    """The JSON body as `model`; 413 over `limit` bytes, 422 when it does not fit the model."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLargeError(limit)
-    raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > limit:
-            raise PayloadTooLargeError(limit)
-    try:
-        return model.model_validate_json(bytes(raw))
-    except pydantic.ValidationError as exc:
-        raise ValidationError(_describe(exc)) from exc
-
-
-def _describe(exc: pydantic.ValidationError) -> str:
-    first = exc.errors()[0]
-    where = ".".join(str(part) for part in first["loc"])
-    detail = f"{where}: {first['msg']}" if where else first["msg"]
-    return f"Failed to deserialize the JSON body into the target type: {detail}"
-
-
-def _token_spans(tokenizer: Any, text: str) -> list[SimpleToken]:
-    """The tokens of `text` with the characters each covers (a fast tokenizer's offsets)."""
-    try:
-        encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids, offsets = encoding["input_ids"], encoding["offset_mapping"]
-    except (TypeError, KeyError, NotImplementedError) as exc:
-        raise ValidationError(f"This tokenizer cannot report token offsets: {exc}") from exc
-    return [
-        SimpleToken(id=i, text=text[start:stop], start=start, stop=stop)
-        for i, (start, stop) in zip(ids, offsets, strict=True)
-    ]
 
 
 def _typed_errors(handler: Handler) -> Handler:
-    """`handler`, answering the pipeline's typed errors with TGI's body and status."""
+    """`handler`, answering the pipeline's typed errors with TGI's body and status.
 
+    The app answers them the same way; this keeps the routes whole in any app.
+    """
+
+    @functools.wraps(handler)
     async def answer(request: Request) -> Response:
         try:
             return await handler(request)

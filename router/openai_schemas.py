@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from textgate.router.schemas import SimpleToken
+
 
 class StreamOptions(BaseModel):
     """`stream_options` of a streamed request."""
@@ -247,15 +249,6 @@ class ModelList(BaseModel):
 
     object: Literal["list"] = "list"
     data: list[ModelCard]
-
-
-class SimpleToken(BaseModel):
-    """A prompt token and the characters [start, stop) of the templated text it covers."""
-
-    id: int
-    text: str
-    start: int
-    stop: int
 
 
 class ChatTokenizeResponse(BaseModel):

@@ -9,7 +9,7 @@ tokens come. A choice that fails ends the stream with TGI's error event
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from typing import Protocol
 
@@ -37,6 +37,10 @@ from textgate.router.sse import error_frame, sse_frame
 
 DONE_FRAME = b"data: [DONE]\n\n"
 
+OnEnd = Callable[[ErrorEvent | None, int], None]
+"""Hears how a stream ended (the failure, or None when every choice finished) and the
+number of tokens generated, before the last frames are sent."""
+
 
 class ChunkWriter(Protocol):
     """Turns one choice's events into chunks of one response kind (chat or text)."""
@@ -52,10 +56,18 @@ class ChunkWriter(Protocol):
 
 
 async def openai_frames(
-    channels: Sequence[Channel], writer: ChunkWriter, prompt_tokens: int, include_usage: bool
+    channels: Sequence[Channel],
+    writer: ChunkWriter,
+    prompt_tokens: int,
+    include_usage: bool,
+    on_end: OnEnd | None = None,
 ) -> AsyncIterator[bytes]:
-    """The SSE frames of a streamed response whose choice i reads `channels[i]`."""
+    """The SSE frames of a streamed response whose choice i reads `channels[i]`.
+
+    `on_end` is not called when the client leaves first.
+    """
     completion_tokens = 0
+    failure: ErrorEvent | None = None
     try:
         for index in range(len(channels)):
             opening = writer.opening(index)
@@ -64,16 +76,19 @@ async def openai_frames(
         async with aclosing(merged(channels)) as events:
             async for index, event in events:
                 if isinstance(event, ErrorEvent):
-                    yield error_frame(event.message, event.error_type)
+                    failure = event
                     break
                 if event.finished is not None:
                     completion_tokens += event.finished.generated_tokens
                 chunk = writer.step(index, event)
                 if chunk is not None:
                     yield sse_frame(chunk)
-            else:
-                if include_usage:
-                    yield sse_frame(writer.usage(usage(prompt_tokens, completion_tokens)))
+        if on_end is not None:
+            on_end(failure, completion_tokens)
+        if failure is not None:
+            yield error_frame(failure.message, failure.error_type)
+        elif include_usage:
+            yield sse_frame(writer.usage(usage(prompt_tokens, completion_tokens)))
         yield DONE_FRAME
     finally:
         # No-op for finished choices; stops the others (error, client gone, server closing).

@@ -1,4 +1,4 @@
-"""The OpenAI routes end to end: uvicorn -> Starlette(openai_routes) -> batcher -> fake shard.
+"""The OpenAI routes end to end: uvicorn -> the router app -> batcher -> fake shard.
 
 The fake chat template joins the messages' contents and adds " w9" as the generation
 prompt, so with the fake model "w5" answers " t10 t11 …" (each token follows the last).
@@ -11,22 +11,16 @@ import contextlib
 import json
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
 import pytest
 import uvicorn
-from starlette.applications import Starlette
 
-from textgate.router.batcher import Batcher
+from textgate.router.app import build_app
 from textgate.router.config import RouterConfig
-from textgate.router.openai_routes import openai_routes
-from textgate.router.queue import BatchLimits
 from textgate.router.server import bound_port
 from textgate.router.shard_client import ShardedClient
-from textgate.router.state import RouterState
-from textgate.router.validation import Validator
 from textgate.tests.router.fake_shard import FakeShard, FakeTokenizer
 
 StartRouter = Callable[..., Awaitable[str]]
@@ -63,38 +57,19 @@ class _QuietServer(uvicorn.Server):
         yield
 
 
-def openai_app(config: RouterConfig, shards: ShardedClient, tokenizer: FakeTokenizer) -> Starlette:
-    """A Starlette app serving only the OpenAI routes, as `build_app` will mount them."""
-    limits = BatchLimits(
-        max_batch_prefill_tokens=config.max_batch_prefill_tokens,
-        max_batch_total_tokens=config.default_batch_total_tokens(),
-        max_batch_size=None,
-        waiting_served_ratio=config.waiting_served_ratio,
-        max_waiting_tokens=config.max_waiting_tokens,
-        requires_padding=False,
-    )
-    engine = Batcher(shards, limits, config.max_concurrent_requests)
-    validator = Validator(config, tokenizer)
-    state = RouterState(config, shards, tokenizer, validator, engine, shard_info=None)
-
-    @asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        yield
-        await engine.close()
-        validator.close()
-
-    return Starlette(routes=openai_routes(state), lifespan=lifespan)
-
-
 @pytest.fixture
 async def start_openai(
     sharded: ShardedClient, make_config: Callable[..., RouterConfig]
 ) -> AsyncIterator[StartRouter]:
-    """`await start_openai(tokenizer=None, **config_overrides)` serves the app; gives its URL."""
+    """`await start_openai(tokenizer=None, **config_overrides)` serves the router app
+    (ChatFakeTokenizer by default); gives its URL."""
     servers: list[tuple[uvicorn.Server, asyncio.Task[None]]] = []
 
     async def start(tokenizer: FakeTokenizer | None = None, **overrides: Any) -> str:
-        app = openai_app(make_config(**overrides), sharded, tokenizer or ChatFakeTokenizer())
+        info = await sharded.info()
+        app = build_app(
+            make_config(**overrides), sharded, tokenizer or ChatFakeTokenizer(), shard_info=info
+        )
         server = _QuietServer(
             uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, ws="none", lifespan="on")
         )
@@ -513,3 +488,19 @@ async def test_a_client_leaving_a_completion_cancels_it(
         await asyncio.sleep(0.01)
     assert dropped_from_shard(fake)
     assert len(fake.calls_to("Decode")) < 50
+
+
+async def test_requests_are_counted_in_tgi_metrics(
+    start_openai: StartRouter, fake: FakeShard
+) -> None:
+    async with httpx.AsyncClient(base_url=await start_openai()) as http:
+        await http.post("/v1/chat/completions", json=chat(max_tokens=2))
+        await sse(http, "/v1/completions", {"prompt": "w5", "max_tokens": 2, "stream": True})
+        await http.post("/v1/chat/completions", json=chat(temperature=-1))
+        fake.fail["Decode"] = 1
+        await sse(http, "/v1/chat/completions", chat(max_tokens=3, stream=True))
+        metrics = (await http.get("/metrics")).text
+    assert "tgi_request_count 4.0" in metrics
+    assert "tgi_request_success 2.0" in metrics
+    assert 'tgi_request_failure{err="validation"} 1.0' in metrics
+    assert 'tgi_request_failure{err="generation"} 1.0' in metrics
