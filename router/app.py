@@ -9,7 +9,6 @@ GenerationError, PayloadTooLargeError) and answered here with TGI's body
 from __future__ import annotations
 
 import hmac
-import importlib.util
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -20,7 +19,6 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import textgate
@@ -30,6 +28,7 @@ from textgate.router.config import RouterConfig
 from textgate.router.errors import PayloadTooLargeError, error_response
 from textgate.router.generate import GenerationError
 from textgate.router.metrics import Metrics
+from textgate.router.openai_routes import openai_routes
 from textgate.router.openapi import DOCS_PATH, SPEC_PATH, docs_routes
 from textgate.router.shard_client import ShardedClient
 from textgate.router.state import Engine, RouterState
@@ -67,7 +66,7 @@ def build_app(
         engine = Batcher(shards, limits, config.max_concurrent_requests, metrics=metrics)
     validator = Validator(config, tokenizer)
     state = RouterState(config, shards, tokenizer, validator, engine, shard_info, metrics)
-    routes = [*tgi_routes(state), *_openai_routes(state)]
+    routes = [*tgi_routes(state), *openai_routes(state)]
     routes += docs_routes(routes, textgate.__version__)
 
     @asynccontextmanager
@@ -92,15 +91,6 @@ def build_app(
     app.state.engine = engine
     app.state.router = state
     return app
-
-
-def _openai_routes(state: RouterState) -> list[BaseRoute]:
-    """The OpenAI-compatible routes (/v1/chat/completions, /v1/completions, /v1/models, ...)."""
-    if importlib.util.find_spec("textgate.router.openai_routes") is None:
-        return []
-    from textgate.router.openai_routes import openai_routes
-
-    return list(openai_routes(state))
 
 
 async def _typed_error(request: Request, exc: Exception) -> Response:

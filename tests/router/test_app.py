@@ -286,6 +286,10 @@ async def test_api_key_guards_the_generating_routes(start_router: StartRouter) -
         # Probes, scrapers and docs carry no key (TGI's open routes).
         for path in ("/", "/health", "/ping", "/info", "/metrics", "/docs", SPEC):
             assert (await client.get(path)).status_code == 200, path
+        chat = {"messages": [{"role": "user", "content": "hi"}]}
+        for path in ("/v1/chat/completions", "/v1/completions"):
+            assert (await client.post(path, json=chat)).status_code == 401, path
+        assert (await client.get("/v1/models")).status_code == 200
 
 
 async def test_cors_allows_configured_origins(start_router: StartRouter) -> None:

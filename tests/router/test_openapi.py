@@ -29,6 +29,9 @@ async def test_spec_describes_tgis_routes_from_the_pydantic_models(
         ("/ping", "get"),
         ("/info", "get"),
         ("/metrics", "get"),
+        ("/v1/chat/completions", "post"),
+        ("/v1/completions", "post"),
+        ("/v1/models", "get"),
     ]:
         assert method in paths[path], (method, path)
     generate = paths["/generate"]["post"]
