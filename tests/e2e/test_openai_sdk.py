@@ -1,0 +1,70 @@
+"""End to end: the `openai` SDK against the launcher serving the embedded default model."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from openai import OpenAI
+from openai.types.chat import ChatCompletionMessageParam
+
+pytestmark = pytest.mark.e2e
+
+QUESTION: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "What is the capital of France?"}
+]
+
+
+@pytest.fixture(scope="module")
+def client(live_server: str) -> Iterator[OpenAI]:
+    with OpenAI(base_url=f"{live_server}/v1", api_key="-", timeout=120, max_retries=0) as openai:
+        yield openai
+
+
+def test_models_list_names_the_served_model(client: OpenAI) -> None:
+    (model,) = client.models.list().data
+    assert model.id
+    assert model.object == "model"
+
+
+def test_chat_completion_answers_paris(client: OpenAI) -> None:
+    answer = client.chat.completions.create(
+        model="textgate",
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=20,
+    )
+    choice = answer.choices[0]
+    assert "Paris" in (choice.message.content or "")
+    assert choice.message.role == "assistant"
+    assert choice.finish_reason in ("stop", "length")
+    assert answer.usage is not None
+    assert answer.usage.total_tokens == answer.usage.prompt_tokens + answer.usage.completion_tokens
+    assert answer.model == "textgate"
+
+
+def test_chat_completion_stream_answers_paris_with_usage(client: OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model="textgate",
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=20,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Paris" in content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+
+
+def test_completion_continues_a_prompt(client: OpenAI) -> None:
+    answer = client.completions.create(
+        model="textgate", prompt="The capital of France is", temperature=0, max_tokens=5
+    )
+    assert answer.choices[0].text
+    assert answer.choices[0].finish_reason in ("stop", "length")
+    assert answer.usage is not None and 0 < answer.usage.completion_tokens <= 5
