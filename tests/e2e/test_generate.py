@@ -58,7 +58,7 @@ def test_generate_stream_answers_paris(live_server: str, chat_prompt: str) -> No
 async def _stream(client: httpx.AsyncClient, url: str, max_new_tokens: int) -> tuple[int, dict]:
     body = {
         "inputs": f"Count to {max_new_tokens}:",
-        "parameters": {"max_new_tokens": max_new_tokens, "ignore_eos": True},
+        "parameters": {"max_new_tokens": max_new_tokens, "ignore_eos": True, "details": True},
     }
     tokens = 0
     last: dict = {}
