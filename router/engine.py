@@ -120,7 +120,7 @@ class PagedEngine:
                 await asyncio.wait_for(self._wakeup.wait(), timeout=0.05)
             return
         started = time.monotonic()
-        method = _method(output)
+        method = self._method(output)
         try:
             response = await self._run(output)
         except Exception as exc:
@@ -210,6 +210,15 @@ class PagedEngine:
     def _release(self, entry: Entry) -> None:
         self._entries.pop(entry.id, None)
 
+    def _method(self, output: SchedulerOutput) -> str:
+        """TGI's `method` label: a step computing any prompt token counts as a prefill."""
+        for scheduled in output.scheduled:
+            entry = self._entries.get(scheduled.request_id)
+            prompt_length = entry.request.input_length if entry is not None else 0
+            if scheduled.num_new_tokens > 1 or scheduled.start_position < prompt_length:
+                return PREFILL
+        return DECODE
+
     def _report_batch(self) -> None:
         """Queue and running-batch gauges; a paged batch's max tokens are its KV-cache tokens."""
         allocator = self.scheduler.allocator
@@ -234,10 +243,3 @@ class PagedEngine:
             await self._shards.clear_cache(None)
         except Exception as exc:
             log.error("ClearCache failed: %s", exc)
-
-
-def _method(output: SchedulerOutput) -> str:
-    """TGI's `method` label: a step computing any prompt tokens counts as a prefill."""
-    if output.new_request_ids or any(s.num_new_tokens > 1 for s in output.scheduled):
-        return PREFILL
-    return DECODE

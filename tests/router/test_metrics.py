@@ -4,20 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from textgate.proto import generate_pb2 as pb
 from textgate.router.engine import PagedEngine
+from textgate.router.generate import collect
 from textgate.router.metrics import (
     DURATION_BUCKETS,
     KvCacheStats,
     Metrics,
     RequestTimings,
 )
+from textgate.router.request import SamplingParams, StoppingParams, ValidRequest
 from textgate.router.scheduler import Scheduler, SchedulerConfig
+from textgate.router.shard_client import ShardedClient
 from textgate.tests.router.fake_shard import FakeShard
 
 StartRouter = Callable[..., Awaitable[str]]
@@ -226,3 +231,53 @@ async def test_overload_counts_and_batch_gauges_show_the_running_batch(
         values = await scrape(client)
         assert values['tgi_request_failure{err="overloaded"}'] == 1
         assert values["tgi_batch_current_size"] == 0
+
+
+@pytest.fixture
+async def paged_shards(tiny_model_dir: Path, tmp_path: Path) -> AsyncIterator[ShardedClient]:
+    """A real paged shard (tiny native model, 4-token blocks) on a unix socket."""
+    from textgate.shard_server.loader import load_model
+    from textgate.shard_server.paged_model import CacheConfig
+    from textgate.shard_server.server import serve
+
+    model = load_model(tiny_model_dir, "tiny", "float32", cache_config=CacheConfig(block_size=4))
+    uds = str(tmp_path / "s")
+    task = asyncio.create_task(serve(model, uds, rank=0, world_size=1))
+    client = await ShardedClient.connect(uds, timeout_s=30)
+    await client.warmup(pb.WarmupRequest(max_prefill_tokens=16))
+    yield client
+    await client.close()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_the_paged_engine_records_its_steps(paged_shards: ShardedClient) -> None:
+    metrics = Metrics()
+    config = SchedulerConfig(num_blocks=32, block_size=4, max_num_batched_tokens=8, max_num_seqs=4)
+    engine = PagedEngine(paged_shards, Scheduler(config), 8, metrics=metrics)
+    prompt = (5, 17, 42, 8, 9, 10, 11, 12, 13)
+    request = ValidRequest(
+        inputs="",
+        input_ids=prompt,
+        sampling=SamplingParams(),
+        stopping=StoppingParams(max_new_tokens=3, ignore_eos_token=True),
+    )
+    try:
+        for _ in range(2):  # the second run hits the prefix cache
+            (channel,) = engine.submit([request])
+            await collect(channel)
+    finally:
+        await engine.close()
+    values = samples(metrics.render().decode())
+    # Run 1: 9 prompt tokens under an 8-token budget are two prefill steps (the second
+    # one computes a single prompt token), then two decodes. Run 2: 8 prompt tokens come
+    # from the prefix cache, one prefill step computes the ninth, then two decodes.
+    assert values['tgi_batch_inference_count{method="prefill"}'] == 3
+    assert values['tgi_batch_inference_success{method="decode"}'] == 4
+    assert values['tgi_batch_forward_duration_count{method="decode"}'] == 4
+    assert values['tgi_batch_filter_duration_count{method="prefill"}'] == 3
+    assert values["tgi_batch_next_size_count"] == 2
+    assert values["textgate_prefix_cache_hit_tokens"] == 8
+    assert values["tgi_queue_size"] == 0
+    assert values["tgi_batch_current_size"] == 0
+    assert values["textgate_kv_cache_blocks_used"] == 0
