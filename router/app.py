@@ -30,6 +30,7 @@ from textgate.router.generate import GenerationError
 from textgate.router.metrics import Metrics
 from textgate.router.openai_routes import openai_routes
 from textgate.router.openapi import DOCS_PATH, SPEC_PATH, docs_routes
+from textgate.router.sagemaker import sagemaker_route
 from textgate.router.shard_client import ShardedClient
 from textgate.router.state import Engine, RouterState
 from textgate.router.tgi_routes import tgi_routes
@@ -67,6 +68,7 @@ def build_app(
     validator = Validator(config, tokenizer)
     state = RouterState(config, shards, tokenizer, validator, engine, shard_info, metrics)
     routes = [*tgi_routes(state), *openai_routes(state)]
+    routes.append(sagemaker_route(routes, config.payload_limit))
     routes += docs_routes(routes, textgate.__version__)
 
     @asynccontextmanager

@@ -98,7 +98,8 @@ _OPERATIONS: tuple[_Operation, ...] = (
     _Operation(
         "post",
         "/invocations",
-        "Generate tokens (SageMaker): same as POST /",
+        "Generate (SageMaker): a TGI body as for POST /; a `messages` or `prompt` body"
+        " is served as /v1/chat/completions or /v1/completions",
         "GenerateRequest",
         {_JSON: _list_of("GenerateResponse"), _SSE: _ref("StreamResponse")},
         _GENERATE_ERRORS,

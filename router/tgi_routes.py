@@ -1,5 +1,5 @@
-"""TGI's routes: /generate, /generate_stream, the compat routes `/` and /invocations,
-/tokenize, /health, /ping, /info and /metrics.
+"""TGI's routes: /generate, /generate_stream, the compat route `/`, /tokenize, /health,
+/ping, /info and /metrics (SageMaker's /invocations is `sagemaker.py`).
 
 Every generation request counts in `tgi_request_count` before it is parsed, and ends
 in exactly one of `tgi_request_success` or `tgi_request_failure{err}` (unless its
@@ -51,7 +51,6 @@ def tgi_routes(state: RouterState) -> list[BaseRoute]:
         Route("/", handlers.health, methods=["GET"]),
         Route("/generate", handlers.generate, methods=["POST"]),
         Route("/generate_stream", handlers.generate_stream, methods=["POST"]),
-        Route("/invocations", handlers.compat_generate, methods=["POST"]),
         Route("/tokenize", handlers.tokenize, methods=["POST"]),
         Route("/health", handlers.health, methods=["GET"]),
         Route("/ping", handlers.health, methods=["GET"]),
@@ -87,7 +86,7 @@ class TgiHandlers:
             return await self._stream(body, received)
 
     async def compat_generate(self, request: Request) -> Response:
-        """POST / and /invocations (SageMaker): `stream` picks SSE or a one-element list.
+        """POST /: `stream` picks SSE or a one-element list (TGI's compat route).
 
         As in TGI for a text-generation model, `return_full_text` defaults to true here.
         """
