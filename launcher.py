@@ -72,6 +72,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("waiting-served-ratio", float, 0.3, "Waiting/running ratio that triggers a prefill"),
     Flag("max-waiting-tokens", int, 20, "Decode steps before waiting requests are forced in"),
     Flag("max-client-batch-size", int, 4, "Most inputs in one client request"),
+    Flag("block-size", int, 16, "Tokens per KV-cache block (native models)"),
+    Flag("prefix-caching", _bool, True, "Reuse the KV of shared prompt prefixes (native models)"),
+    Flag("kv-cache-memory", int, 1 << 30, "Bytes of KV cache per shard on CPU"),
+    Flag("cuda-memory-fraction", float, 0.9, "Share of free GPU memory the KV cache may take"),
     Flag("hostname", str, "0.0.0.0", "Address the HTTP server binds"),
     Flag("port", int, 8080, "Port the HTTP server binds"),
     Flag("shard-uds-path", str, "/tmp/textgate-server", "Prefix of the shards' unix sockets"),
@@ -107,6 +111,10 @@ class LauncherConfig:
     waiting_served_ratio: float
     max_waiting_tokens: int
     max_client_batch_size: int
+    block_size: int
+    prefix_caching: bool
+    kv_cache_memory: int
+    cuda_memory_fraction: float
     hostname: str
     port: int
     shard_uds_path: str
@@ -125,6 +133,12 @@ class LauncherConfig:
             raise ValueError(f"--quantize {self.quantize} is not supported yet by this build")
         if self.otlp_endpoint is not None:
             raise ValueError("--otlp-endpoint is not supported yet by this build")
+        if self.block_size < 1:
+            raise ValueError("--block-size must be at least 1")
+        if self.kv_cache_memory < 1:
+            raise ValueError("--kv-cache-memory must be a positive number of bytes")
+        if not 0 < self.cuda_memory_fraction <= 1:
+            raise ValueError("--cuda-memory-fraction must lie in (0, 1]")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port {self.port} is out of range")
         if (
@@ -220,6 +234,13 @@ def shard_argv(model_path: Path, config: LauncherConfig) -> list[str]:
     argv = [sys.executable, "-m", "textgate.shard_server", "--model-path", str(model_path)]
     argv += ["--model-id", config.model_id or model_path.name]
     argv += ["--uds-path", config.shard_uds_path, "--dtype", config.dtype]
+    argv += [
+        "--block-size",
+        str(config.block_size),
+        "--kv-cache-memory",
+        str(config.kv_cache_memory),
+    ]
+    argv += ["--cuda-memory-fraction", str(config.cuda_memory_fraction)]
     if config.trust_remote_code:
         argv.append("--trust-remote-code")
     if config.json_output:
