@@ -1,0 +1,58 @@
+"""--num-shard 2 over gloo answers exactly what one shard answers (tiny native model)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import httpx
+import pytest
+
+from textgate.launcher import free_port
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = ["Paris is the capital", "The quick brown fox", "Continuous batching keeps"]
+
+
+def _live_server_class() -> type:
+    # Test modules cannot import conftest directly under --import-mode=importlib.
+    spec = importlib.util.spec_from_file_location(
+        "e2e_conftest", Path(__file__).parents[1] / "conftest.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.LiveServer  # type: ignore[no-any-return]
+
+
+def _answers(tmp_path: Path, model: Path, num_shard: int) -> list[str]:
+    server = _live_server_class()(
+        tmp_path / f"tp{num_shard}",
+        "--model-id", str(model),
+        "--num-shard", str(num_shard),
+        "--dtype", "float32",
+        "--master-port", str(free_port()),
+    )  # fmt: skip
+    try:
+        server.wait_ready()
+        body = {"parameters": {"max_new_tokens": 8, "ignore_eos": True, "details": True}}
+        answers = []
+        for prompt in PROMPTS:
+            response = httpx.post(
+                f"{server.url}/generate", json={"inputs": prompt, **body}, timeout=60
+            )
+            assert response.status_code == 200, response.text
+            tokens = response.json()["details"]["tokens"]
+            answers.append(" ".join(str(t["id"]) for t in tokens))
+        info = httpx.get(f"{server.url}/info").json()
+        assert info["model_id"]
+        return answers
+    finally:
+        assert server.stop() == 0
+
+
+def test_two_shards_give_the_same_greedy_tokens(tmp_path: Path, tiny_model_dir: Path) -> None:
+    (tmp_path / "tp1").mkdir()
+    (tmp_path / "tp2").mkdir()
+    assert _answers(tmp_path, tiny_model_dir, 2) == _answers(tmp_path, tiny_model_dir, 1)
