@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from textgate.router.schemas import SimpleToken
 
@@ -26,6 +26,14 @@ class SamplingRequest(BaseModel):
     """The fields chat and text completions share."""
 
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_unset(cls, data: Any) -> Any:
+        """Clients such as TGI's own send every unset field as an explicit null."""
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
 
     model: str = ""
     """Accepted and echoed; this server serves one model."""

@@ -56,11 +56,9 @@ def test_every_check_ran(tgi_report: dict[str, Any]) -> None:
 # The client posts every unset chat field as an explicit null; /v1/chat/completions still
 # refuses `"n": null` and `"logprobs": null` (router/openai_schemas.py). Not strict: the
 # mark only has to go once the OpenAI schema accepts those nulls.
-_CHAT_NULLS = pytest.mark.xfail(reason="/v1/chat/completions rejects null n/logprobs")
-CHECKS = [pytest.param(name, marks=_CHAT_NULLS) if name == "chat" else name for name in CHECK_NAMES]
 
 
-@pytest.mark.parametrize("check", CHECKS)
+@pytest.mark.parametrize("check", CHECK_NAMES)
 def test_tgi_client_check(tgi_report: dict[str, Any], check: str) -> None:
     result = tgi_report["checks"][check]
     assert result["ok"], json.dumps(result, indent=2)

@@ -504,3 +504,11 @@ async def test_requests_are_counted_in_tgi_metrics(
     assert "tgi_request_success 2.0" in metrics
     assert 'tgi_request_failure{err="validation"} 1.0' in metrics
     assert 'tgi_request_failure{err="generation"} 1.0' in metrics
+
+
+async def test_explicit_nulls_mean_unset(client: httpx.AsyncClient) -> None:
+    # TGI's text-generation client sends every unset field as null.
+    body = chat(max_tokens=2, temperature=0, n=None, logprobs=None, stream=None, stop=None)
+    response = await client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"]) == 1
