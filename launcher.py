@@ -75,6 +75,12 @@ FLAGS: tuple[Flag, ...] = (
     Flag("block-size", int, 16, "Tokens per KV-cache block (native models)"),
     Flag("prefix-caching", _bool, True, "Reuse the KV of shared prompt prefixes (native models)"),
     Flag("kv-cache-memory", int, 1 << 30, "Bytes of KV cache per shard on CPU"),
+    Flag(
+        "target-step-latency-ms",
+        float,
+        None,
+        "Adapt the per-step token budget to this step latency (native models); unset = fixed",
+    ),
     Flag("cuda-memory-fraction", float, 0.9, "Share of free GPU memory the KV cache may take"),
     Flag("hostname", str, "0.0.0.0", "Address the HTTP server binds"),
     Flag("port", int, 8080, "Port the HTTP server binds"),
@@ -114,6 +120,7 @@ class LauncherConfig:
     block_size: int
     prefix_caching: bool
     kv_cache_memory: int
+    target_step_latency_ms: float | None
     cuda_memory_fraction: float
     hostname: str
     port: int
@@ -267,6 +274,8 @@ def router_config(model_path: Path, config: LauncherConfig) -> dict[str, Any]:
         "cors_allow_origin",
         "payload_limit",
         "json_output",
+        "prefix_caching",
+        "target_step_latency_ms",
     ]
     settings: dict[str, Any] = {name: getattr(config, name) for name in names}
     settings.update(model_limits(model_path, config))

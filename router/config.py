@@ -48,6 +48,10 @@ class RouterConfig:
     """Most inputs in one client request (shown by /info)."""
     validation_workers: int = 2
     """Threads that tokenize and validate requests off the event loop."""
+    prefix_caching: bool = True
+    """Paged shards: share the KV blocks of identical prompt prefixes between requests."""
+    target_step_latency_ms: float | None = None
+    """Paged shards: adapt the per-step token budget to this step latency; None = fixed."""
     api_key: str | None = None
     """When set, every route requires `Authorization: Bearer <api_key>`."""
     cors_allow_origin: tuple[str, ...] = ()
@@ -75,6 +79,10 @@ class RouterConfig:
             "payload_limit",
         ):
             _require_positive(name, getattr(self, name))
+        if self.target_step_latency_ms is not None and self.target_step_latency_ms <= 0:
+            raise ValueError(
+                f"target_step_latency_ms must be > 0, got {self.target_step_latency_ms}"
+            )
         for name in ("max_stop_sequences", "max_top_n_tokens", "max_waiting_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

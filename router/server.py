@@ -92,6 +92,10 @@ def make_engine(
             max_num_seqs=min(
                 config.max_batch_size or DEFAULT_MAX_NUM_SEQS, config.max_batch_prefill_tokens
             ),
+            enable_prefix_caching=config.prefix_caching,
+            target_step_latency_s=(
+                config.target_step_latency_ms / 1000 if config.target_step_latency_ms else None
+            ),
         )
     )
     return PagedEngine(shards, scheduler, config.max_concurrent_requests, metrics=metrics)

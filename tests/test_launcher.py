@@ -118,3 +118,16 @@ def test_readme_documents_every_flag() -> None:
     readme = (Path(launcher.__file__).parent / "README.md").read_text()
     for flag in launcher.FLAGS:
         assert f"`--{flag.name}`" in readme, f"README lacks --{flag.name}"
+
+
+def test_router_config_round_trips_into_the_router(tiny_model_dir: Path) -> None:
+    import json
+
+    from textgate.router.config import RouterConfig
+
+    config = launcher.parse_args(
+        ["--prefix-caching", "false", "--target-step-latency-ms", "80"], env={}
+    )
+    router = RouterConfig.from_json(json.dumps(launcher.router_config(tiny_model_dir, config)))
+    assert router.prefix_caching is False and router.target_step_latency_ms == 80
+    assert router.max_total_tokens == 512
