@@ -98,11 +98,6 @@ class RouterConfig:
                 f"max_input_tokens ({self.max_input_tokens}) must be < "
                 f"max_total_tokens ({self.max_total_tokens})"
             )
-        if self.max_batch_prefill_tokens < self.max_input_tokens:
-            raise ValueError(
-                f"max_batch_prefill_tokens ({self.max_batch_prefill_tokens}) must be >= "
-                f"max_input_tokens ({self.max_input_tokens})"
-            )
         total = self.max_batch_total_tokens
         if total is not None and total < max(self.max_batch_prefill_tokens, self.max_total_tokens):
             raise ValueError(

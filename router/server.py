@@ -80,6 +80,13 @@ def make_engine(
     `metrics` (the app's) gets the engine's step metrics.
     """
     if info.block_size == 0:
+        if config.max_batch_prefill_tokens < config.max_input_tokens:
+            # Padded shards prefill whole prompts; paged ones split them into chunks.
+            raise ValueError(
+                f"max_batch_prefill_tokens ({config.max_batch_prefill_tokens}) must be >= "
+                f"max_input_tokens ({config.max_input_tokens}) for a model served without "
+                "a native implementation (no chunked prefill)"
+            )
         limits = batch_limits(config, info)
         return Batcher(shards, limits, config.max_concurrent_requests, metrics=metrics)
     if warmup.num_blocks == 0:

@@ -11,13 +11,13 @@ import asyncio
 import logging
 import os
 import signal
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-
-import torch
+from typing import Any
 
 from textgate.shard_server.loader import load_model
 from textgate.shard_server.paged_model import CacheConfig
-from textgate.shard_server.server import serve
+from textgate.shard_server.server import model_thread, serve
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -51,8 +51,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.json_output
         else f"%(asctime)s shard-{rank} %(levelname)s %(message)s",
     )
-    torch.set_grad_enabled(False)
-    model = load_model(
+    executor = model_thread()
+    model = executor.submit(
+        load_model,
         args.model_path,
         model_id=args.model_id or str(args.model_path),
         dtype=args.dtype,
@@ -65,12 +66,14 @@ def main(argv: list[str] | None = None) -> None:
             cuda_memory_fraction=args.cuda_memory_fraction,
         ),
         native=not args.no_native,
-    )
-    asyncio.run(_serve_until_signal(model, args.uds_path, rank, world_size))
+    ).result()
+    asyncio.run(_serve_until_signal(model, args.uds_path, rank, world_size, executor))
 
 
-async def _serve_until_signal(model: object, uds_path: str, rank: int, world_size: int) -> None:
-    task = asyncio.ensure_future(serve(model, uds_path, rank, world_size))  # type: ignore[arg-type]
+async def _serve_until_signal(
+    model: Any, uds_path: str, rank: int, world_size: int, executor: ThreadPoolExecutor
+) -> None:
+    task = asyncio.ensure_future(serve(model, uds_path, rank, world_size, executor))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, task.cancel)

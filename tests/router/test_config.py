@@ -51,7 +51,6 @@ def test_bad_json_is_a_value_error(text: str, message: str) -> None:
     ("overrides", "message"),
     [
         ({"max_input_tokens": 2048, "max_total_tokens": 2048}, "max_input_tokens"),
-        ({"max_input_tokens": 100, "max_batch_prefill_tokens": 50}, "max_batch_prefill_tokens"),
         ({"max_batch_total_tokens": 10}, "max_batch_total_tokens"),
         ({"max_concurrent_requests": 0}, "max_concurrent_requests"),
         ({"max_batch_size": 0}, "max_batch_size"),

@@ -90,6 +90,19 @@ async def test_the_engine_follows_the_shard_kind(
         make_engine(config, sharded, pb.InfoResponse(block_size=16), pb.WarmupResponse())
 
 
+async def test_prompts_longer_than_the_prefill_budget_need_a_paged_shard(
+    sharded: ShardedClient, make_config: Callable[..., RouterConfig]
+) -> None:
+    config = make_config(max_batch_prefill_tokens=16)
+    assert config.max_input_tokens > 16
+    chunked = make_engine(
+        config, sharded, pb.InfoResponse(block_size=16), pb.WarmupResponse(num_blocks=64)
+    )
+    assert isinstance(chunked, PagedEngine)
+    with pytest.raises(ValueError, match="no chunked prefill"):
+        make_engine(config, sharded, pb.InfoResponse(), pb.WarmupResponse())
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
