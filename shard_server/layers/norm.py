@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from textgate.quantization.weights import Weights
@@ -29,6 +29,6 @@ class RMSNorm(nn.Module):
         """Return (normed, residual) where residual = x + residual (or x alone)."""
         if residual is not None:
             x = x + residual
-        variance = x.float().pow(2).mean(-1, keepdim=True)
-        normed = x.float() * torch.rsqrt(variance + self.eps)
+        # One fused kernel instead of pow/mean/add/rsqrt/mul: a decode step is ~60 norms.
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype), x

@@ -72,13 +72,15 @@ class LlamaAttention(nn.Module):
     def forward(self, hidden: Tensor, ctx: ForwardContext) -> Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, (H_q + 2 H_kv) * D]
-        query, key, value = qkv.split(
-            [self.num_heads * self.head_dim, *[self.num_kv_heads * self.head_dim] * 2], dim=-1
+        num_qk = self.num_heads + self.num_kv_heads
+        query_key, value = qkv.split(
+            [num_qk * self.head_dim, self.num_kv_heads * self.head_dim], -1
         )
-        query = apply_rotary(
-            query.view(num_tokens, self.num_heads, self.head_dim), ctx.cos, ctx.sin
-        )
-        key = apply_rotary(key.view(num_tokens, self.num_kv_heads, self.head_dim), ctx.cos, ctx.sin)
+        # Queries and keys rotate in one pass: half the small ops of a decode step's RoPE.
+        query_key = apply_rotary(
+            query_key.view(num_tokens, num_qk, self.head_dim), ctx.cos, ctx.sin
+        )  # [T, H_q + H_kv, D]
+        query, key = query_key.split([self.num_heads, self.num_kv_heads], dim=1)
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
         ctx.kv_cache.store(self.layer_idx, key, value, ctx.metadata.slot_mapping)
         out = ctx.backend.forward(
