@@ -87,7 +87,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("shard-uds-path", str, "/tmp/textgate-server", "Prefix of the shards' unix sockets"),
     Flag("master-addr", str, "127.0.0.1", "torch.distributed rendezvous address"),
     Flag("master-port", int, 29500, "torch.distributed rendezvous port"),
-    Flag("api-key", str, None, "Require `Authorization: Bearer <key>` on every route"),
+    Flag("api-key", str, None, "Require `Authorization: Bearer <key>` on the routes that generate"),
     Flag("cors-allow-origin", _origins, [], "Comma-separated origins allowed by CORS"),
     Flag("payload-limit", int, 2_000_000, "Largest request body in bytes"),
     Flag("otlp-endpoint", str, None, "OpenTelemetry collector endpoint"),
