@@ -14,31 +14,23 @@ admitted request ends with exactly one final event (unless its client left first
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 
 from textgate.proto import generate_pb2 as pb
-from textgate.router.channel import Channel, ErrorEvent, StepEvent
+from textgate.router.channel import StepEvent
 from textgate.router.config import RouterConfig
 from textgate.router.metrics import DECODE, PREFILL, Metrics
 from textgate.router.queue import BatchLimits, Queue, Running
-from textgate.router.request import ValidRequest
 from textgate.router.shard_client import ShardedClient
+from textgate.router.step_loop import Entry, StepLoop
+
+# Re-exported: the HTTP handlers import OverloadedError from here.
+from textgate.router.step_loop import OverloadedError as OverloadedError
 
 log = logging.getLogger("textgate.router")
-
-
-class OverloadedError(Exception):
-    """More requests than max_concurrent_requests; answered 429."""
-
-    error_type = "overloaded"
-
-    def __init__(self) -> None:
-        super().__init__("Model is overloaded")
 
 
 def batch_limits(config: RouterConfig, shard_info: pb.InfoResponse | None) -> BatchLimits:
@@ -53,26 +45,10 @@ def batch_limits(config: RouterConfig, shard_info: pb.InfoResponse | None) -> Ba
     )
 
 
-@dataclass
-class Entry:
-    """A request admitted by the batcher, waiting or in a shard batch."""
-
-    id: int
-    request: ValidRequest
-    channel: Channel
-    released: bool = field(default=False)
-
-    @property
-    def input_length(self) -> int:
-        return self.request.input_length
-
-    @property
-    def max_new_tokens(self) -> int:
-        return self.request.max_new_tokens
-
-
-class Batcher:
+class Batcher(StepLoop):
     """Owns the waiting queue and the running batch; one task steps the shards."""
+
+    name = "batcher"
 
     def __init__(
         self,
@@ -83,53 +59,12 @@ class Batcher:
         metrics: Metrics | None = None,
     ) -> None:
         """`metrics` gets the queue, batch and per-call metrics (a private one by default)."""
-        self._shards = shards
-        self._metrics = metrics or Metrics()
+        super().__init__(shards, max_concurrent_requests, metrics)
         self._queue: Queue[Entry] = Queue(limits)
-        self._max_active = max_concurrent_requests
-        self._num_active = 0
         self._running: pb.CachedBatch | None = None
         self._in_shards: dict[int, Entry] = {}
         self._steps_since_prefill = 0
-        self._request_ids = itertools.count()
         self._batch_ids = itertools.count()
-        self._wakeup = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self._closed = False
-
-    @property
-    def num_active(self) -> int:
-        """Admitted requests without a final event yet."""
-        return self._num_active
-
-    def submit(self, requests: Sequence[ValidRequest]) -> list[Channel]:
-        """Admit all of `requests` or none (OverloadedError); one channel each."""
-        if self._closed or self._num_active + len(requests) > self._max_active:
-            raise OverloadedError()
-        channels = []
-        for request in requests:
-            entry = Entry(next(self._request_ids), request, Channel(request.input_length))
-            entry.channel.on_cancel(self._wakeup.set)
-            self._queue.append(entry)
-            channels.append(entry.channel)
-        self._num_active += len(requests)
-        self._metrics.queue_size(len(self._queue))
-        self._wakeup.set()
-        if self._task is None:
-            self._task = asyncio.create_task(self._loop(), name="textgate-batcher")
-        return channels
-
-    async def close(self) -> None:
-        """Stop stepping; whatever is still admitted gets a final error event."""
-        self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
-        leftover = [*self._queue.remove_if(lambda _: True), *self._in_shards.values()]
-        self._fail(leftover, "Request failed during generation: the server is shutting down")
-        self._in_shards.clear()
-        self._running = None
 
     async def step(self) -> None:
         """One round: drop cancelled requests, admit and prefill new ones, decode all."""
@@ -158,22 +93,28 @@ class Batcher:
         else:
             self._metrics.running_batch(running.size, running.max_tokens)
 
-    async def _loop(self) -> None:
-        while not self._closed:
-            if self._running is None and not len(self._queue):
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            try:
-                await self.step()
-            except Exception:
-                # A bug must not leave requests hanging: fail everything in flight.
-                log.exception("batcher step failed")
-                self._fail(list(self._in_shards.values()), "Request failed during generation")
-                self._in_shards.clear()
-                self._running = None
-                self._report_batch()
-                await self._clear_cache(None)
+    def _enqueue(self, entry: Entry) -> None:
+        self._queue.append(entry)
+
+    def _has_work(self) -> bool:
+        return self._running is not None or bool(len(self._queue))
+
+    def _num_waiting(self) -> int:
+        return len(self._queue)
+
+    def _fail_all(self, message: str) -> None:
+        self._queue.remove_if(lambda _: True)
+        self._fail(list(self._entries.values()), message)
+        self._in_shards.clear()
+        self._running = None
+
+    async def _recover(self, exc: Exception) -> None:
+        """Fail the requests in the shards; waiting ones stay queued for the next step."""
+        self._fail(list(self._in_shards.values()), "Request failed during generation")
+        self._in_shards.clear()
+        self._running = None
+        self._report_batch()
+        await self._clear_cache(None)
 
     def _running_view(self) -> Running | None:
         if self._running is None:
@@ -286,19 +227,3 @@ class Batcher:
         log.error("shard call failed: %s", exc)
         entries = [self._in_shards.pop(i) for i in list(request_ids) if i in self._in_shards]
         self._fail(entries, f"Request failed during generation: {exc}")
-
-    def _fail(self, entries: Iterable[Entry], message: str, error_type: str = "generation") -> None:
-        for entry in entries:
-            entry.channel.push(ErrorEvent(message, error_type))
-            self._release(entry)
-
-    def _release(self, entry: Entry) -> None:
-        if not entry.released:
-            entry.released = True
-            self._num_active -= 1
-
-    async def _clear_cache(self, batch_id: int | None) -> None:
-        try:
-            await self._shards.clear_cache(batch_id)
-        except Exception as exc:
-            log.error("ClearCache(%s) failed: %s", batch_id, exc)

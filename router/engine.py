@@ -7,32 +7,32 @@ One step reads::
     scheduler.update(result_of(response))   # record tokens, finish, free blocks
 
 It serves shards that report a block size (native models over the paged KV cache);
-`batcher.Batcher` serves the padded transformers fallback. Both have the same face to
-the HTTP handlers: `submit` -> channels, `num_active`, `close`.
+`batcher.Batcher` serves the padded transformers fallback. Both are `step_loop.StepLoop`s,
+with the same face to the HTTP handlers: `submit` -> channels, `num_active`, `close`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 from textgate.proto import generate_pb2 as pb
-from textgate.router.batcher import Entry, OverloadedError
-from textgate.router.channel import Channel, ErrorEvent, StepEvent
+from textgate.router.channel import StepEvent
 from textgate.router.metrics import DECODE, PREFILL, KvCacheStats, Metrics
-from textgate.router.request import ValidRequest
 from textgate.router.scheduler import ModelStepResult, Scheduler, SchedulerOutput
 from textgate.router.shard_client import ShardedClient
+from textgate.router.step_loop import Entry, StepLoop
 
 log = logging.getLogger("textgate.router")
 
 
-class PagedEngine:
+class PagedEngine(StepLoop):
     """Owns the scheduler; one task steps the shards while requests are in flight."""
+
+    name = "engine"
 
     def __init__(
         self,
@@ -43,68 +43,36 @@ class PagedEngine:
         metrics: Metrics | None = None,
     ) -> None:
         """`metrics` gets the step metrics and watches the KV cache (a private one by default)."""
-        self._shards = shards
+        super().__init__(shards, max_concurrent_requests, metrics)
         self.scheduler = scheduler
-        self._max_active = max_concurrent_requests
-        self._entries: dict[int, Entry] = {}
         # Requests the shards hold state for (preempted ones keep theirs: only KV is lost).
         self._in_shards: set[int] = set()
         self._finished_for_shards: list[int] = []
-        self._request_ids = itertools.count()
-        self._wakeup = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self._closed = False
-        self._metrics = metrics or Metrics()
         self._metrics.watch_kv_cache(self._kv_cache_stats)
 
-    @property
-    def num_active(self) -> int:
-        """Admitted requests without a final event yet."""
-        return len(self._entries)
+    def _enqueue(self, entry: Entry) -> None:
+        request = entry.request
+        try:
+            self.scheduler.add_request(entry.id, request.input_ids, request.max_new_tokens)
+        except ValueError as exc:
+            self._fail([entry], str(exc), "validation")
 
-    def submit(self, requests: Sequence[ValidRequest]) -> list[Channel]:
-        """Admit all of `requests` or none (OverloadedError); one channel each."""
-        if self._closed or len(self._entries) + len(requests) > self._max_active:
-            raise OverloadedError()
-        channels = []
-        for request in requests:
-            entry = Entry(next(self._request_ids), request, Channel(request.input_length))
-            entry.channel.on_cancel(self._wakeup.set)
-            self._entries[entry.id] = entry
-            channels.append(entry.channel)
-            try:
-                self.scheduler.add_request(entry.id, request.input_ids, request.max_new_tokens)
-            except ValueError as exc:
-                self._fail([entry], str(exc), "validation")
-        self._metrics.queue_size(self.scheduler.num_waiting)
-        self._wakeup.set()
-        if self._task is None:
-            self._task = asyncio.create_task(self._loop(), name="textgate-engine")
-        return channels
+    def _has_work(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
 
-    async def close(self) -> None:
-        """Stop stepping; whatever is still admitted gets a final error event."""
-        self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
-        self._fail_all("Request failed during generation: the server is shutting down")
+    def _num_waiting(self) -> int:
+        return self.scheduler.num_waiting
 
-    async def _loop(self) -> None:
-        while not self._closed:
-            if not self.scheduler.has_unfinished_requests():
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            try:
-                await self.step()
-            except Exception as exc:
-                # A bug must not leave requests hanging: fail everything, start afresh.
-                log.exception("engine step failed")
-                self._fail_all(f"Request failed during generation: {exc}")
-                self.scheduler = Scheduler(self.scheduler.config)
-                await self._reset_shards()
+    def _fail_all(self, message: str) -> None:
+        self._fail(list(self._entries.values()), message)
+        self._in_shards.clear()
+        self._finished_for_shards = []
+
+    async def _recover(self, exc: Exception) -> None:
+        """Fail everything and start afresh: the scheduler's state is not to be trusted."""
+        self._fail_all(f"Request failed during generation: {exc}")
+        self.scheduler = Scheduler(self.scheduler.config)
+        await self._clear_cache(None)
 
     async def step(self) -> None:
         """Abort cancelled requests, then plan, run and record one step."""
@@ -128,7 +96,7 @@ class PagedEngine:
             log.error("shard step failed: %s", exc)
             self._fail_all(f"Request failed during generation: {exc}")
             self.scheduler.update(ModelStepResult())
-            await self._reset_shards()
+            await self._clear_cache(None)
             return
         routed = time.monotonic()
         self._metrics.batch_inference(method, routed - started, response)
@@ -189,26 +157,13 @@ class PagedEngine:
             sampled_token_ids=sampled, finished_ids=frozenset(finished), step_latency_s=latency_s
         )
 
-    def _fail_all(self, message: str) -> None:
-        self._fail(list(self._entries.values()), message)
-        self._in_shards.clear()
-        self._finished_for_shards = []
-
-    def _fail(self, entries: Iterable[Entry], message: str, error_type: str = "generation") -> None:
-        for entry in entries:
-            entry.channel.push(ErrorEvent(message, error_type))
-            self._abort(entry)
-
     def _abort(self, entry: Entry) -> None:
         """Forget a request that will not finish normally; its blocks are freed now."""
-        self._release(entry)
+        super()._abort(entry)
         self.scheduler.abort(entry.id)
         if entry.id in self._in_shards:
             # A preempted request waits without blocks, but the shards still hold its state.
             self._finished_for_shards.append(entry.id)
-
-    def _release(self, entry: Entry) -> None:
-        self._entries.pop(entry.id, None)
 
     def _method(self, output: SchedulerOutput) -> str:
         """TGI's `method` label: a step computing any prompt token counts as a prefill."""
@@ -237,9 +192,3 @@ class PagedEngine:
             num_prefix_query_tokens=allocator.num_prefix_query_tokens,
             num_preemptions=self.scheduler.num_preemptions,
         )
-
-    async def _reset_shards(self) -> None:
-        try:
-            await self._shards.clear_cache(None)
-        except Exception as exc:
-            log.error("ClearCache failed: %s", exc)
