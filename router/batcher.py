@@ -10,6 +10,7 @@ Shards drop finished requests from their batches themselves; the router only
 filters out the ones it cancels. A shard error fails every request of the batches
 involved (with a final `ErrorEvent`) and clears them from the shards' cache. Every
 admitted request ends with exactly one final event (unless its client left first).
+Admission, the loop task and close are `step_loop.StepLoop`'s; this module is the step.
 """
 
 from __future__ import annotations
