@@ -239,7 +239,7 @@ def model_limits(model_path: Path, config: LauncherConfig) -> dict[str, int]:
 
 def shard_argv(model_path: Path, config: LauncherConfig) -> list[str]:
     argv = [sys.executable, "-m", "textgate.shard_server", "--model-path", str(model_path)]
-    argv += ["--model-id", config.model_id or model_path.name]
+    argv += ["--model-id", served_model_id(config)]
     argv += ["--uds-path", config.shard_uds_path, "--dtype", config.dtype]
     argv += [
         "--block-size",
@@ -253,6 +253,13 @@ def shard_argv(model_path: Path, config: LauncherConfig) -> list[str]:
     if config.json_output:
         argv.append("--json-output")
     return argv
+
+
+def served_model_id(config: LauncherConfig) -> str:
+    """The name /info and /v1/models show: --model-id, or the embedded model's hub name."""
+    from textgate.shard_server.model_source import DEFAULT_MODEL_ID
+
+    return config.model_id or DEFAULT_MODEL_ID
 
 
 def router_config(model_path: Path, config: LauncherConfig) -> dict[str, Any]:
@@ -279,7 +286,7 @@ def router_config(model_path: Path, config: LauncherConfig) -> dict[str, Any]:
     ]
     settings: dict[str, Any] = {name: getattr(config, name) for name in names}
     settings.update(model_limits(model_path, config))
-    settings["model_id"] = config.model_id or model_path.name
+    settings["model_id"] = served_model_id(config)
     settings["tokenizer_path"] = str(model_path)
     return settings
 

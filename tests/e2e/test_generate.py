@@ -24,7 +24,7 @@ def test_health_and_info(live_server: str) -> None:
     assert httpx.get(f"{live_server}/health").status_code == 200
     info = httpx.get(f"{live_server}/info").json()
     assert info["max_total_tokens"] > info["max_input_tokens"] > 0
-    assert info["model_id"]
+    assert info["model_id"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 def test_generate_answers_paris(live_server: str, chat_prompt: str) -> None:
