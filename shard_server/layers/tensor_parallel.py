@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from textgate.kernels.linear import packed_linear, prepack
 from textgate.quantization.weights import Shard, Weights
 
 if TYPE_CHECKING:
@@ -134,11 +135,30 @@ class TensorParallelHead(nn.Module):
     evenly; otherwise every rank holds the whole head (no gather needed).
     """
 
-    def __init__(self, weight: Tensor, process_group: ProcessGroup | None, gather: bool) -> None:
+    def __init__(
+        self,
+        weight: Tensor,
+        process_group: ProcessGroup | None,
+        gather: bool,
+        *,
+        shared: bool = False,
+    ) -> None:
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
+        # Packed for oneDNN on CPU; the plain tensor is kept only when the embedding
+        # shares it (tied weights) or packing is unavailable.
+        self.packed = prepack(weight)
+        keep = shared or self.packed is None
+        self.dense = nn.Parameter(weight, requires_grad=False) if keep else None
         self.process_group = process_group
         self.gather = gather and world_size_of(process_group) > 1
+
+    @property
+    def weight(self) -> Tensor:
+        """This rank's weight [vocab or vocab / world_size, hidden] (a copy when packed alone)."""
+        if self.dense is not None:
+            return self.dense
+        assert self.packed is not None
+        return self.packed.to_dense()
 
     @classmethod
     def load(
@@ -150,12 +170,15 @@ class TensorParallelHead(nn.Module):
         gather = vocab_size % weights.world_size == 0
         if tied is not None and (gather or weights.world_size == 1):
             # An even vocab split is the embedding's own split: share its tensor.
-            return cls(tied.weight.data, weights.process_group, gather)
+            return cls(tied.weight.data, weights.process_group, gather, shared=True)
         weight = weights.get_sharded(name, 0) if gather else weights.get_tensor(name)
         return cls(weight, weights.process_group, gather)
 
     def forward(self, hidden: Tensor) -> Tensor:
-        logits = F.linear(hidden, self.weight)  # [N, vocab / world_size] or [N, vocab]
+        if self.packed is not None:
+            logits = packed_linear(hidden, self.packed)  # [N, vocab / world_size] or [N, vocab]
+        else:
+            logits = F.linear(hidden, self.dense)
         if not self.gather:
             return logits
         parts = [torch.empty_like(logits) for _ in range(world_size_of(self.process_group))]
