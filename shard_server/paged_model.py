@@ -165,7 +165,11 @@ class PagedModel:
             result = None
             if inputs.sampled:
                 params = SamplingTensors.from_sequences(inputs.sampled, self.device)
-                rows = logits[inputs.sample_rows]  # [S, V]
+                rows = logits  # [S, V]
+                # sample_rows ascend, so as many of them as logits rows means all rows:
+                # skip copying [S, V] (a decode step's common case).
+                if len(inputs.sample_rows) != logits.shape[0]:
+                    rows = logits[inputs.sample_rows]
                 result = sample(self.sampler, rows, inputs.sampled, params, self.info)
         forward_done = time.perf_counter_ns()
         generations: list[pb.Generation] = []

@@ -31,12 +31,14 @@ class SamplingTensors:
     repetition_penalty: torch.Tensor  # [B] float32, 1.0 = off
     frequency_penalty: torch.Tensor  # [B] float32, 0.0 = off
     do_sample: list[bool]  # per row: sample (True) or argmax
+    penalized: list[bool]  # per row: a repetition or frequency penalty is set
     generators: list[torch.Generator]  # per row, seeded from the request
     top_n: int  # most top-n alternatives any row asks for
 
     @property
     def any_penalty(self) -> bool:
-        return bool((self.repetition_penalty != 1.0).any() or (self.frequency_penalty != 0.0).any())
+        # Read from host-side flags: no device sync.
+        return any(self.penalized)
 
     @classmethod
     def from_sequences(cls, sequences: Sequence[Seq], device: torch.device) -> SamplingTensors:
@@ -54,6 +56,9 @@ class SamplingTensors:
             repetition_penalty=column([p.repetition_penalty or 1.0 for p in params]),
             frequency_penalty=column([p.frequency_penalty for p in params]),
             do_sample=[_samples(p) for p in params],
+            penalized=[
+                (p.repetition_penalty or 1.0) != 1.0 or p.frequency_penalty != 0.0 for p in params
+            ],
             generators=[s.generator for s in sequences],
             top_n=max((s.request.top_n_tokens for s in sequences), default=0),
         )
@@ -69,6 +74,7 @@ class SamplingTensors:
             repetition_penalty=self.repetition_penalty[index],
             frequency_penalty=self.frequency_penalty[index],
             do_sample=[self.do_sample[r] for r in rows],
+            penalized=[self.penalized[r] for r in rows],
             generators=[self.generators[r] for r in rows],
             top_n=self.top_n,
         )
@@ -83,6 +89,7 @@ class SamplingTensors:
             repetition_penalty=torch.cat([p.repetition_penalty for p in parts]),
             frequency_penalty=torch.cat([p.frequency_penalty for p in parts]),
             do_sample=[s for p in parts for s in p.do_sample],
+            penalized=[s for p in parts for s in p.penalized],
             generators=[g for p in parts for g in p.generators],
             top_n=max(p.top_n for p in parts),
         )
@@ -131,21 +138,22 @@ class Sampler:
             logits = logits.masked_fill(suppress_ids, float("-inf"))
         warped = apply_warpers(logits, params) if any(params.do_sample) else logits
         logprobs = torch.log_softmax(warped, dim=-1)  # [B, V]
-        next_ids = logprobs.argmax(dim=-1)  # [B]
+        next_ids = logprobs.argmax(dim=-1, keepdim=True)  # [B, 1]
         for row, sample in enumerate(params.do_sample):
             if sample:
                 next_ids[row] = _sample_row(logprobs[row], params.generators[row])
-        chosen = logprobs.gather(1, next_ids[:, None]).squeeze(1)  # [B]
+        columns = [next_ids, logprobs.gather(1, next_ids)]  # [B, 1] each
         if params.top_n > 0:
             top_logprobs, top_ids = logprobs.topk(params.top_n, dim=-1)  # [B, top_n]
-            tops = (top_ids.tolist(), top_logprobs.tolist())
-        else:
-            tops = ([[] for _ in params.do_sample], [[] for _ in params.do_sample])
+            columns += [top_ids, top_logprobs]
+        # One host transfer for all results (float64 holds every token id exactly).
+        table = torch.cat([c.double() for c in columns], dim=1).tolist()  # [B, 2 + 2 top_n]
+        n = params.top_n
         return SamplerOutput(
-            next_ids=next_ids.tolist(),
-            logprobs=chosen.tolist(),
-            top_ids=tops[0],
-            top_logprobs=tops[1],
+            next_ids=[int(row[0]) for row in table],
+            logprobs=[row[1] for row in table],
+            top_ids=[[int(i) for i in row[2 : 2 + n]] for row in table],
+            top_logprobs=[row[2 + n :] for row in table],
         )
 
 

@@ -84,3 +84,25 @@ def test_suppressed_tokens_are_never_chosen() -> None:
     logits = torch.tensor([[0.0, 9.0, 1.0]])
     suppress = torch.tensor([[False, True, False]])
     assert Sampler()(logits, tensors(params()), suppress_ids=suppress).next_ids == [2]
+
+
+def test_greedy_results_come_back_as_python_values() -> None:
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(0)) * 4
+    out = Sampler()(logits, tensors(*[params()] * 5))
+    expected = torch.log_softmax(logits, -1)
+    assert out.next_ids == expected.argmax(-1).tolist()
+    chosen = expected.gather(1, torch.tensor(out.next_ids)[:, None]).squeeze(1)
+    assert out.logprobs == pytest.approx(chosen.tolist(), abs=1e-5)
+    assert all(isinstance(i, int) for i in out.next_ids)
+    assert out.top_ids == out.top_logprobs == [[]] * 5
+
+
+def test_penalty_flags_follow_rows() -> None:
+    sampling = tensors(params(), params(repetition_penalty=1.3), params(frequency_penalty=0.5))
+    assert sampling.penalized == [False, True, True]
+    assert sampling.any_penalty
+    assert not sampling.select([0]).any_penalty
+    assert SamplingTensors.concatenate([sampling.select([0]), sampling.select([2])]).penalized == [
+        False,
+        True,
+    ]
