@@ -163,28 +163,39 @@ class SeqGroup:
     num_seqs: int
     max_q: int
     max_k: int
-    _masks: dict[tuple[int, int | None, torch.dtype], Tensor] = field(default_factory=dict)
+    #: Some sequence is shorter than max_k (its padded keys need masking).
+    ragged: bool = True
+    _masks: dict[tuple[int, int | None, torch.dtype], Tensor | None] = field(default_factory=dict)
+    _gather_index: dict[int, Tensor] = field(default_factory=dict)
 
     @property
     def plain_causal(self) -> bool:
         """Every sequence is a whole prompt of the same length (no prefix, no padding)."""
         return self.pad_index is None and self.max_q == self.max_k > 1
 
-    def mask(self, group_size: int, window: int | None, dtype: torch.dtype) -> Tensor:
-        """Keep-mask [num_seqs, 1, rows, max_k]; rows = group_size * max_q (1 if decode).
+    def mask(self, group_size: int, window: int | None, dtype: torch.dtype) -> Tensor | None:
+        """Additive mask [num_seqs, 1, rows, max_k] in `dtype`; rows = group_size * max_q (1 if decode).
 
-        Boolean for decode; for prefill an additive float mask in `dtype`, which SDPA
-        would otherwise rebuild from a boolean one in every layer.
+        Built once per step: SDPA would otherwise turn a boolean mask into this in every
+        layer. None for decodes that need no mask (every sequence max_k long, no window).
         """
         key = (group_size, window, dtype)
         if key not in self._masks:
-            keep = self._build_mask(group_size, window)
-            if self.max_q > 1:
-                keep = torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(
-                    ~keep, float("-inf")
-                )
-            self._masks[key] = keep
+            if self.max_q == 1 and not self.ragged and window is None:
+                self._masks[key] = None
+            else:
+                keep = self._build_mask(group_size, window)
+                self._masks[key] = torch.zeros(
+                    keep.shape, dtype=dtype, device=keep.device
+                ).masked_fill_(~keep, float("-inf"))
         return self._masks[key]
+
+    def gather_index(self, block_size: int) -> Tensor:
+        """[num_seqs * nblk] the blocks holding each sequence's first max_k keys, row-major."""
+        if block_size not in self._gather_index:
+            blocks = self.block_tables[:, : math.ceil(self.max_k / block_size)]  # [B, nblk]
+            self._gather_index[block_size] = blocks.reshape(-1)
+        return self._gather_index[block_size]
 
     def _build_mask(self, group_size: int, window: int | None) -> Tensor:
         keys = torch.arange(self.max_k, device=self.query_pos.device)  # [Lk]
@@ -256,7 +267,10 @@ class SdpaAttentionBackend(AttentionBackend[SdpaPlan]):
         context = seq_lens - (md.query_lens() if member is None else md.query_lens()[member])
         offsets_q = torch.arange(max_q, device=device)
         query_pos = torch.minimum(context[:, None] + offsets_q, seq_lens[:, None] - 1)
-        return SeqGroup(token_index, pad_index, block_tables, query_pos, num_seqs, max_q, max_k)
+        ragged = max_q > 1 or bool((seq_lens != max_k).any())
+        return SeqGroup(
+            token_index, pad_index, block_tables, query_pos, num_seqs, max_q, max_k, ragged
+        )
 
     def forward(
         self,
@@ -300,9 +314,15 @@ class SdpaAttentionBackend(AttentionBackend[SdpaPlan]):
         _, block_size, kv_heads, dim = key_cache.shape
         heads = query.shape[1]
         group_size = heads // kv_heads
-        blocks = group.block_tables[:, : math.ceil(max_k / block_size)]  # [B, nblk]
-        keys = _gather(key_cache, blocks, max_k)  # [B, H_kv, Lk, D]
-        values = _gather(value_cache, blocks, max_k)  # [B, H_kv, Lk, D]
+        blocks = group.gather_index(block_size)  # [B * nblk]
+        keys = _gather(key_cache, blocks, num_seqs, max_k)  # [B, H_kv, Lk, D]
+        values = _gather(value_cache, blocks, num_seqs, max_k)  # [B, H_kv, Lk, D]
+        if max_q == 1:
+            # Decode: each kv head's query group is its query rows, no reordering needed.
+            folded = query.view(num_seqs, kv_heads, group_size, dim)  # [B, H_kv, G, D]
+            mask = group.mask(group_size, window, query.dtype)
+            out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scale)
+            return out.view(num_seqs, heads, dim)  # [B, H_q, D]
         if group.plain_causal and window is None:
             # SDPA's own causal mask lets its kernel skip the masked half of the scores.
             query = query.view(num_seqs, max_q, heads, dim).transpose(1, 2)  # [B, H_q, S, D]
@@ -328,11 +348,10 @@ class SdpaAttentionBackend(AttentionBackend[SdpaPlan]):
         return out if group.pad_index is None else out.index_select(0, group.pad_index)
 
 
-def _gather(cache: Tensor, blocks: Tensor, length: int) -> Tensor:
-    """Keys of each sequence, cache [N, bs, H, D] and blocks [B, nblk] → [B, H, length, D]."""
-    num_seqs, num_blocks = blocks.shape
-    _, block_size, heads, dim = cache.shape
+def _gather(cache: Tensor, blocks: Tensor, num_seqs: int, length: int) -> Tensor:
+    """Keys of each sequence, cache [N, bs, H, D] and blocks [B * nblk] → [B, H, length, D]."""
+    heads, dim = cache.shape[2], cache.shape[3]
     # index_select copies whole blocks; advanced indexing (cache[blocks]) is ~10× slower on CPU.
-    gathered = cache.index_select(0, blocks.reshape(-1))  # [B * nblk, bs, H, D]
-    gathered = gathered.view(num_seqs, num_blocks * block_size, heads, dim)
+    gathered = cache.index_select(0, blocks)  # [B * nblk, bs, H, D]
+    gathered = gathered.view(num_seqs, -1, heads, dim)  # [B, nblk * bs, H, D]
     return gathered[:, :length].transpose(1, 2)

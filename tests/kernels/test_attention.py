@@ -42,6 +42,7 @@ def run_case(
     block_size: int = 4,
     window: int | None = None,
     seed: int = 0,
+    dtype: torch.dtype = torch.float32,
 ) -> None:
     generator = torch.Generator().manual_seed(seed)
     seq_lens = [q + c for q, c in zip(query_lens, context_lens, strict=True)]
@@ -57,10 +58,10 @@ def run_case(
         block_size=block_size,
         num_kv_heads=kv_heads,
         head_dim=DIM,
-        dtype=torch.float32,
+        dtype=dtype,
     )
-    keys = [torch.randn(n, kv_heads, DIM, generator=generator) for n in seq_lens]
-    values = [torch.randn(n, kv_heads, DIM, generator=generator) for n in seq_lens]
+    keys = [torch.randn(n, kv_heads, DIM, generator=generator).to(dtype) for n in seq_lens]
+    values = [torch.randn(n, kv_heads, DIM, generator=generator).to(dtype) for n in seq_lens]
     # Write every token, prefix included, the way earlier steps would have.
     full = AttentionMetadata.build(
         query_lens=seq_lens,
@@ -83,7 +84,7 @@ def run_case(
         metadata.max_seqlen_q,
         metadata.max_seqlen_k,
     )
-    queries = torch.randn(sum(query_lens), heads, DIM, generator=generator)
+    queries = torch.randn(sum(query_lens), heads, DIM, generator=generator).to(dtype)
     backend = SdpaAttentionBackend()
     out = backend.forward(
         queries,
@@ -93,12 +94,21 @@ def run_case(
         sliding_window=window,
     )
     assert out.shape == queries.shape
+    assert out.dtype == dtype
+    # bf16: inputs are exact in both; the kernel rounds scores and outputs to bf16.
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
     starts = metadata.query_start_loc.tolist()
     for b, context in enumerate(context_lens):
         expected = naive_attention(
-            queries[starts[b] : starts[b + 1]], keys[b], values[b], context, window
+            queries[starts[b] : starts[b + 1]].float(),
+            keys[b].float(),
+            values[b].float(),
+            context,
+            window,
         )
-        torch.testing.assert_close(out[starts[b] : starts[b + 1]], expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            out[starts[b] : starts[b + 1]].float(), expected, atol=tol, rtol=tol
+        )
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
@@ -117,6 +127,36 @@ def run_case(
 )
 def test_matches_per_sequence_attention(query_lens, context_lens, heads, kv_heads, block_size):
     run_case(query_lens, context_lens, heads, kv_heads, block_size)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (9, 3), (6, 1)])
+@pytest.mark.parametrize(
+    "context_lens",
+    [[5], [7, 7, 7], [3, 30, 0, 12, 17]],
+    ids=["one", "equal-lengths-no-mask", "ragged"],
+)
+def test_decode_matches_per_sequence_attention(context_lens, heads, kv_heads, dtype):
+    run_case([1] * len(context_lens), context_lens, heads, kv_heads, 4, dtype=dtype)
+
+
+def test_decode_needs_no_mask_only_when_every_sequence_is_max_k_long():
+    def decode_mask(context_lens: list[int], window: int | None = None) -> torch.Tensor | None:
+        metadata = AttentionMetadata.build(
+            query_lens=[1] * len(context_lens),
+            context_lens=context_lens,
+            block_tables=[[0, 1, 2]] * len(context_lens),
+            block_size=4,
+        )
+        (group,) = SdpaAttentionBackend().prepare(metadata).groups
+        return group.mask(2, window, torch.float32)
+
+    assert decode_mask([5, 5]) is None
+    assert decode_mask([5, 5], window=3) is not None
+    mask = decode_mask([5, 2])
+    assert mask is not None
+    assert mask.shape == (2, 1, 1, 6)
+    assert torch.isinf(mask[1, 0, 0, 3:]).all() and not mask[1, 0, 0, :3].any()
 
 
 @pytest.mark.parametrize("window", [1, 3, 8])
