@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import torch.nn.functional as F
+import torch
 from torch import Tensor, nn
 
 from textgate.quantization.weights import Weights
@@ -19,6 +19,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.eps = eps
+        self._eps = torch.tensor(eps, dtype=torch.float32, device=weight.device)
 
     @classmethod
     def load(cls, weights: Weights, prefix: str, eps: float) -> RMSNorm:
@@ -29,6 +30,10 @@ class RMSNorm(nn.Module):
         """Return (normed, residual) where residual = x + residual (or x alone)."""
         if residual is not None:
             x = x + residual
-        # One fused kernel instead of pow/mean/add/rsqrt/mul: a decode step is ~60 norms.
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype), x
+        # Few kernels per norm (a decode step runs ~60): the float32 sum of squares comes
+        # from one reduction over x, and x * rsqrt(mean + eps) is computed in float32 and
+        # rounded once into x's dtype, as the reference's `.to(x.dtype)` does.
+        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)  # [T, 1]
+        inv_rms = torch.addcmul(self._eps, norm, norm, value=1 / x.shape[-1]).rsqrt_()
+        normed = torch.mul(x, inv_rms, out=torch.empty_like(x))
+        return normed.mul_(self.weight), x

@@ -206,3 +206,19 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate heads x [T, H, head_dim] by per-token cos/sin [T, head_dim]."""
     cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, head_dim]
     return x * cos + rotate_half(x) * sin
+
+
+def signed_sin(sin: Tensor) -> Tensor:
+    """sin [T, head_dim] with its first half negated, for `apply_rotary_signed`."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+
+
+def apply_rotary_signed(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
+    """`apply_rotary(x, cos, sin)` given `sin_signed = signed_sin(sin)`, with the same result.
+
+    rotate_half(x) * sin == x.roll(half) * sin_signed: one roll instead of chunk, neg and
+    cat, in every layer of every step; the sign flip is paid once per step.
+    """
+    half = x.shape[-1] // 2
+    return x * cos[:, None, :] + x.roll(half, -1) * sin_signed[:, None, :]

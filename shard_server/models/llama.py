@@ -21,7 +21,7 @@ from textgate.quantization.weights import Weights
 from textgate.shard_server.kv_cache import KVCache
 from textgate.shard_server.layers.heads import HeadPartition
 from textgate.shard_server.layers.norm import RMSNorm
-from textgate.shard_server.layers.rotary import RotaryEmbedding, apply_rotary
+from textgate.shard_server.layers.rotary import RotaryEmbedding, apply_rotary_signed, signed_sin
 from textgate.shard_server.layers.tensor_parallel import (
     TensorParallelColumnLinear,
     TensorParallelEmbedding,
@@ -37,7 +37,7 @@ class ForwardContext:
     """What every layer of one step shares: rotary tables, the cache and the attention plan."""
 
     cos: Tensor  # [T, head_dim]
-    sin: Tensor  # [T, head_dim]
+    sin_signed: Tensor  # [T, head_dim], see rotary.signed_sin
     kv_cache: KVCache
     metadata: AttentionMetadata
     backend: AttentionBackend[Any]
@@ -77,8 +77,8 @@ class LlamaAttention(nn.Module):
             [num_qk * self.head_dim, self.num_kv_heads * self.head_dim], -1
         )
         # Queries and keys rotate in one pass: half the small ops of a decode step's RoPE.
-        query_key = apply_rotary(
-            query_key.view(num_tokens, num_qk, self.head_dim), ctx.cos, ctx.sin
+        query_key = apply_rotary_signed(
+            query_key.view(num_tokens, num_qk, self.head_dim), ctx.cos, ctx.sin_signed
         )  # [T, H_q + H_kv, D]
         query, key = query_key.split([self.num_heads, self.num_kv_heads], dim=1)
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -183,7 +183,7 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, self.dtype, seq_lens)
         backend = self.attention_backend
         ctx = ForwardContext(
-            cos, sin, kv_cache, attn_metadata, backend, backend.prepare(attn_metadata)
+            cos, signed_sin(sin), kv_cache, attn_metadata, backend, backend.prepare(attn_metadata)
         )
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
         residual = None

@@ -5,7 +5,13 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from textgate.shard_server.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
+from textgate.shard_server.layers.rotary import (
+    RopeConfig,
+    RotaryEmbedding,
+    apply_rotary,
+    apply_rotary_signed,
+    signed_sin,
+)
 
 HEAD_DIM = 16
 SCALINGS = [
@@ -108,3 +114,11 @@ def test_defaults_without_rope_settings():
 def test_unsupported_settings_are_rejected(config, match):
     with pytest.raises(ValueError, match=match):
         RopeConfig.from_config(config)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_signed_sin_rotation_is_the_same_rotation(dtype):
+    ours = RotaryEmbedding(RopeConfig(), 16)
+    cos, sin = ours.cos_sin(torch.arange(5) * 7, dtype)
+    x = torch.randn(5, 3, 16).to(dtype)
+    assert torch.equal(apply_rotary_signed(x, cos, signed_sin(sin)), apply_rotary(x, cos, sin))
