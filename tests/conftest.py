@@ -112,6 +112,12 @@ class LiveServer:
 
 
 @pytest.fixture(scope="session")
+def launch_server() -> type[LiveServer]:
+    """The LiveServer class, for tests that start launchers with their own flags."""
+    return LiveServer
+
+
+@pytest.fixture(scope="session")
 def live_server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Iterator[str]:
     """Base URL of a launcher serving the embedded default model (shared by all e2e tests)."""
     server = LiveServer(tmp_path_factory.mktemp("live"), "--max-concurrent-requests", "16")

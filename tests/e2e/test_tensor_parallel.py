@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -15,19 +15,8 @@ pytestmark = pytest.mark.e2e
 PROMPTS = ["Paris is the capital", "The quick brown fox", "Continuous batching keeps"]
 
 
-def _live_server_class() -> type:
-    # Test modules cannot import conftest directly under --import-mode=importlib.
-    spec = importlib.util.spec_from_file_location(
-        "e2e_conftest", Path(__file__).parents[1] / "conftest.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.LiveServer  # type: ignore[no-any-return]
-
-
-def _answers(tmp_path: Path, model: Path, num_shard: int) -> list[str]:
-    server = _live_server_class()(
+def _answers(launch_server: Any, tmp_path: Path, model: Path, num_shard: int) -> list[str]:
+    server = launch_server(
         tmp_path / f"tp{num_shard}",
         "--model-id", str(model),
         "--num-shard", str(num_shard),
@@ -52,7 +41,10 @@ def _answers(tmp_path: Path, model: Path, num_shard: int) -> list[str]:
         assert server.stop() == 0
 
 
-def test_two_shards_give_the_same_greedy_tokens(tmp_path: Path, tiny_model_dir: Path) -> None:
+def test_two_shards_give_the_same_greedy_tokens(
+    launch_server: Any, tmp_path: Path, tiny_model_dir: Path
+) -> None:
     (tmp_path / "tp1").mkdir()
     (tmp_path / "tp2").mkdir()
-    assert _answers(tmp_path, tiny_model_dir, 2) == _answers(tmp_path, tiny_model_dir, 1)
+    two = _answers(launch_server, tmp_path, tiny_model_dir, 2)
+    assert two == _answers(launch_server, tmp_path, tiny_model_dir, 1)
