@@ -11,6 +11,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypedDict
 
 import textgate
 from textgate.router.channel import Finished, TokenInfo
@@ -41,6 +42,15 @@ _FINISH_REASONS: dict[FinishReason, str] = {
 }
 
 
+class MetaFields(TypedDict):
+    """`ResponseMeta` as keyword arguments."""
+
+    id: str
+    created: int
+    model: str
+    system_fingerprint: str
+
+
 @dataclass(frozen=True)
 class ResponseMeta:
     """The fields every body and chunk of one response repeats."""
@@ -54,6 +64,15 @@ class ResponseMeta:
     def new(cls, prefix: str, model: str) -> ResponseMeta:
         """A fresh id ("chatcmpl-…", "cmpl-…") created now."""
         return cls(id=f"{prefix}-{uuid.uuid4().hex}", created=int(time.time()), model=model)
+
+    def fields(self) -> MetaFields:
+        """The shared fields as keyword arguments of a response or chunk model."""
+        return MetaFields(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            system_fingerprint=self.system_fingerprint,
+        )
 
 
 @dataclass(frozen=True)
@@ -205,10 +224,7 @@ def chat_completion(
         for i, g in enumerate(results)
     ]
     return ChatCompletion(
-        id=meta.id,
-        created=meta.created,
-        model=meta.model,
-        system_fingerprint=meta.system_fingerprint,
+        **meta.fields(),
         choices=choices,
         usage=usage(prompt_tokens, sum(g.finished.generated_tokens for g in results)),
     )
@@ -233,10 +249,7 @@ def completion(
             )
     completion_tokens = sum(g.finished.generated_tokens for chosen in results for g in chosen)
     return Completion(
-        id=meta.id,
-        created=meta.created,
-        model=meta.model,
-        system_fingerprint=meta.system_fingerprint,
+        **meta.fields(),
         choices=choices,
         usage=usage(prompt_tokens, completion_tokens),
     )

@@ -149,15 +149,7 @@ class ChatChunks:
         return self._chunk([], usage)
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> BaseModel:
-        meta = self._meta
-        return ChatCompletionChunk(
-            id=meta.id,
-            created=meta.created,
-            model=meta.model,
-            system_fingerprint=meta.system_fingerprint,
-            choices=choices,
-            usage=usage,
-        )
+        return ChatCompletionChunk(**self._meta.fields(), choices=choices, usage=usage)
 
 
 class CompletionChunks:
@@ -207,12 +199,4 @@ class CompletionChunks:
         return self._chunk([], usage)
 
     def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> BaseModel:
-        meta = self._meta
-        return Completion(
-            id=meta.id,
-            created=meta.created,
-            model=meta.model,
-            system_fingerprint=meta.system_fingerprint,
-            choices=choices,
-            usage=usage,
-        )
+        return Completion(**self._meta.fields(), choices=choices, usage=usage)
