@@ -74,12 +74,14 @@ class _QuietServer(uvicorn.Server):
 async def start_router(
     sharded: ShardedClient, make_config: Callable[..., RouterConfig]
 ) -> AsyncIterator[Callable[..., Awaitable[str]]]:
-    """`await start_router(**config_overrides)` serves the app on a free port; gives its URL."""
+    """`await start_router(tokenizer=None, **config_overrides)` serves the app on a free port
+    (FakeTokenizer by default); gives its URL."""
     servers: list[tuple[uvicorn.Server, asyncio.Task[None]]] = []
 
-    async def start(**overrides: Any) -> str:
+    async def start(tokenizer: FakeTokenizer | None = None, **overrides: Any) -> str:
         info = await sharded.info()
-        app = build_app(make_config(**overrides), sharded, FakeTokenizer(), shard_info=info)
+        config = make_config(**overrides)
+        app = build_app(config, sharded, tokenizer or FakeTokenizer(), shard_info=info)
         server = _QuietServer(
             uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, ws="none", lifespan="on")
         )

@@ -7,20 +7,14 @@ prompt, so with the fake model "w5" answers " t10 t11 …" (each token follows t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
-from textgate.router.app import build_app
-from textgate.router.config import RouterConfig
-from textgate.router.server import bound_port
-from textgate.router.shard_client import ShardedClient
 from textgate.tests.router.fake_shard import FakeShard, FakeTokenizer
 
 StartRouter = Callable[..., Awaitable[str]]
@@ -51,40 +45,15 @@ class ChatFakeTokenizer(FakeTokenizer):
         return {"input_ids": self.encode(text), "offset_mapping": spans}
 
 
-class _QuietServer(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
 @pytest.fixture
-async def start_openai(
-    sharded: ShardedClient, make_config: Callable[..., RouterConfig]
-) -> AsyncIterator[StartRouter]:
-    """`await start_openai(tokenizer=None, **config_overrides)` serves the router app
-    (ChatFakeTokenizer by default); gives its URL."""
-    servers: list[tuple[uvicorn.Server, asyncio.Task[None]]] = []
+def start_openai(start_router: StartRouter) -> StartRouter:
+    """`await start_openai(tokenizer=None, **config_overrides)`: `start_router` with a
+    tokenizer that has a chat template (ChatFakeTokenizer) by default."""
 
     async def start(tokenizer: FakeTokenizer | None = None, **overrides: Any) -> str:
-        info = await sharded.info()
-        app = build_app(
-            make_config(**overrides), sharded, tokenizer or ChatFakeTokenizer(), shard_info=info
-        )
-        server = _QuietServer(
-            uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, ws="none", lifespan="on")
-        )
-        task = asyncio.create_task(server.serve())
-        servers.append((server, task))
-        while not server.started:
-            if task.done():
-                task.result()
-            await asyncio.sleep(0.01)
-        return f"http://127.0.0.1:{bound_port(server, 0)}"
+        return await start_router(tokenizer or ChatFakeTokenizer(), **overrides)
 
-    yield start
-    for server, task in servers:
-        server.should_exit = True
-        await task
+    return start
 
 
 @pytest.fixture
