@@ -1,7 +1,7 @@
 """textgate.kernels: compute kernels, each beside a pure-PyTorch reference.
 
-Attention backends are registered by name; `get_attention_backend("sdpa")` is the
-reference that runs everywhere.
+Attention backends are registered by name: "sdpa" is the pure-PyTorch reference that
+runs everywhere; "cpu" (the default) runs a C kernel on CPU tensors and SDPA elsewhere.
 """
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ from collections.abc import Callable
 from typing import Any
 
 from textgate.kernels.attention import AttentionBackend, AttentionMetadata, SdpaAttentionBackend
+from textgate.kernels.cpu_attention import CpuAttentionBackend
 
-DEFAULT_ATTENTION_BACKEND = "sdpa"
+DEFAULT_ATTENTION_BACKEND = "cpu"
 
 _ATTENTION_BACKENDS: dict[str, type[AttentionBackend[Any]]] = {}
 
@@ -39,11 +40,13 @@ def get_attention_backend(name: str = DEFAULT_ATTENTION_BACKEND) -> AttentionBac
 
 
 register_attention_backend("sdpa")(SdpaAttentionBackend)
+register_attention_backend("cpu")(CpuAttentionBackend)
 
 __all__ = [
     "DEFAULT_ATTENTION_BACKEND",
     "AttentionBackend",
     "AttentionMetadata",
+    "CpuAttentionBackend",
     "SdpaAttentionBackend",
     "get_attention_backend",
     "register_attention_backend",

@@ -1,4 +1,9 @@
-"""The SDPA paged-attention reference against attention computed one sequence at a time."""
+"""Every paged-attention backend against attention computed one sequence at a time.
+
+"sdpa" is the pure-PyTorch reference; "cpu" runs the C kernel (kernels/cpu_attention.c)
+on these CPU tensors. tests/kernels/test_cpu_attention.py covers the kernel's build and
+its fallbacks.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from hypothesis import strategies as st
 
 from textgate.kernels import (
     AttentionMetadata,
+    CpuAttentionBackend,
     SdpaAttentionBackend,
     get_attention_backend,
     register_attention_backend,
@@ -18,6 +24,7 @@ from textgate.kernels import (
 from textgate.shard_server.kv_cache import KVCache
 
 DIM = 8
+BACKENDS = ["sdpa", "cpu"]
 
 
 def naive_attention(q, k, v, context: int, window: int | None) -> torch.Tensor:
@@ -43,6 +50,8 @@ def run_case(
     window: int | None = None,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    backend_name: str = "sdpa",
+    dim: int = DIM,
 ) -> None:
     generator = torch.Generator().manual_seed(seed)
     seq_lens = [q + c for q, c in zip(query_lens, context_lens, strict=True)]
@@ -57,11 +66,11 @@ def run_case(
         num_blocks=num_blocks,
         block_size=block_size,
         num_kv_heads=kv_heads,
-        head_dim=DIM,
+        head_dim=dim,
         dtype=dtype,
     )
-    keys = [torch.randn(n, kv_heads, DIM, generator=generator).to(dtype) for n in seq_lens]
-    values = [torch.randn(n, kv_heads, DIM, generator=generator).to(dtype) for n in seq_lens]
+    keys = [torch.randn(n, kv_heads, dim, generator=generator).to(dtype) for n in seq_lens]
+    values = [torch.randn(n, kv_heads, dim, generator=generator).to(dtype) for n in seq_lens]
     # Write every token, prefix included, the way earlier steps would have.
     full = AttentionMetadata.build(
         query_lens=seq_lens,
@@ -84,18 +93,18 @@ def run_case(
         metadata.max_seqlen_q,
         metadata.max_seqlen_k,
     )
-    queries = torch.randn(sum(query_lens), heads, DIM, generator=generator).to(dtype)
-    backend = SdpaAttentionBackend()
+    queries = torch.randn(sum(query_lens), heads, dim, generator=generator).to(dtype)
+    backend = get_attention_backend(backend_name)
     out = backend.forward(
         queries,
         *cache.layer(0),
         backend.prepare(metadata),
-        scale=DIM**-0.5,
+        scale=dim**-0.5,
         sliding_window=window,
     )
     assert out.shape == queries.shape
     assert out.dtype == dtype
-    # bf16: inputs are exact in both; the kernel rounds scores and outputs to bf16.
+    # bf16: inputs are exact in both; the kernels round scores (SDPA) or outputs to bf16.
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     starts = metadata.query_start_loc.tolist()
     for b, context in enumerate(context_lens):
@@ -111,6 +120,7 @@ def run_case(
         )
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (6, 3), (4, 1)])
 @pytest.mark.parametrize(
@@ -125,10 +135,13 @@ def run_case(
     ],
     ids=["prefill", "prefills", "equal-prefills", "prefix", "decode", "mixed"],
 )
-def test_matches_per_sequence_attention(query_lens, context_lens, heads, kv_heads, block_size):
-    run_case(query_lens, context_lens, heads, kv_heads, block_size)
+def test_matches_per_sequence_attention(
+    query_lens, context_lens, heads, kv_heads, block_size, backend
+):
+    run_case(query_lens, context_lens, heads, kv_heads, block_size, backend_name=backend)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (9, 3), (6, 1)])
 @pytest.mark.parametrize(
@@ -136,8 +149,23 @@ def test_matches_per_sequence_attention(query_lens, context_lens, heads, kv_head
     [[5], [7, 7, 7], [3, 30, 0, 12, 17]],
     ids=["one", "equal-lengths-no-mask", "ragged"],
 )
-def test_decode_matches_per_sequence_attention(context_lens, heads, kv_heads, dtype):
-    run_case([1] * len(context_lens), context_lens, heads, kv_heads, 4, dtype=dtype)
+def test_decode_matches_per_sequence_attention(context_lens, heads, kv_heads, dtype, backend):
+    run_case(
+        [1] * len(context_lens), context_lens, heads, kv_heads, 4, dtype=dtype, backend_name=backend
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 128, 80])
+@pytest.mark.parametrize(
+    ("query_lens", "context_lens"),
+    [([40, 1, 1, 23], [0, 50, 7, 30]), ([1] * 6, [3, 90, 17, 4, 60, 33])],
+    ids=["mixed-long-prompts", "decode"],
+)
+def test_model_head_sizes(query_lens, context_lens, dim, dtype, backend):
+    # 64 and 128 take the kernel's specialized paths; prompts longer than its 16-row chunks.
+    run_case(query_lens, context_lens, 9, 3, 16, dtype=dtype, backend_name=backend, dim=dim)
 
 
 def test_decode_needs_no_mask_only_when_every_sequence_is_max_k_long():
@@ -159,26 +187,28 @@ def test_decode_needs_no_mask_only_when_every_sequence_is_max_k_long():
     assert torch.isinf(mask[1, 0, 0, 3:]).all() and not mask[1, 0, 0, :3].any()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("window", [1, 3, 8])
 @pytest.mark.parametrize(
     ("query_lens", "context_lens"),
-    [([9], [0]), ([1, 1], [10, 3]), ([1, 5, 2], [12, 0, 7])],
-    ids=["prefill", "decode", "mixed"],
+    [([9], [0]), ([1, 1], [10, 3]), ([1, 5, 2], [12, 0, 7]), ([37], [5])],
+    ids=["prefill", "decode", "mixed", "chunks-past-window"],
 )
-def test_sliding_window(query_lens, context_lens, window):
-    run_case(query_lens, context_lens, window=window)
+def test_sliding_window(query_lens, context_lens, window, backend):
+    run_case(query_lens, context_lens, window=window, backend_name=backend)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
-    seqs=st.lists(st.tuples(st.integers(1, 9), st.integers(0, 12)), min_size=1, max_size=5),
+    seqs=st.lists(st.tuples(st.integers(1, 40), st.integers(0, 40)), min_size=1, max_size=5),
     block_size=st.sampled_from([1, 2, 4, 8]),
     group=st.sampled_from([1, 2, 3]),
     window=st.one_of(st.none(), st.integers(1, 10)),
+    backend=st.sampled_from(BACKENDS),
 )
-def test_any_batch_matches_per_sequence_attention(seqs, block_size, group, window):
+def test_any_batch_matches_per_sequence_attention(seqs, block_size, group, window, backend):
     query_lens, context_lens = [q for q, _ in seqs], [c for _, c in seqs]
-    run_case(query_lens, context_lens, 2 * group, 2, block_size, window)
+    run_case(query_lens, context_lens, 2 * group, 2, block_size, window, backend_name=backend)
 
 
 def test_metadata_build_maps_tokens_to_slots_and_positions():
@@ -212,7 +242,8 @@ def test_metadata_build_rejects_inconsistent_input(query_lens, context_lens, tab
 
 
 def test_registry():
-    assert isinstance(get_attention_backend(), SdpaAttentionBackend)
+    assert isinstance(get_attention_backend(), CpuAttentionBackend)
+    assert isinstance(get_attention_backend("cpu"), CpuAttentionBackend)
     assert isinstance(get_attention_backend("sdpa"), SdpaAttentionBackend)
     with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
         get_attention_backend("flash")

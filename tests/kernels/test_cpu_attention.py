@@ -1,0 +1,145 @@
+"""The C attention kernel's build, cache and fallbacks (its numbers: test_attention.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from textgate.kernels import (
+    AttentionMetadata,
+    CpuAttentionBackend,
+    SdpaAttentionBackend,
+    cpu_attention,
+)
+from textgate.kernels.cpu_attention import KernelBuildError, build_library, compiler, load_library
+
+
+def decode_step(dtype: torch.dtype = torch.float32, num_seqs: int = 6):
+    """query, key cache, value cache and metadata of a decode step over random blocks."""
+    generator = torch.Generator().manual_seed(0)
+    block_size, kv_heads, dim, num_blocks = 16, 2, 64, 5 * num_seqs
+    cache_shape = (num_blocks, block_size, kv_heads, dim)
+    key_cache = torch.randn(cache_shape, generator=generator).to(dtype)
+    value_cache = torch.randn(cache_shape, generator=generator).to(dtype)
+    tables = torch.randperm(num_blocks, generator=generator).view(num_seqs, 5).tolist()
+    metadata = AttentionMetadata.build(
+        query_lens=[1] * num_seqs,
+        context_lens=[3 * i + 2 for i in range(num_seqs)],
+        block_tables=tables,
+        block_size=block_size,
+    )
+    query = torch.randn(num_seqs, 2 * kv_heads, dim, generator=generator).to(dtype)
+    return query, key_cache, value_cache, metadata
+
+
+def attend(backend, step) -> torch.Tensor:
+    query, key_cache, value_cache, metadata = step
+    return backend.forward(
+        query, key_cache, value_cache, backend.prepare(metadata), scale=0.125, sliding_window=None
+    )
+
+
+@pytest.fixture
+def fresh_library():
+    """load_library() builds (or fails) anew inside the test, and is reset after it."""
+    load_library.cache_clear()
+    yield
+    load_library.cache_clear()
+
+
+def test_a_compiler_is_here_and_the_kernel_builds():
+    # CI machines and the Docker image have gcc: there the kernel, not SDPA, must run.
+    assert compiler() is not None
+    assert load_library() is not None
+
+
+def test_cpu_tensors_run_the_kernel(monkeypatch):
+    library = load_library()
+    assert library is not None
+    calls = []
+    kernel = library.textgate_paged_attention
+
+    class Spy:
+        def textgate_paged_attention(self, *args):
+            calls.append(args)
+            return kernel(*args)
+
+    monkeypatch.setattr(cpu_attention, "load_library", lambda: Spy())
+    for dtype in (torch.float32, torch.bfloat16):
+        step = decode_step(dtype)
+        expected = attend(SdpaAttentionBackend(), step)
+        out = attend(CpuAttentionBackend(), step)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
+    assert len(calls) == 2
+
+
+def test_other_dtypes_run_sdpa(monkeypatch):
+    def no_kernel():
+        raise AssertionError("the kernel was asked for a float16 step")
+
+    monkeypatch.setattr(cpu_attention, "load_library", no_kernel)
+    step = decode_step(torch.float16)
+    assert torch.equal(attend(CpuAttentionBackend(), step), attend(SdpaAttentionBackend(), step))
+
+
+def test_without_a_compiler_it_runs_sdpa(monkeypatch, fresh_library, caplog):
+    monkeypatch.setattr(cpu_attention, "compiler", lambda: None)
+    step = decode_step()
+    with caplog.at_level("WARNING", logger="textgate.kernels"):
+        out = attend(CpuAttentionBackend(), step)
+    assert torch.equal(out, attend(SdpaAttentionBackend(), step))
+    assert "no C compiler found" in caplog.text
+
+
+def test_a_failing_build_runs_sdpa(monkeypatch, fresh_library, tmp_path, caplog):
+    monkeypatch.setenv("TEXTGATE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # exits 1 for every command line
+    step = decode_step()
+    with caplog.at_level("WARNING", logger="textgate.kernels"):
+        out = attend(CpuAttentionBackend(), step)
+    assert torch.equal(out, attend(SdpaAttentionBackend(), step))
+    assert "CPU attention kernel unavailable" in caplog.text
+
+
+def test_build_errors_carry_the_command(tmp_path):
+    with pytest.raises(KernelBuildError, match=r"false .*-c .*cpu_attention\.c"):
+        build_library(tmp_path, "false")
+
+
+def test_a_build_is_reused_until_source_compiler_or_cpu_change(tmp_path, monkeypatch):
+    cc = compiler()
+    assert cc is not None
+    first = build_library(tmp_path, cc)
+    built_at = first.stat().st_mtime_ns
+    assert build_library(tmp_path, cc) == first
+    assert first.stat().st_mtime_ns == built_at
+    monkeypatch.setattr(cpu_attention, "_cpu_signature", lambda: "flags : another cpu")
+    other = build_library(tmp_path, cc)
+    assert other != first and other.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, other.name])
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    step = decode_step(num_seqs=24)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = attend(CpuAttentionBackend(), step)
+        torch.set_num_threads(2)
+        two = attend(CpuAttentionBackend(), step)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/maps")
+def test_kernel_shares_torchs_openmp_runtime():
+    # Two OpenMP runtimes would mean two thread pools spinning against each other.
+    attend(CpuAttentionBackend(), decode_step())
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    runtimes = {line.split()[-1] for line in maps if "libgomp" in line}
+    assert len(runtimes) == 1, runtimes
