@@ -66,7 +66,13 @@ FLAGS: tuple[Flag, ...] = (
     Flag("max-top-n-tokens", int, 5, "Largest top_n_tokens a request may ask for"),
     Flag("max-input-tokens", int, None, "Longest prompt in tokens (default: max-total-tokens - 1)"),
     Flag("max-total-tokens", int, None, "Longest prompt + generation (default: min(model, 4096))"),
-    Flag("max-batch-prefill-tokens", int, None, "Prompt tokens one prefill may compute"),
+    Flag(
+        "max-batch-prefill-tokens",
+        int,
+        None,
+        "Tokens one prefill (paged engine: one step) may compute; "
+        "default max-input-tokens + 50, on CPU 256",
+    ),
     Flag("max-batch-total-tokens", int, None, "Tokens (prompt + generation) a batch may hold"),
     Flag("max-batch-size", int, None, "Most requests in one batch"),
     Flag("waiting-served-ratio", float, 0.3, "Waiting/running ratio that triggers a prefill"),
@@ -223,7 +229,7 @@ class ChildFailed(RuntimeError):
 
 
 def model_limits(model_path: Path, config: LauncherConfig) -> dict[str, int]:
-    """TGI's defaults: total = min(model, 4096), input = total - 1, prefill = input + 50."""
+    """TGI's defaults: total = min(model, 4096), input = total - 1."""
     model_config = json.loads((model_path / "config.json").read_text())
     model_max = int(model_config.get("max_position_embeddings") or 4096)
     total = config.max_total_tokens or min(model_max, 4096)
@@ -233,7 +239,8 @@ def model_limits(model_path: Path, config: LauncherConfig) -> dict[str, int]:
     return {
         "max_total_tokens": total,
         "max_input_tokens": max_input,
-        "max_batch_prefill_tokens": config.max_batch_prefill_tokens or max_input + 50,
+        # Unset: the router picks it once it knows the shards (router/config.py).
+        "max_batch_prefill_tokens": config.max_batch_prefill_tokens,
     }
 
 

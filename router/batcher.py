@@ -37,7 +37,7 @@ log = logging.getLogger("textgate.router")
 def batch_limits(config: RouterConfig, shard_info: pb.InfoResponse | None) -> BatchLimits:
     """The batcher's budgets from the (warmup-resolved) config."""
     return BatchLimits(
-        max_batch_prefill_tokens=config.max_batch_prefill_tokens,
+        max_batch_prefill_tokens=config.prefill_tokens,
         max_batch_total_tokens=config.max_batch_total_tokens or config.default_batch_total_tokens(),
         max_batch_size=config.max_batch_size,
         waiting_served_ratio=config.waiting_served_ratio,

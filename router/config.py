@@ -7,6 +7,13 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+# Tokens one step of paged shards on the CPU may compute when --max-batch-prefill-tokens is
+# not given. Every running request waits for each step, and on a CPU a step costs about
+# 0.5 ms per token of a small model: TGI's default (max_input_tokens + 50, ~4k) would stall
+# every stream for seconds whenever prompts arrive. 256 gave the lowest time to first token
+# at the same throughput as 512 on the default model (docs/benchmarks.md).
+CPU_STEP_TOKENS = 256
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -34,8 +41,8 @@ class RouterConfig:
     """Longest prompt in tokens (after truncation)."""
     max_total_tokens: int = 4096
     """Longest prompt + max_new_tokens of one request."""
-    max_batch_prefill_tokens: int = 4145
-    """Prompt tokens one prefill may compute."""
+    max_batch_prefill_tokens: int | None = None
+    """Tokens one prefill (paged shards: one step) may compute; None = `with_prefill_default`."""
     max_batch_total_tokens: int | None = None
     """Tokens (prompt + budget) the running batch may hold; None = from Warmup or a default."""
     max_batch_size: int | None = None
@@ -73,7 +80,6 @@ class RouterConfig:
             "max_best_of",
             "max_input_tokens",
             "max_total_tokens",
-            "max_batch_prefill_tokens",
             "max_client_batch_size",
             "validation_workers",
             "payload_limit",
@@ -86,8 +92,9 @@ class RouterConfig:
         for name in ("max_stop_sequences", "max_top_n_tokens", "max_waiting_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.max_batch_size is not None:
-            _require_positive("max_batch_size", self.max_batch_size)
+        for name in ("max_batch_size", "max_batch_prefill_tokens"):
+            if getattr(self, name) is not None:
+                _require_positive(name, getattr(self, name))
         if self.waiting_served_ratio < 0:
             raise ValueError(f"waiting_served_ratio must be >= 0, got {self.waiting_served_ratio}")
         self._check_token_limits()
@@ -99,7 +106,8 @@ class RouterConfig:
                 f"max_total_tokens ({self.max_total_tokens})"
             )
         total = self.max_batch_total_tokens
-        if total is not None and total < max(self.max_batch_prefill_tokens, self.max_total_tokens):
+        prefill = self.max_batch_prefill_tokens or 0
+        if total is not None and total < max(prefill, self.max_total_tokens):
             raise ValueError(
                 f"max_batch_total_tokens ({total}) must be >= max_batch_prefill_tokens "
                 f"({self.max_batch_prefill_tokens}) and >= max_total_tokens ({self.max_total_tokens})"
@@ -127,9 +135,25 @@ class RouterConfig:
         except TypeError as exc:
             raise ValueError(f"router config: {exc}") from exc
 
+    def with_prefill_default(self, *, paged: bool, device_type: str) -> RouterConfig:
+        """This config with max_batch_prefill_tokens filled in when unset: CPU_STEP_TOKENS
+        for paged shards on the CPU, else TGI's max_input_tokens + 50."""
+        if self.max_batch_prefill_tokens is not None:
+            return self
+        paged_cpu = paged and device_type == "cpu"
+        budget = CPU_STEP_TOKENS if paged_cpu else self.max_input_tokens + 50
+        return dataclasses.replace(self, max_batch_prefill_tokens=budget)
+
+    @property
+    def prefill_tokens(self) -> int:
+        """max_batch_prefill_tokens, which the router resolves before building any batch."""
+        if self.max_batch_prefill_tokens is None:
+            raise RuntimeError("max_batch_prefill_tokens is unset: call with_prefill_default()")
+        return self.max_batch_prefill_tokens
+
     def default_batch_total_tokens(self) -> int:
         """TGI's fallback when neither the flag nor the shard's Warmup gives a capacity."""
-        return max(16_000, self.max_total_tokens, self.max_batch_prefill_tokens)
+        return max(16_000, self.max_total_tokens, self.prefill_tokens)
 
 
 def _require_positive(name: str, value: int) -> None:

@@ -48,6 +48,10 @@ async def serve(config: RouterConfig) -> None:
     try:
         await shards.clear_cache()
         info = await shards.info()
+        config = config.with_prefill_default(
+            paged=info.block_size > 0, device_type=info.device_type
+        )
+        log.info("Max batch prefill tokens: %d", config.prefill_tokens)
         await shards.health()
         tokenizer = await asyncio.to_thread(load_tokenizer, config.tokenizer_path)
         log.info("Warming up the model")
@@ -80,10 +84,10 @@ def make_engine(
     `metrics` (the app's) gets the engine's step metrics.
     """
     if info.block_size == 0:
-        if config.max_batch_prefill_tokens < config.max_input_tokens:
+        if config.prefill_tokens < config.max_input_tokens:
             # Padded shards prefill whole prompts; paged ones split them into chunks.
             raise ValueError(
-                f"max_batch_prefill_tokens ({config.max_batch_prefill_tokens}) must be >= "
+                f"max_batch_prefill_tokens ({config.prefill_tokens}) must be >= "
                 f"max_input_tokens ({config.max_input_tokens}) for a model served without "
                 "a native implementation (no chunked prefill)"
             )
@@ -95,10 +99,8 @@ def make_engine(
         SchedulerConfig(
             num_blocks=warmup.num_blocks,
             block_size=info.block_size,
-            max_num_batched_tokens=config.max_batch_prefill_tokens,
-            max_num_seqs=min(
-                config.max_batch_size or DEFAULT_MAX_NUM_SEQS, config.max_batch_prefill_tokens
-            ),
+            max_num_batched_tokens=config.prefill_tokens,
+            max_num_seqs=min(config.max_batch_size or DEFAULT_MAX_NUM_SEQS, config.prefill_tokens),
             enable_prefix_caching=config.prefix_caching,
             target_step_latency_s=(
                 config.target_step_latency_ms / 1000 if config.target_step_latency_ms else None
@@ -118,7 +120,7 @@ def load_tokenizer(path: str) -> Tokenizer:
 def warmup_request(config: RouterConfig) -> pb.WarmupRequest:
     """A batch of max_input_tokens-long prompts filling max_batch_prefill_tokens."""
     requests: list[pb.Request] = []
-    remaining = config.max_batch_prefill_tokens
+    remaining = config.prefill_tokens
     while remaining > 0 and (
         config.max_batch_size is None or len(requests) < config.max_batch_size
     ):
@@ -145,7 +147,7 @@ def warmup_request(config: RouterConfig) -> pb.WarmupRequest:
     return pb.WarmupRequest(
         batch=batch,
         max_input_tokens=config.max_input_tokens,
-        max_prefill_tokens=config.max_batch_prefill_tokens,
+        max_prefill_tokens=config.prefill_tokens,
         max_total_tokens=config.max_total_tokens,
     )
 
@@ -173,7 +175,7 @@ def resolve_config(
         config,
         max_batch_total_tokens=total,
         # A prefill can never use more tokens than the whole cache.
-        max_batch_prefill_tokens=min(config.max_batch_prefill_tokens, total),
+        max_batch_prefill_tokens=min(config.prefill_tokens, total),
         model_dtype=config.model_dtype or info.dtype or None,
         model_device_type=config.model_device_type or info.device_type or None,
     )
