@@ -231,21 +231,21 @@ class SdpaAttentionBackend(AttentionBackend[SdpaPlan]):
 
     def prepare(self, metadata: AttentionMetadata) -> SdpaPlan:
         if metadata.max_seqlen_q == 1:
-            return SdpaPlan([self._group(metadata, None, 1, metadata.max_seqlen_k)])
+            return SdpaPlan([self.group(metadata, None, 1, metadata.max_seqlen_k)])
         is_decode = metadata.query_lens() == 1
         num_decodes = int(is_decode.sum())
         if num_decodes == 0:
             return SdpaPlan(
-                [self._group(metadata, None, metadata.max_seqlen_q, metadata.max_seqlen_k)]
+                [self.group(metadata, None, metadata.max_seqlen_q, metadata.max_seqlen_k)]
             )
         groups = []
         for member, max_q in ((is_decode, 1), (~is_decode, metadata.max_seqlen_q)):
             max_k = int(metadata.seq_lens[member].max())
-            groups.append(self._group(metadata, member, max_q, max_k))
+            groups.append(self.group(metadata, member, max_q, max_k))
         return SdpaPlan(groups)
 
     @staticmethod
-    def _group(md: AttentionMetadata, member: Tensor | None, max_q: int, max_k: int) -> SeqGroup:
+    def group(md: AttentionMetadata, member: Tensor | None, max_q: int, max_k: int) -> SeqGroup:
         """The group of sequences selected by boolean `member` [B] (None: all of them)."""
         device = md.seq_lens.device
         seq_lens = md.seq_lens
@@ -283,13 +283,11 @@ class SdpaAttentionBackend(AttentionBackend[SdpaPlan]):
         sliding_window: int | None = None,
     ) -> Tensor:
         if len(plan.groups) == 1 and plan.groups[0].token_index is None:
-            return self._attend(
-                query, key_cache, value_cache, plan.groups[0], scale, sliding_window
-            )
+            return self.attend(query, key_cache, value_cache, plan.groups[0], scale, sliding_window)
         out = torch.empty_like(query)
         for group in plan.groups:
             assert group.token_index is not None
-            rows = self._attend(
+            rows = self.attend(
                 query.index_select(0, group.token_index),
                 key_cache,
                 value_cache,
@@ -301,7 +299,7 @@ class SdpaAttentionBackend(AttentionBackend[SdpaPlan]):
         return out
 
     @staticmethod
-    def _attend(
+    def attend(
         query: Tensor,
         key_cache: Tensor,
         value_cache: Tensor,

@@ -7,9 +7,10 @@
  * time in that per-matrix overhead.
  *
  * Layouts (all contiguous, row-major; elements float32 or bfloat16, one dtype for all):
- *   query, out       [T, H_q, D]    the step's tokens, sequences concatenated
+ *   query, out       [T, H_q, D]    the step's tokens
  *   key/value cache  [N, bs, H_kv, D]
- *   query_start_loc  [B + 1]        sequence b owns rows query_start_loc[b] .. [b + 1]
+ *   query_starts     [B]            sequence b owns rows query_starts[b] + [0, query_lens[b])
+ *   query_lens       [B]            (other rows of query/out are not touched)
  *   seq_lens         [B]            cached prefix + this step's tokens
  *   block_tables     [B, max_blocks]
  * Row i of sequence b sits at position p = seq_len - query_len + i and sees the keys at
@@ -61,7 +62,7 @@ static void narrow(void *dst, int64_t offset, const float *src, int64_t n, int b
 typedef struct {
     const void *query, *key_cache, *value_cache;
     void *out;
-    const int64_t *query_start_loc, *seq_lens, *block_tables;
+    const int64_t *query_starts, *query_lens, *seq_lens, *block_tables;
     int64_t max_blocks, num_heads, num_kv_heads, head_dim, block_size;
     float scale;
     int64_t window;
@@ -107,8 +108,8 @@ static inline __attribute__((always_inline)) void attend_chunk(const Step *s, Sc
                                                                int64_t b, int64_t h, int64_t r0,
                                                                int64_t r1, const int64_t D) {
     const int64_t G = s->num_heads / s->num_kv_heads, R = r1 - r0;
-    const int64_t row0 = s->query_start_loc[b];
-    const int64_t first = s->seq_lens[b] - (s->query_start_loc[b + 1] - row0);
+    const int64_t row0 = s->query_starts[b];
+    const int64_t first = s->seq_lens[b] - s->query_lens[b];
     const int64_t *table = s->block_tables + b * s->max_blocks;
     const int64_t p0 = first + (r0 - row0);  /* position of the chunk's first row */
     const int64_t lo_start = first_key(p0, s->window), hi_end = p0 + R;
@@ -173,28 +174,32 @@ static inline __attribute__((always_inline)) void attend_chunk(const Step *s, Sc
 
 /* Returns 0, or 1 when scratch memory ran out (out is then incomplete). */
 int textgate_paged_attention(const void *query, const void *key_cache, const void *value_cache,
-                             void *out, const int64_t *query_start_loc, const int64_t *seq_lens,
-                             const int64_t *block_tables, int64_t num_seqs, int64_t max_blocks,
+                             void *out, const int64_t *query_starts, const int64_t *query_lens,
+                             const int64_t *seq_lens, const int64_t *block_tables,
+                             int64_t num_seqs, int64_t max_blocks,
                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                              int64_t block_size, int64_t max_seq_len, float scale, int64_t window,
                              int bf16) {
-    const Step s = {query, key_cache, value_cache, out, query_start_loc, seq_lens, block_tables,
-                    max_blocks, num_heads, num_kv_heads, head_dim, block_size, scale, window, bf16};
+    const Step s = {query,       key_cache,    value_cache, out,       query_starts,
+                    query_lens,  seq_lens,     block_tables, max_blocks, num_heads,
+                    num_kv_heads, head_dim,    block_size,  scale,     window,
+                    bf16};
     const int64_t G = num_heads / num_kv_heads;
 
     /* The chunks of every sequence, as (sequence, first row, end row). */
     int64_t num_chunks = 0;
-    for (int64_t b = 0; b < num_seqs; ++b)
-        num_chunks += (query_start_loc[b + 1] - query_start_loc[b] + CHUNK - 1) / CHUNK;
+    for (int64_t b = 0; b < num_seqs; ++b) num_chunks += (query_lens[b] + CHUNK - 1) / CHUNK;
     int64_t *chunks = malloc(sizeof(int64_t) * 3 * (num_chunks > 0 ? num_chunks : 1));
     if (chunks == NULL) return 1;
     int64_t k = 0;
-    for (int64_t b = 0; b < num_seqs; ++b)
-        for (int64_t r = query_start_loc[b]; r < query_start_loc[b + 1]; r += CHUNK, ++k) {
+    for (int64_t b = 0; b < num_seqs; ++b) {
+        const int64_t end = query_starts[b] + query_lens[b];
+        for (int64_t r = query_starts[b]; r < end; r += CHUNK, ++k) {
             chunks[3 * k] = b;
             chunks[3 * k + 1] = r;
-            chunks[3 * k + 2] = r + CHUNK < query_start_loc[b + 1] ? r + CHUNK : query_start_loc[b + 1];
+            chunks[3 * k + 2] = r + CHUNK < end ? r + CHUNK : end;
         }
+    }
 
     int failed = 0;
 #pragma omp parallel reduction(| : failed)

@@ -160,8 +160,12 @@ def test_decode_matches_per_sequence_attention(context_lens, heads, kv_heads, dt
 @pytest.mark.parametrize("dim", [64, 128, 80])
 @pytest.mark.parametrize(
     ("query_lens", "context_lens"),
-    [([40, 1, 1, 23], [0, 50, 7, 30]), ([1] * 6, [3, 90, 17, 4, 60, 33])],
-    ids=["mixed-long-prompts", "decode"],
+    [
+        ([40, 1, 1, 23], [0, 50, 7, 30]),
+        ([1] * 6, [3, 90, 17, 4, 60, 33]),
+        ([150, 1, 40, 2], [20, 200, 0, 130]),
+    ],
+    ids=["mixed-prompts", "decode", "long-chunks"],
 )
 def test_model_head_sizes(query_lens, context_lens, dim, dtype, backend):
     # 64 and 128 take the kernel's specialized paths; prompts longer than its 16-row chunks.

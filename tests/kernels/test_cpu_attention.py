@@ -77,6 +77,52 @@ def test_cpu_tensors_run_the_kernel(monkeypatch):
     assert len(calls) == 2
 
 
+def test_decodes_and_short_sequences_run_on_the_kernel_long_chunks_on_sdpa():
+    metadata = AttentionMetadata.build(
+        query_lens=[1, 120, 30, 1, 5],
+        context_lens=[300, 0, 60, 4, 100],
+        block_tables=[list(range(i * 20, i * 20 + 20)) for i in range(5)],
+        block_size=16,
+    )
+    plan = CpuAttentionBackend().prepare(metadata)
+    assert plan.kernel is not None
+    # Decodes at any length, and sequences of at most kernel_max_seq_len (96) tokens.
+    assert plan.kernel.query_starts.tolist() == [0, 121, 151]
+    assert plan.kernel.query_lens.tolist() == [1, 30, 1]
+    assert plan.kernel.seq_lens.tolist() == [301, 90, 5]
+    assert plan.kernel.max_seq_len == 301
+    (group,) = plan.sdpa_groups
+    assert group.token_index is not None
+    assert group.token_index.tolist() == [*range(1, 121), *range(152, 157)]
+
+
+class KernelOnly(CpuAttentionBackend):
+    kernel_max_seq_len = 10**9
+
+
+@pytest.mark.parametrize("window", [None, 7, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_alone_handles_long_chunks_too(window, dtype):
+    generator = torch.Generator().manual_seed(1)
+    query_lens, context_lens = [70, 1, 33], [90, 150, 0]
+    tables = [list(range(i * 16, i * 16 + 16)) for i in range(3)]
+    metadata = AttentionMetadata.build(
+        query_lens=query_lens, context_lens=context_lens, block_tables=tables, block_size=16
+    )
+    caches = [torch.randn(48, 16, 2, 64, generator=generator).to(dtype) for _ in range(2)]
+    query = torch.randn(sum(query_lens), 6, 64, generator=generator).to(dtype)
+    kernel_only = KernelOnly()
+    plan = kernel_only.prepare(metadata)
+    assert not plan.sdpa_groups
+    out = kernel_only.forward(query, *caches, plan, scale=0.125, sliding_window=window)
+    sdpa = SdpaAttentionBackend()
+    expected = sdpa.forward(
+        query, *caches, sdpa.prepare(metadata), scale=0.125, sliding_window=window
+    )
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
+
+
 def test_other_dtypes_run_sdpa(monkeypatch):
     def no_kernel():
         raise AssertionError("the kernel was asked for a float16 step")
