@@ -5,7 +5,8 @@
 2. Sweep closed-loop concurrency (default 1, 8, 32) with ~40-token prompts and exactly
    64 output tokens, then stop the server.
 3. Run the naive transformers baseline on the same prompts (fewer of them: it is slow),
-   and time the matmul-only roofline at the sweep's batch sizes.
+   and time the matmul-only roofline at the sweep's batch sizes, in the dtype the server
+   reports in /info (bf16 for textgate on a CPU with AVX512-BF16).
 4. Print all three and textgate's speedup over naive and its fraction of the roofline.
 
 The defaults finish in well under ten minutes on a 2-core CPU machine.
@@ -158,6 +159,7 @@ class Baselines:
     naive: BenchmarkMetrics | None
     roofline_tok_s: dict[int, float]
     threads: int = 0  # torch intra-op threads both ran with
+    roofline_dtype: str = ""
 
 
 def run_naive_baseline(
@@ -231,7 +233,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--naive-requests", type=int, default=6)
     parser.add_argument("--skip-naive", action="store_true")
     parser.add_argument("--skip-roofline", action="store_true")
-    parser.add_argument("--dtype", default="float32", help="naive baseline and roofline dtype")
+    parser.add_argument("--dtype", default="float32", help="naive baseline dtype")
+    parser.add_argument(
+        "--roofline-dtype",
+        default=None,
+        help="roofline dtype (default: the served model's, from GET /info; else --dtype)",
+    )
     parser.add_argument("--device", default="cpu", help="naive baseline and roofline device")
     parser.add_argument("--threads", type=int, default=None, help="naive/roofline torch threads")
     parser.add_argument("--json-out", default=None, help="append one JSON line per run")
@@ -252,12 +259,15 @@ def run_sweep(args: argparse.Namespace, server_command: ServerCommand | None = N
     )
     if args.url:
         results, tokenizer = _bench(args.url, args, config)
+        served = served_dtype(args.url)
     else:
         command = server_command or launcher_command(_launcher_args(args))
         with running_server(command, args.startup_timeout) as url:
             results, tokenizer = _bench(url, args, config)
+            served = served_dtype(url)
     model_dir = model_folder(args.model_id)
-    baselines = _baselines(model_dir, tokenizer, config, args)
+    roofline_dtype = args.roofline_dtype or served or args.dtype
+    baselines = _baselines(model_dir, tokenizer, config, args, roofline_dtype)
     _report(results, baselines, args)
     return 1 if any(r.metrics.failed for r in results) else 0
 
@@ -285,8 +295,25 @@ def _bench(
     return asyncio.run(run_benchmark([target], config, tokenizer)), tokenizer
 
 
+def served_dtype(url: str) -> str | None:
+    """The dtype the server computes in (`model_dtype` of TGI's GET /info), if it says one
+    the roofline knows: the engine's ceiling is a matmul pass in that dtype."""
+    from textgate.bench.roofline import DTYPES
+
+    try:
+        response = httpx.get(f"{url}/info", timeout=10)
+        dtype = response.json().get("model_dtype") if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    return dtype if dtype in DTYPES else None
+
+
 def _baselines(
-    model_dir: Path, tokenizer: BenchTokenizer, config: BenchConfig, args: argparse.Namespace
+    model_dir: Path,
+    tokenizer: BenchTokenizer,
+    config: BenchConfig,
+    args: argparse.Namespace,
+    roofline_dtype: str,
 ) -> Baselines:
     import torch
 
@@ -300,8 +327,8 @@ def _baselines(
     roofline: dict[int, float] = {}
     batches = [lv.concurrency for lv in config.levels if lv.concurrency is not None]
     if not args.skip_roofline and batches:
-        roofline = run_roofline(model_dir, batches, args.dtype, args.device)
-    return Baselines(naive, roofline, torch.get_num_threads())
+        roofline = run_roofline(model_dir, batches, roofline_dtype, args.device)
+    return Baselines(naive, roofline, torch.get_num_threads(), roofline_dtype)
 
 
 def _report(results: Sequence[RunResult], baselines: Baselines, args: argparse.Namespace) -> None:
@@ -314,6 +341,8 @@ def _report(results: Sequence[RunResult], baselines: Baselines, args: argparse.N
         )
         print(format_metrics([("naive", baselines.naive)]))
     print()
+    if baselines.roofline_tok_s:
+        print(f"roofline: matmul-only pass over the weights, {baselines.roofline_dtype}")
     print(format_table(SUMMARY_HEADERS, summary_rows(results, baselines)))
     if args.json_out:
         context = {"label": "sweep", "input_len": args.input_len, "output_len": args.output_len}

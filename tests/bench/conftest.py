@@ -97,6 +97,7 @@ class FakeServer:
             routes=[
                 Route("/health", self.health),
                 Route("/v1/models", self.models),
+                Route("/info", self.info),
                 Route("/generate_stream", self.generate_stream, methods=["POST"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -105,6 +106,9 @@ class FakeServer:
 
     async def health(self, request: Request) -> Response:
         return Response(status_code=200)
+
+    async def info(self, request: Request) -> Response:
+        return JSONResponse({"model_id": "fake-model", "model_dtype": "bfloat16"})
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})

@@ -88,6 +88,8 @@ def test_full_sweep_against_a_fake_launcher(
     out = capsys.readouterr().out
     assert "textgate c=1" in out and "textgate c=2" in out
     assert "naive baseline" in out and "speedup" in out and "of roofline" in out
+    # The ceiling is timed in the dtype the server says it computes in.
+    assert "roofline: matmul-only pass over the weights, bfloat16" in out
     records = [json.loads(line) for line in (tmp_path / "sweep.jsonl").read_text().splitlines()]
     assert [r["target"] for r in records] == ["textgate", "textgate", "naive"]
     assert all(r["failed"] == 0 for r in records)
@@ -97,3 +99,9 @@ def test_full_sweep_against_a_fake_launcher(
 
 def test_model_folder_uses_a_local_folder_as_is(tmp_path) -> None:
     assert sweep.model_folder(str(tmp_path)) == tmp_path
+
+
+def test_served_dtype_reads_info_and_ignores_what_it_cannot_use(fake_server) -> None:
+    url, _ = fake_server
+    assert sweep.served_dtype(url) == "bfloat16"
+    assert sweep.served_dtype("http://127.0.0.1:9") is None  # nothing listens there
