@@ -2,11 +2,14 @@
 
 `SseResponse` listens for `http.disconnect` beside the body (whatever ASGI spec
 version the server speaks), so a client that leaves cancels its request even while
-the request still waits in the queue and no frame is being written.
+the request still waits in the queue and no frame is being written. While no frame is
+due it sends a keep-alive comment every `KEEP_ALIVE_S` (TGI: axum's default, 15 s), so
+proxies and load balancers do not close a stream that waits behind a long queue.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable, Mapping
 
 import anyio
@@ -15,6 +18,9 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from textgate.router.schemas import ErrorResponse
+
+KEEP_ALIVE_S = 15.0
+KEEP_ALIVE_FRAME = b":\n\n"  # an SSE comment: every client ignores it
 
 SSE_HEADERS = {
     "Cache-Control": "no-cache",
@@ -44,10 +50,12 @@ class SseResponse(StreamingResponse):
         *,
         on_disconnect: Callable[[], None],
         headers: Mapping[str, str] | None = None,
+        keep_alive_s: float = KEEP_ALIVE_S,
     ) -> None:
         super().__init__(frames, headers={**SSE_HEADERS, **(headers or {})})
         self._frames = frames
         self._on_disconnect = on_disconnect
+        self._keep_alive_s = keep_alive_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async with anyio.create_task_group() as group:
@@ -70,13 +78,35 @@ class SseResponse(StreamingResponse):
         await send(
             {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
         )
+        frames = aiter(self._frames)
+        next_frame: asyncio.Future[bytes] | None = None
         try:
-            async for frame in self._frames:
-                await send({"type": "http.response.body", "body": frame, "more_body": True})
+            while True:
+                if next_frame is None:
+                    next_frame = asyncio.ensure_future(anext(frames))
+                # asyncio.wait, not wait_for: a keep-alive must not cancel the frame in the making.
+                done, _ = await asyncio.wait({next_frame}, timeout=self._keep_alive_s)
+                if not done:
+                    await send(_body(KEEP_ALIVE_FRAME))
+                    continue
+                finished, next_frame = next_frame, None
+                try:
+                    frame = finished.result()
+                except StopAsyncIteration:
+                    break
+                await send(_body(frame))
         finally:
-            # Run the generator's cleanup (it cancels the request) even when cancelled.
-            aclose = getattr(self._frames, "aclose", None)
-            if aclose is not None:
-                with anyio.CancelScope(shield=True):
+            with anyio.CancelScope(shield=True):
+                if next_frame is not None:
+                    next_frame.cancel()
+                    await asyncio.gather(next_frame, return_exceptions=True)
+                # Run the generator's cleanup (it cancels the request) even when cancelled.
+                aclose = getattr(self._frames, "aclose", None)
+                if aclose is not None:
                     await aclose()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _body(frame: bytes) -> dict[str, object]:
+    """An ASGI body message that keeps the response open."""
+    return {"type": "http.response.body", "body": frame, "more_body": True}

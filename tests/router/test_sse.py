@@ -7,6 +7,8 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import pytest
+
 from textgate.router.schemas import StreamResponse, Token
 from textgate.router.sse import SseResponse, error_frame, sse_frame
 
@@ -104,3 +106,57 @@ async def test_a_disconnect_cancels_even_while_no_frame_is_due() -> None:
     assert disconnected == [True]
     assert cleaned_up.is_set()
     assert b"never" not in client.bodies()
+
+
+async def test_a_quiet_stream_gets_keep_alive_comments_and_loses_no_frame() -> None:
+    client = Client()
+    release = asyncio.Event()
+    interrupted = []
+
+    async def frames() -> AsyncIterator[bytes]:
+        yield b"data: 1\n\n"
+        try:
+            await release.wait()  # longer than several keep-alive periods
+        except asyncio.CancelledError:
+            interrupted.append(True)
+            raise
+        yield b"data: 2\n\n"
+
+    response = SseResponse(frames(), on_disconnect=lambda: None, keep_alive_s=0.02)
+    task = asyncio.create_task(response(SCOPE, client.receive, client.send))
+    while client.bodies().count(b":\n\n") < 3:
+        await asyncio.wait_for(client.sent_event.wait(), 1)
+        client.sent_event.clear()
+    release.set()
+    await asyncio.wait_for(task, 1)
+    bodies = client.bodies()
+    assert bodies[0] == b"data: 1\n\n" and bodies[-2:] == [b"data: 2\n\n", b""]
+    assert set(bodies[1:-2]) == {b":\n\n"}
+    assert not interrupted, "a keep-alive must not cancel the frame being produced"
+
+
+async def test_a_busy_stream_sends_no_keep_alive() -> None:
+    client = Client()
+
+    async def frames() -> AsyncIterator[bytes]:
+        for i in range(5):
+            await asyncio.sleep(0.001)
+            yield f"data: {i}\n\n".encode()
+
+    response = SseResponse(frames(), on_disconnect=lambda: None, keep_alive_s=1.0)
+    await asyncio.wait_for(response(SCOPE, client.receive, client.send), 2)
+    assert client.bodies() == [f"data: {i}\n\n".encode() for i in range(5)] + [b""]
+
+
+async def test_a_failing_frame_generator_raises_its_own_error() -> None:
+    client = Client()
+
+    async def frames() -> AsyncIterator[bytes]:
+        yield b"data: 1\n\n"
+        raise ValueError("bug in a stream")
+
+    response = SseResponse(frames(), on_disconnect=lambda: None)
+    with pytest.raises(Exception) as error:  # out of the response's task group: grouped
+        await asyncio.wait_for(response(SCOPE, client.receive, client.send), 1)
+    assert error.group_contains(ValueError, match="bug in a stream")
+    assert client.bodies() == [b"data: 1\n\n"]
