@@ -8,29 +8,20 @@ keys and values in place through the block tables, one (sequence, kv head, row c
 per work item on torch's OpenMP threads. Long prompt chunks stay on SDPA (see
 `CpuAttentionBackend`).
 
-The kernel is compiled on first use with the machine's C compiler (`$CC`, else `cc`) for
-the CPU it runs on, into `$TEXTGATE_CACHE/kernels`, and reused after. Without a compiler,
-or for tensors it does not handle (not on the CPU, not float32/bfloat16), the backend
-runs the SDPA reference instead, so it is correct everywhere.
+The kernel is built on first use (kernels/cpu_build.py). Without a compiler, or for
+tensors it does not handle (not on the CPU, not float32/bfloat16), the backend runs the
+SDPA reference instead, so it is correct everywhere.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from textgate.kernels import cpu_build
 from textgate.kernels.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -39,92 +30,7 @@ from textgate.kernels.attention import (
     SeqGroup,
 )
 
-log = logging.getLogger("textgate.kernels")
-
-SOURCE = Path(__file__).with_name("cpu_attention.c")
-# -ffast-math lets the compiler vectorize expf and the dot-product sums. It is given to
-# the compile step only: linking with it adds crtfastmath.o, whose constructor would put
-# the whole process into flush-denormals-to-zero mode.
-COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11")
-LINK_FLAGS = ("-shared", "-fopenmp")
 SUPPORTED_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-
-
-class KernelBuildError(RuntimeError):
-    """The C kernel could not be compiled or loaded here."""
-
-
-def compiler() -> str | None:
-    """The C compiler to build with: `$CC`, else `cc` or `gcc` on PATH."""
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-
-
-def _cpu_signature() -> str:
-    """What -march=native depends on: the CPU's feature flags (Linux), else its name."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("flags"):
-                    return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def build_library(build_dir: Path, cc: str) -> Path:
-    """Compile the kernel into `build_dir` unless a build for this source, compiler and
-    CPU is there already; returns the shared library's path."""
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False)
-    key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(COMPILE_FLAGS + LINK_FLAGS).encode()):
-        key.update(part)
-    key.update(version.stdout.encode())
-    key.update(_cpu_signature().encode())
-    library = build_dir / f"cpu_attention-{key.hexdigest()[:16]}.so"
-    if library.exists():
-        return library
-    build_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=build_dir) as tmp:
-        obj, out = Path(tmp) / "cpu_attention.o", Path(tmp) / library.name
-        for command in (
-            [cc, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
-            [cc, *LINK_FLAGS, "-o", str(out), str(obj), "-lm"],
-        ):
-            result = subprocess.run(command, capture_output=True, text=True, check=False)
-            if result.returncode != 0:
-                raise KernelBuildError(f"{' '.join(command)} failed:\n{result.stderr.strip()}")
-        # Atomic: a concurrent build (another shard) writes the same bytes.
-        os.replace(out, library)
-    return library
-
-
-@functools.cache
-def load_library(build_dir: Path | None = None) -> ctypes.CDLL | None:
-    """The compiled kernel, built on first use; None (logged once) where it cannot be."""
-    # Imported here: the kernels package does not otherwise depend on the shard server.
-    from textgate.shard_server.model_source import cache_dir
-
-    cc = compiler()
-    if cc is None:
-        log.warning("no C compiler found ($CC, cc, gcc): CPU attention runs on SDPA")
-        return None
-    try:
-        # torch first: the kernel's libgomp.so.1 must resolve to the runtime torch loaded.
-        library = ctypes.CDLL(str(build_library(build_dir or cache_dir() / "kernels", cc)))
-    except (KernelBuildError, OSError) as exc:
-        log.warning("CPU attention kernel unavailable, using SDPA: %s", exc)
-        return None
-    function = library.textgate_paged_attention
-    function.restype = ctypes.c_int
-    pointer, int64 = ctypes.c_void_p, ctypes.c_int64
-    function.argtypes = [
-        *[pointer] * 8,
-        *[int64] * 7,
-        ctypes.c_float,
-        int64,
-        ctypes.c_int,
-    ]
-    return library
 
 
 @dataclass
@@ -199,7 +105,8 @@ class CpuAttentionBackend(AttentionBackend[CpuPlan]):
         scale: float,
         sliding_window: int | None = None,
     ) -> Tensor:
-        library = load_library() if self._runs_kernel(query, key_cache, value_cache) else None
+        runs_kernel = self._runs_kernel(query, key_cache, value_cache)
+        library = cpu_build.load_library() if runs_kernel else None
         if library is None:
             if plan._fallback is None:
                 plan._fallback = self._sdpa.prepare(plan.metadata)

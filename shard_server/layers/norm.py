@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from textgate.kernels import cpu_layers
 from textgate.quantization.weights import Weights
 
 
@@ -28,6 +29,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Return (normed, residual) where residual = x + residual (or x alone)."""
+        fused = cpu_layers.add_rms_norm(x, residual, self.weight, self.eps)
+        if fused is not None:
+            return fused
+        # The reference (and the path off the CPU).
         if residual is not None:
             x = x + residual
         # Few kernels per norm (a decode step runs ~60): the float32 sum of squares comes

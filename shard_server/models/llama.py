@@ -15,7 +15,7 @@ from typing import Any
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from textgate.kernels import get_attention_backend
+from textgate.kernels import cpu_layers, get_attention_backend
 from textgate.kernels.attention import AttentionBackend, AttentionMetadata
 from textgate.quantization.weights import Weights
 from textgate.shard_server.kv_cache import KVCache
@@ -72,6 +72,32 @@ class LlamaAttention(nn.Module):
     def forward(self, hidden: Tensor, ctx: ForwardContext) -> Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, (H_q + 2 H_kv) * D]
+        key_cache, value_cache = ctx.kv_cache.layer(self.layer_idx)
+        query = cpu_layers.rotary_and_store(
+            qkv,
+            ctx.cos,
+            ctx.sin_signed,
+            key_cache,
+            value_cache,
+            ctx.metadata.slot_mapping,
+            self.num_heads,
+            self.num_kv_heads,
+        )  # [T, H_q, D], or None off the CPU
+        if query is None:
+            query = self._rotary_and_store(qkv, ctx)
+        out = ctx.backend.forward(
+            query,
+            key_cache,
+            value_cache,
+            ctx.plan,
+            scale=self.scale,
+            sliding_window=self.sliding_window,
+        )  # [T, H_q, D]
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+    def _rotary_and_store(self, qkv: Tensor, ctx: ForwardContext) -> Tensor:
+        """The reference of cpu_layers.rotary_and_store: rotated queries [T, H_q, D]."""
+        num_tokens = qkv.shape[0]
         num_qk = self.num_heads + self.num_kv_heads
         query_key, value = qkv.split(
             [num_qk * self.head_dim, self.num_kv_heads * self.head_dim], -1
@@ -83,14 +109,7 @@ class LlamaAttention(nn.Module):
         query, key = query_key.split([self.num_heads, self.num_kv_heads], dim=1)
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
         ctx.kv_cache.store(self.layer_idx, key, value, ctx.metadata.slot_mapping)
-        out = ctx.backend.forward(
-            query,
-            *ctx.kv_cache.layer(self.layer_idx),
-            ctx.plan,
-            scale=self.scale,
-            sliding_window=self.sliding_window,
-        )  # [T, H_q, D]
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        return query
 
 
 class LlamaMLP(nn.Module):
@@ -106,8 +125,12 @@ class LlamaMLP(nn.Module):
         )
 
     def forward(self, hidden: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(hidden).chunk(2, dim=-1)  # 2 × [T, intermediate / world]
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(hidden)  # [T, 2 * intermediate / world]
+        activated = cpu_layers.silu_and_mul(gate_up)  # None off the CPU
+        if activated is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            activated = F.silu(gate) * up
+        return self.down_proj(activated)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -116,3 +116,14 @@ def reference_logits(model: PreTrainedModel, tokens: list[int]) -> torch.Tensor:
 @pytest.fixture
 def reference() -> Callable[[PreTrainedModel, list[int]], torch.Tensor]:
     return reference_logits
+
+
+@pytest.fixture(params=["cpu-kernels", "pytorch"])
+def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test twice: on the C kernels, then on the PyTorch references (which is what
+    runs off the CPU or without a compiler)."""
+    from textgate.kernels import cpu_build
+
+    if request.param == "pytorch":
+        monkeypatch.setattr(cpu_build, "load_library", lambda: None)
+    return str(request.param)
