@@ -2,12 +2,16 @@
  * Fused elementwise layer ops for the CPU: one pass over memory where PyTorch runs several
  * kernels, each row-parallel on torch's OpenMP threads. Each op rounds exactly where its
  * PyTorch reference (named per function) rounds, so bfloat16 results match it bit for bit
- * up to float summation order.
+ * up to float summation order. Like PyTorch's own elementwise kernels, an op forks threads
+ * only from GRAIN_SIZE elements on: a decode step's [32, hidden] rows are done sooner by one
+ * thread than by waking a second one (which, on a busy 2-core machine, may be descheduled).
  */
 
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#define GRAIN_SIZE 32768 /* at::internal::GRAIN_SIZE */
 
 static inline float load(const void *base, int64_t i, int bf16) {
     if (!bf16) return ((const float *)base)[i];
@@ -44,7 +48,7 @@ static inline void store(void *base, int64_t i, float x, int bf16) {
 void textgate_add_rms_norm(const void *x, const void *residual, const void *weight, void *out,
                            void *sum_out, int64_t rows, int64_t hidden, float eps, int bf16) {
     const void *sum = residual != NULL ? sum_out : x;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * hidden >= GRAIN_SIZE)
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t base = r * hidden;
         float sumsq = 0.0f;
@@ -66,7 +70,7 @@ void textgate_add_rms_norm(const void *x, const void *residual, const void *weig
 
 /* models/llama.py LlamaMLP: silu(gate) * up, gate_up [rows, 2 * width] -> out [rows, width]. */
 void textgate_silu_and_mul(const void *gate_up, void *out, int64_t rows, int64_t width, int bf16) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * width >= GRAIN_SIZE)
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t in = r * 2 * width, o = r * width;
         for (int64_t i = 0; i < width; ++i) {
@@ -86,7 +90,7 @@ void textgate_rotary_and_store(const void *qkv, const void *cos, const void *sin
                                void *query, int64_t rows, int64_t num_heads, int64_t num_kv_heads,
                                int64_t dim, int bf16) {
     const int64_t half = dim / 2, width = (num_heads + 2 * num_kv_heads) * dim;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * width >= GRAIN_SIZE)
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t slot = slot_mapping[r];
         for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
