@@ -2,6 +2,8 @@
 
 Attention backends are registered by name: "sdpa" is the pure-PyTorch reference that
 runs everywhere; "cpu" (the default) runs a C kernel on CPU tensors and SDPA elsewhere.
+`cpu_layers` holds fused C versions of the layers' small ops; `cpu_build` compiles all
+the C kernels on first use.
 """
 
 from __future__ import annotations
