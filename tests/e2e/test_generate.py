@@ -16,7 +16,7 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(scope="module")
 def chat_prompt(default_model_dir: Path) -> str:
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    messages = [{"role": "user", "content": "Name the capital of France."}]
     return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
 
 

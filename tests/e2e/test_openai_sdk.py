@@ -11,7 +11,7 @@ from openai.types.chat import ChatCompletionMessageParam
 pytestmark = pytest.mark.e2e
 
 QUESTION: list[ChatCompletionMessageParam] = [
-    {"role": "user", "content": "What is the capital of France?"}
+    {"role": "user", "content": "Name the capital of France."}
 ]
 
 
