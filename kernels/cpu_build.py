@@ -5,8 +5,8 @@ the CPU it runs on, into `$TEXTGATE_CACHE/kernels`, and reused after; the build 
 the sources, the flags, the compiler's version and the CPU's features. Its functions run
 on torch's OpenMP threads: the library is loaded after torch, which already holds
 libgomp.so.1, so both use one runtime and one thread count (torch.set_num_threads).
-Where it cannot be built, `load_library()` is None and every caller runs its PyTorch
-reference instead.
+Where it cannot be built, or with `TEXTGATE_CPU_KERNELS=0` in the environment, `load_library()`
+is None and every caller runs its PyTorch reference instead.
 """
 
 from __future__ import annotations
@@ -90,6 +90,9 @@ def load_library(build_dir: Path | None = None) -> ctypes.CDLL | None:
     # Imported here: the kernels package does not otherwise depend on the shard server.
     from textgate.shard_server.model_source import cache_dir
 
+    if os.environ.get("TEXTGATE_CPU_KERNELS", "1") == "0":
+        log.info("TEXTGATE_CPU_KERNELS=0: CPU kernels run their PyTorch references")
+        return None
     cc = compiler()
     if cc is None:
         log.warning("no C compiler found ($CC, cc, gcc): CPU kernels run their PyTorch references")

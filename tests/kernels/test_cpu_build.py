@@ -44,3 +44,9 @@ def test_kernel_shares_torchs_openmp_runtime():
     maps = Path("/proc/self/maps").read_text().splitlines()
     runtimes = {line.split()[-1] for line in maps if "libgomp" in line}
     assert len(runtimes) == 1, runtimes
+
+
+def test_the_environment_can_turn_the_kernels_off(monkeypatch, fresh_library):
+    monkeypatch.setenv("TEXTGATE_CPU_KERNELS", "0")
+    assert load_library() is None
+    assert silu_and_mul(torch.randn(4, 8)) is None

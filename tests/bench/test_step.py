@@ -1,0 +1,15 @@
+"""bench/step.py: a shard's prefill and decode step times, straight from PagedModel."""
+
+from __future__ import annotations
+
+from textgate.bench import step
+
+
+def test_prints_prefill_and_decode_times_per_batch(tiny_model_dir, capsys) -> None:
+    argv = ["--model", str(tiny_model_dir), "--batch", "1,3", "--prompt-len", "5", "--steps", "3"]
+    assert step.main([*argv, "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert "prompts of 5 tokens, 3 decode steps" in out
+    rows = [line.split() for line in out.splitlines()[3:]]
+    assert [row[0] for row in rows] == ["1", "3"]
+    assert all(float(value) > 0 for row in rows for value in row[1:])
