@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0egenerate.proto\x12\x14textgate.generate.v1\"\r\n\x0bInfoRequest\"\xbb\x01\n\x0cInfoResponse\x12\x18\n\x10requires_padding\x18\x01 \x01(\x08\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65vice_type\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x1f\n\x17max_position_embeddings\x18\x05 \x01(\r\x12\x10\n\x08model_id\x18\x06 \x01(\t\x12\x12\n\nmodel_type\x18\x07 \x01(\t\x12\x12\n\nworld_size\x18\x08 \x01(\r\"\x0f\n\rHealthRequest\"\x10\n\x0eHealthResponse\"\x19\n\x17ServiceDiscoveryRequest\"(\n\x18ServiceDiscoveryResponse\x12\x0c\n\x04urls\x18\x01 \x03(\t\"+\n\x11\x43learCacheRequest\x12\x0f\n\x02id\x18\x01 \x01(\x04H\x00\x88\x01\x01\x42\x05\n\x03_id\"\x14\n\x12\x43learCacheResponse\"\xcd\x01\n\x1aNextTokenChooserParameters\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\ttypical_p\x18\x04 \x01(\x02\x12\x11\n\tdo_sample\x18\x05 \x01(\x08\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x11\n\twatermark\x18\t \x01(\x08\"~\n\x1aStoppingCriteriaParameters\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0estop_sequences\x18\x02 \x03(\t\x12\x18\n\x10ignore_eos_token\x18\x03 \x01(\x08\x12\x16\n\x0emin_new_tokens\x18\x04 \x01(\r\"\xaf\x02\n\x07Request\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0e\n\x06inputs\x18\x02 \x01(\t\x12\x11\n\tinput_ids\x18\x03 \x03(\r\x12\x44\n\nparameters\x18\x04 \x01(\x0b\x32\x30.textgate.generate.v1.NextTokenChooserParameters\x12M\n\x13stopping_parameters\x18\x05 \x01(\x0b\x32\x30.textgate.generate.v1.StoppingCriteriaParameters\x12\x18\n\x10prefill_logprobs\x18\x06 \x01(\x08\x12\x14\n\x0ctop_n_tokens\x18\x07 \x01(\r\x12\x0e\n\x06\x62locks\x18\x08 \x03(\r\x12\r\n\x05slots\x18\t \x03(\r\x12\x11\n\tcache_len\x18\n \x01(\r\"f\n\x05\x42\x61tch\x12\n\n\x02id\x18\x01 \x01(\x04\x12/\n\x08requests\x18\x02 \x03(\x0b\x32\x1d.textgate.generate.v1.Request\x12\x0c\n\x04size\x18\x03 \x01(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\"P\n\x0b\x43\x61\x63hedBatch\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x02 \x03(\x04\x12\x0c\n\x04size\x18\x03 \x01(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\"J\n\x06Tokens\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\r\n\x05texts\x18\x03 \x03(\t\x12\x12\n\nis_special\x18\x04 \x03(\x08\"\x8e\x01\n\rGeneratedText\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\x39\n\rfinish_reason\x18\x03 \x01(\x0e\x32\".textgate.generate.v1.FinishReason\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xf3\x01\n\nGeneration\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x34\n\x0eprefill_tokens\x18\x02 \x01(\x0b\x32\x1c.textgate.generate.v1.Tokens\x12,\n\x06tokens\x18\x03 \x01(\x0b\x32\x1c.textgate.generate.v1.Tokens\x12;\n\x0egenerated_text\x18\x04 \x01(\x0b\x32#.textgate.generate.v1.GeneratedText\x12\x30\n\ntop_tokens\x18\x05 \x03(\x0b\x32\x1c.textgate.generate.v1.Tokens\";\n\x12\x46ilterBatchRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x02 \x03(\x04\"G\n\x13\x46ilterBatchResponse\x12\x30\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32!.textgate.generate.v1.CachedBatch\"x\n\x0ePrefillRequest\x12*\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x1b.textgate.generate.v1.Batch\x12\x31\n\x04plan\x18\x02 \x01(\x0b\x32\x1e.textgate.generate.v1.StepPlanH\x00\x88\x01\x01\x42\x07\n\x05_plan\"[\n\x08StepPlan\x12\x39\n\tscheduled\x18\x01 \x03(\x0b\x32&.textgate.generate.v1.ScheduledRequest\x12\x14\n\x0c\x66inished_ids\x18\x02 \x03(\x04\"~\n\x10ScheduledRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x16\n\x0estart_position\x18\x03 \x01(\r\x12\x13\n\x0b\x62lock_table\x18\x04 \x03(\r\x12\x16\n\x0eproduces_token\x18\x05 \x01(\x08\"\xc2\x01\n\x0fPrefillResponse\x12\x35\n\x0bgenerations\x18\x01 \x03(\x0b\x32 .textgate.generate.v1.Generation\x12\x35\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32!.textgate.generate.v1.CachedBatchH\x00\x88\x01\x01\x12\x12\n\nforward_ns\x18\x03 \x01(\x04\x12\x11\n\tdecode_ns\x18\x04 \x01(\x04\x12\x10\n\x08total_ns\x18\x05 \x01(\x04\x42\x08\n\x06_batch\"\x7f\n\rDecodeRequest\x12\x32\n\x07\x62\x61tches\x18\x01 \x03(\x0b\x32!.textgate.generate.v1.CachedBatch\x12\x31\n\x04plan\x18\x02 \x01(\x0b\x32\x1e.textgate.generate.v1.StepPlanH\x00\x88\x01\x01\x42\x07\n\x05_plan\"\xe7\x01\n\x0e\x44\x65\x63odeResponse\x12\x35\n\x0bgenerations\x18\x01 \x03(\x0b\x32 .textgate.generate.v1.Generation\x12\x35\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32!.textgate.generate.v1.CachedBatchH\x00\x88\x01\x01\x12\x12\n\nforward_ns\x18\x03 \x01(\x04\x12\x11\n\tdecode_ns\x18\x04 \x01(\x04\x12\x10\n\x08total_ns\x18\x05 \x01(\x04\x12\x16\n\tconcat_ns\x18\x06 \x01(\x04H\x01\x88\x01\x01\x42\x08\n\x06_batchB\x0c\n\n_concat_ns\"\x8b\x01\n\rWarmupRequest\x12*\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x1b.textgate.generate.v1.Batch\x12\x18\n\x10max_input_tokens\x18\x02 \x01(\r\x12\x1a\n\x12max_prefill_tokens\x18\x03 \x01(\r\x12\x18\n\x10max_total_tokens\x18\x04 \x01(\r\"l\n\x0eWarmupResponse\x12\'\n\x1amax_supported_total_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nnum_blocks\x18\x02 \x01(\rB\x1d\n\x1b_max_supported_total_tokens*\x85\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x1b\n\x17\x46INISH_REASON_EOS_TOKEN\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x32\xf5\x05\n\x15TextGenerationService\x12M\n\x04Info\x12!.textgate.generate.v1.InfoRequest\x1a\".textgate.generate.v1.InfoResponse\x12S\n\x06Health\x12#.textgate.generate.v1.HealthRequest\x1a$.textgate.generate.v1.HealthResponse\x12q\n\x10ServiceDiscovery\x12-.textgate.generate.v1.ServiceDiscoveryRequest\x1a..textgate.generate.v1.ServiceDiscoveryResponse\x12_\n\nClearCache\x12\'.textgate.generate.v1.ClearCacheRequest\x1a(.textgate.generate.v1.ClearCacheResponse\x12\x62\n\x0b\x46ilterBatch\x12(.textgate.generate.v1.FilterBatchRequest\x1a).textgate.generate.v1.FilterBatchResponse\x12S\n\x06Warmup\x12#.textgate.generate.v1.WarmupRequest\x1a$.textgate.generate.v1.WarmupResponse\x12V\n\x07Prefill\x12$.textgate.generate.v1.PrefillRequest\x1a%.textgate.generate.v1.PrefillResponse\x12S\n\x06\x44\x65\x63ode\x12#.textgate.generate.v1.DecodeRequest\x1a$.textgate.generate.v1.DecodeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0egenerate.proto\x12\x14textgate.generate.v1\"\r\n\x0bInfoRequest\"\xbb\x01\n\x0cInfoResponse\x12\x18\n\x10requires_padding\x18\x01 \x01(\x08\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65vice_type\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x1f\n\x17max_position_embeddings\x18\x05 \x01(\r\x12\x10\n\x08model_id\x18\x06 \x01(\t\x12\x12\n\nmodel_type\x18\x07 \x01(\t\x12\x12\n\nworld_size\x18\x08 \x01(\r\"\x0f\n\rHealthRequest\"\x10\n\x0eHealthResponse\"\x19\n\x17ServiceDiscoveryRequest\"(\n\x18ServiceDiscoveryResponse\x12\x0c\n\x04urls\x18\x01 \x03(\t\"+\n\x11\x43learCacheRequest\x12\x0f\n\x02id\x18\x01 \x01(\x04H\x00\x88\x01\x01\x42\x05\n\x03_id\"\x14\n\x12\x43learCacheResponse\"\xe7\x01\n\x1aNextTokenChooserParameters\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\ttypical_p\x18\x04 \x01(\x02\x12\x11\n\tdo_sample\x18\x05 \x01(\x08\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x11\n\twatermark\x18\t \x01(\x08\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\"~\n\x1aStoppingCriteriaParameters\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0estop_sequences\x18\x02 \x03(\t\x12\x18\n\x10ignore_eos_token\x18\x03 \x01(\x08\x12\x16\n\x0emin_new_tokens\x18\x04 \x01(\r\"\xaf\x02\n\x07Request\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0e\n\x06inputs\x18\x02 \x01(\t\x12\x11\n\tinput_ids\x18\x03 \x03(\r\x12\x44\n\nparameters\x18\x04 \x01(\x0b\x32\x30.textgate.generate.v1.NextTokenChooserParameters\x12M\n\x13stopping_parameters\x18\x05 \x01(\x0b\x32\x30.textgate.generate.v1.StoppingCriteriaParameters\x12\x18\n\x10prefill_logprobs\x18\x06 \x01(\x08\x12\x14\n\x0ctop_n_tokens\x18\x07 \x01(\r\x12\x0e\n\x06\x62locks\x18\x08 \x03(\r\x12\r\n\x05slots\x18\t \x03(\r\x12\x11\n\tcache_len\x18\n \x01(\r\"f\n\x05\x42\x61tch\x12\n\n\x02id\x18\x01 \x01(\x04\x12/\n\x08requests\x18\x02 \x03(\x0b\x32\x1d.textgate.generate.v1.Request\x12\x0c\n\x04size\x18\x03 \x01(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\"P\n\x0b\x43\x61\x63hedBatch\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x02 \x03(\x04\x12\x0c\n\x04size\x18\x03 \x01(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\"J\n\x06Tokens\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\r\n\x05texts\x18\x03 \x03(\t\x12\x12\n\nis_special\x18\x04 \x03(\x08\"\x8e\x01\n\rGeneratedText\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\x39\n\rfinish_reason\x18\x03 \x01(\x0e\x32\".textgate.generate.v1.FinishReason\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xf3\x01\n\nGeneration\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x34\n\x0eprefill_tokens\x18\x02 \x01(\x0b\x32\x1c.textgate.generate.v1.Tokens\x12,\n\x06tokens\x18\x03 \x01(\x0b\x32\x1c.textgate.generate.v1.Tokens\x12;\n\x0egenerated_text\x18\x04 \x01(\x0b\x32#.textgate.generate.v1.GeneratedText\x12\x30\n\ntop_tokens\x18\x05 \x03(\x0b\x32\x1c.textgate.generate.v1.Tokens\";\n\x12\x46ilterBatchRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x02 \x03(\x04\"G\n\x13\x46ilterBatchResponse\x12\x30\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32!.textgate.generate.v1.CachedBatch\"x\n\x0ePrefillRequest\x12*\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x1b.textgate.generate.v1.Batch\x12\x31\n\x04plan\x18\x02 \x01(\x0b\x32\x1e.textgate.generate.v1.StepPlanH\x00\x88\x01\x01\x42\x07\n\x05_plan\"[\n\x08StepPlan\x12\x39\n\tscheduled\x18\x01 \x03(\x0b\x32&.textgate.generate.v1.ScheduledRequest\x12\x14\n\x0c\x66inished_ids\x18\x02 \x03(\x04\"~\n\x10ScheduledRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x16\n\x0estart_position\x18\x03 \x01(\r\x12\x13\n\x0b\x62lock_table\x18\x04 \x03(\r\x12\x16\n\x0eproduces_token\x18\x05 \x01(\x08\"\xc2\x01\n\x0fPrefillResponse\x12\x35\n\x0bgenerations\x18\x01 \x03(\x0b\x32 .textgate.generate.v1.Generation\x12\x35\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32!.textgate.generate.v1.CachedBatchH\x00\x88\x01\x01\x12\x12\n\nforward_ns\x18\x03 \x01(\x04\x12\x11\n\tdecode_ns\x18\x04 \x01(\x04\x12\x10\n\x08total_ns\x18\x05 \x01(\x04\x42\x08\n\x06_batch\"\x7f\n\rDecodeRequest\x12\x32\n\x07\x62\x61tches\x18\x01 \x03(\x0b\x32!.textgate.generate.v1.CachedBatch\x12\x31\n\x04plan\x18\x02 \x01(\x0b\x32\x1e.textgate.generate.v1.StepPlanH\x00\x88\x01\x01\x42\x07\n\x05_plan\"\xe7\x01\n\x0e\x44\x65\x63odeResponse\x12\x35\n\x0bgenerations\x18\x01 \x03(\x0b\x32 .textgate.generate.v1.Generation\x12\x35\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32!.textgate.generate.v1.CachedBatchH\x00\x88\x01\x01\x12\x12\n\nforward_ns\x18\x03 \x01(\x04\x12\x11\n\tdecode_ns\x18\x04 \x01(\x04\x12\x10\n\x08total_ns\x18\x05 \x01(\x04\x12\x16\n\tconcat_ns\x18\x06 \x01(\x04H\x01\x88\x01\x01\x42\x08\n\x06_batchB\x0c\n\n_concat_ns\"\x8b\x01\n\rWarmupRequest\x12*\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x1b.textgate.generate.v1.Batch\x12\x18\n\x10max_input_tokens\x18\x02 \x01(\r\x12\x1a\n\x12max_prefill_tokens\x18\x03 \x01(\r\x12\x18\n\x10max_total_tokens\x18\x04 \x01(\r\"l\n\x0eWarmupResponse\x12\'\n\x1amax_supported_total_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nnum_blocks\x18\x02 \x01(\rB\x1d\n\x1b_max_supported_total_tokens*\x85\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x1b\n\x17\x46INISH_REASON_EOS_TOKEN\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x32\xf5\x05\n\x15TextGenerationService\x12M\n\x04Info\x12!.textgate.generate.v1.InfoRequest\x1a\".textgate.generate.v1.InfoResponse\x12S\n\x06Health\x12#.textgate.generate.v1.HealthRequest\x1a$.textgate.generate.v1.HealthResponse\x12q\n\x10ServiceDiscovery\x12-.textgate.generate.v1.ServiceDiscoveryRequest\x1a..textgate.generate.v1.ServiceDiscoveryResponse\x12_\n\nClearCache\x12\'.textgate.generate.v1.ClearCacheRequest\x1a(.textgate.generate.v1.ClearCacheResponse\x12\x62\n\x0b\x46ilterBatch\x12(.textgate.generate.v1.FilterBatchRequest\x1a).textgate.generate.v1.FilterBatchResponse\x12S\n\x06Warmup\x12#.textgate.generate.v1.WarmupRequest\x1a$.textgate.generate.v1.WarmupResponse\x12V\n\x07Prefill\x12$.textgate.generate.v1.PrefillRequest\x1a%.textgate.generate.v1.PrefillResponse\x12S\n\x06\x44\x65\x63ode\x12#.textgate.generate.v1.DecodeRequest\x1a$.textgate.generate.v1.DecodeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=3001
-  _globals['_FINISHREASON']._serialized_end=3134
+  _globals['_FINISHREASON']._serialized_start=3027
+  _globals['_FINISHREASON']._serialized_end=3160
   _globals['_INFOREQUEST']._serialized_start=40
   _globals['_INFOREQUEST']._serialized_end=53
   _globals['_INFORESPONSE']._serialized_start=56
@@ -50,41 +50,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CLEARCACHERESPONSE']._serialized_start=394
   _globals['_CLEARCACHERESPONSE']._serialized_end=414
   _globals['_NEXTTOKENCHOOSERPARAMETERS']._serialized_start=417
-  _globals['_NEXTTOKENCHOOSERPARAMETERS']._serialized_end=622
-  _globals['_STOPPINGCRITERIAPARAMETERS']._serialized_start=624
-  _globals['_STOPPINGCRITERIAPARAMETERS']._serialized_end=750
-  _globals['_REQUEST']._serialized_start=753
-  _globals['_REQUEST']._serialized_end=1056
-  _globals['_BATCH']._serialized_start=1058
-  _globals['_BATCH']._serialized_end=1160
-  _globals['_CACHEDBATCH']._serialized_start=1162
-  _globals['_CACHEDBATCH']._serialized_end=1242
-  _globals['_TOKENS']._serialized_start=1244
-  _globals['_TOKENS']._serialized_end=1318
-  _globals['_GENERATEDTEXT']._serialized_start=1321
-  _globals['_GENERATEDTEXT']._serialized_end=1463
-  _globals['_GENERATION']._serialized_start=1466
-  _globals['_GENERATION']._serialized_end=1709
-  _globals['_FILTERBATCHREQUEST']._serialized_start=1711
-  _globals['_FILTERBATCHREQUEST']._serialized_end=1770
-  _globals['_FILTERBATCHRESPONSE']._serialized_start=1772
-  _globals['_FILTERBATCHRESPONSE']._serialized_end=1843
-  _globals['_PREFILLREQUEST']._serialized_start=1845
-  _globals['_PREFILLREQUEST']._serialized_end=1965
-  _globals['_STEPPLAN']._serialized_start=1967
-  _globals['_STEPPLAN']._serialized_end=2058
-  _globals['_SCHEDULEDREQUEST']._serialized_start=2060
-  _globals['_SCHEDULEDREQUEST']._serialized_end=2186
-  _globals['_PREFILLRESPONSE']._serialized_start=2189
-  _globals['_PREFILLRESPONSE']._serialized_end=2383
-  _globals['_DECODEREQUEST']._serialized_start=2385
-  _globals['_DECODEREQUEST']._serialized_end=2512
-  _globals['_DECODERESPONSE']._serialized_start=2515
-  _globals['_DECODERESPONSE']._serialized_end=2746
-  _globals['_WARMUPREQUEST']._serialized_start=2749
-  _globals['_WARMUPREQUEST']._serialized_end=2888
-  _globals['_WARMUPRESPONSE']._serialized_start=2890
-  _globals['_WARMUPRESPONSE']._serialized_end=2998
-  _globals['_TEXTGENERATIONSERVICE']._serialized_start=3137
-  _globals['_TEXTGENERATIONSERVICE']._serialized_end=3894
+  _globals['_NEXTTOKENCHOOSERPARAMETERS']._serialized_end=648
+  _globals['_STOPPINGCRITERIAPARAMETERS']._serialized_start=650
+  _globals['_STOPPINGCRITERIAPARAMETERS']._serialized_end=776
+  _globals['_REQUEST']._serialized_start=779
+  _globals['_REQUEST']._serialized_end=1082
+  _globals['_BATCH']._serialized_start=1084
+  _globals['_BATCH']._serialized_end=1186
+  _globals['_CACHEDBATCH']._serialized_start=1188
+  _globals['_CACHEDBATCH']._serialized_end=1268
+  _globals['_TOKENS']._serialized_start=1270
+  _globals['_TOKENS']._serialized_end=1344
+  _globals['_GENERATEDTEXT']._serialized_start=1347
+  _globals['_GENERATEDTEXT']._serialized_end=1489
+  _globals['_GENERATION']._serialized_start=1492
+  _globals['_GENERATION']._serialized_end=1735
+  _globals['_FILTERBATCHREQUEST']._serialized_start=1737
+  _globals['_FILTERBATCHREQUEST']._serialized_end=1796
+  _globals['_FILTERBATCHRESPONSE']._serialized_start=1798
+  _globals['_FILTERBATCHRESPONSE']._serialized_end=1869
+  _globals['_PREFILLREQUEST']._serialized_start=1871
+  _globals['_PREFILLREQUEST']._serialized_end=1991
+  _globals['_STEPPLAN']._serialized_start=1993
+  _globals['_STEPPLAN']._serialized_end=2084
+  _globals['_SCHEDULEDREQUEST']._serialized_start=2086
+  _globals['_SCHEDULEDREQUEST']._serialized_end=2212
+  _globals['_PREFILLRESPONSE']._serialized_start=2215
+  _globals['_PREFILLRESPONSE']._serialized_end=2409
+  _globals['_DECODEREQUEST']._serialized_start=2411
+  _globals['_DECODEREQUEST']._serialized_end=2538
+  _globals['_DECODERESPONSE']._serialized_start=2541
+  _globals['_DECODERESPONSE']._serialized_end=2772
+  _globals['_WARMUPREQUEST']._serialized_start=2775
+  _globals['_WARMUPREQUEST']._serialized_end=2914
+  _globals['_WARMUPRESPONSE']._serialized_start=2916
+  _globals['_WARMUPRESPONSE']._serialized_end=3024
+  _globals['_TEXTGENERATIONSERVICE']._serialized_start=3163
+  _globals['_TEXTGENERATIONSERVICE']._serialized_end=3920
 # @@protoc_insertion_point(module_scope)

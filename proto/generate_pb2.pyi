@@ -71,7 +71,7 @@ class ClearCacheResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class NextTokenChooserParameters(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "typical_p", "do_sample", "seed", "repetition_penalty", "frequency_penalty", "watermark")
+    __slots__ = ("temperature", "top_k", "top_p", "typical_p", "do_sample", "seed", "repetition_penalty", "frequency_penalty", "watermark", "presence_penalty")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class NextTokenChooserParameters(_message.Message):
     REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
     FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
     WATERMARK_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -90,7 +91,8 @@ class NextTokenChooserParameters(_message.Message):
     repetition_penalty: float
     frequency_penalty: float
     watermark: bool
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., do_sample: _Optional[bool] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., watermark: _Optional[bool] = ...) -> None: ...
+    presence_penalty: float
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., do_sample: _Optional[bool] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., watermark: _Optional[bool] = ..., presence_penalty: _Optional[float] = ...) -> None: ...
 
 class StoppingCriteriaParameters(_message.Message):
     __slots__ = ("max_new_tokens", "stop_sequences", "ignore_eos_token", "min_new_tokens")

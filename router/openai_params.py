@@ -126,6 +126,7 @@ def _parameters(
         stop=stop_sequences(body),
         seed=body.seed,
         frequency_penalty=body.frequency_penalty,
+        presence_penalty=body.presence_penalty,
         repetition_penalty=body.repetition_penalty,
         top_n_tokens=top_n_tokens,
         decoder_input_details=prompt_logprobs,
@@ -139,10 +140,6 @@ def _check_sampling(body: SamplingRequest) -> None:
         raise ValidationError(f"`temperature` must be >= 0. Given: {body.temperature}")
     if body.top_p is not None and not 0 < body.top_p <= 1:
         raise ValidationError(f"`top_p` must be > 0 and <= 1. Given: {body.top_p}")
-    if body.presence_penalty:
-        raise ValidationError(
-            "`presence_penalty` is not supported: use `frequency_penalty` or `repetition_penalty`"
-        )
     if body.logit_bias:
         raise ValidationError("`logit_bias` is not supported")
 

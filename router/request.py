@@ -20,6 +20,7 @@ class SamplingParams:
     seed: int = 0
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
     def to_pb(self) -> pb.NextTokenChooserParameters:
         return pb.NextTokenChooserParameters(**dataclasses.asdict(self))

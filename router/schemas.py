@@ -28,6 +28,8 @@ class GenerateParameters(BaseModel):
     """Sample instead of greedy decoding."""
     frequency_penalty: float | None = None
     """Penalty proportional to a token's count so far, in [-2, 2]."""
+    presence_penalty: float | None = None
+    """Penalty on every token present so far, in [-2, 2] (OpenAI's; not in TGI)."""
     max_new_tokens: int | None = None
     """Most tokens to generate; None: up to max_total_tokens - prompt tokens."""
     repetition_penalty: float | None = None

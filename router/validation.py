@@ -187,9 +187,8 @@ def _sampling(p: GenerateParameters, best_of: int) -> SamplingParams:
     repetition_penalty = 1.0 if p.repetition_penalty is None else p.repetition_penalty
     if repetition_penalty <= 0:
         raise ValidationError("`repetition_penalty` must be strictly positive")
-    frequency_penalty = 0.0 if p.frequency_penalty is None else p.frequency_penalty
-    if not -2.0 <= frequency_penalty <= 2.0:
-        raise ValidationError("`frequency_penalty` must be >= -2.0 and <= 2.0")
+    frequency_penalty = _penalty("frequency_penalty", p.frequency_penalty)
+    presence_penalty = _penalty("presence_penalty", p.presence_penalty)
     if p.top_p is not None and not 0.0 < p.top_p < 1.0:
         raise ValidationError("`top_p` must be > 0.0 and < 1.0")
     if p.typical_p is not None and not 0.0 < p.typical_p < 1.0:
@@ -206,7 +205,17 @@ def _sampling(p: GenerateParameters, best_of: int) -> SamplingParams:
         seed=_seed(p.seed, best_of),
         repetition_penalty=repetition_penalty,
         frequency_penalty=frequency_penalty,
+        presence_penalty=presence_penalty,
     )
+
+
+def _penalty(name: str, value: float | None) -> float:
+    """An OpenAI-style additive penalty: 0.0 when unset, else within [-2, 2]."""
+    if value is None:
+        return 0.0
+    if not -2.0 <= value <= 2.0:
+        raise ValidationError(f"`{name}` must be >= -2.0 and <= 2.0")
+    return value
 
 
 def _seed(seed: int | None, best_of: int) -> int:

@@ -30,8 +30,9 @@ class SamplingTensors:
     typical_p: torch.Tensor  # [B] float32, 1.0 = off
     repetition_penalty: torch.Tensor  # [B] float32, 1.0 = off
     frequency_penalty: torch.Tensor  # [B] float32, 0.0 = off
+    presence_penalty: torch.Tensor  # [B] float32, 0.0 = off
     do_sample: list[bool]  # per row: sample (True) or argmax
-    penalized: list[bool]  # per row: a repetition or frequency penalty is set
+    penalized: list[bool]  # per row: a repetition, frequency or presence penalty is set
     generators: list[torch.Generator]  # per row, seeded from the request
     top_n: int  # most top-n alternatives any row asks for
 
@@ -55,9 +56,13 @@ class SamplingTensors:
             typical_p=column([p.typical_p or 1.0 for p in params]),
             repetition_penalty=column([p.repetition_penalty or 1.0 for p in params]),
             frequency_penalty=column([p.frequency_penalty for p in params]),
+            presence_penalty=column([p.presence_penalty for p in params]),
             do_sample=[_samples(p) for p in params],
             penalized=[
-                (p.repetition_penalty or 1.0) != 1.0 or p.frequency_penalty != 0.0 for p in params
+                (p.repetition_penalty or 1.0) != 1.0
+                or p.frequency_penalty != 0.0
+                or p.presence_penalty != 0.0
+                for p in params
             ],
             generators=[s.generator for s in sequences],
             top_n=max((s.request.top_n_tokens for s in sequences), default=0),
@@ -73,6 +78,7 @@ class SamplingTensors:
             typical_p=self.typical_p[index],
             repetition_penalty=self.repetition_penalty[index],
             frequency_penalty=self.frequency_penalty[index],
+            presence_penalty=self.presence_penalty[index],
             do_sample=[self.do_sample[r] for r in rows],
             penalized=[self.penalized[r] for r in rows],
             generators=[self.generators[r] for r in rows],
@@ -88,6 +94,7 @@ class SamplingTensors:
             typical_p=torch.cat([p.typical_p for p in parts]),
             repetition_penalty=torch.cat([p.repetition_penalty for p in parts]),
             frequency_penalty=torch.cat([p.frequency_penalty for p in parts]),
+            presence_penalty=torch.cat([p.presence_penalty for p in parts]),
             do_sample=[s for p in parts for s in p.do_sample],
             penalized=[s for p in parts for s in p.penalized],
             generators=[g for p in parts for g in p.generators],
@@ -167,12 +174,14 @@ def _sample_row(logprobs: torch.Tensor, generator: torch.Generator) -> torch.Ten
 def apply_penalties(
     logits: torch.Tensor, token_counts: torch.Tensor, params: SamplingTensors
 ) -> torch.Tensor:
-    """CTRL repetition penalty and OpenAI-style frequency penalty. logits, counts: [B, V]."""
+    """CTRL repetition penalty and OpenAI-style frequency and presence penalties
+    (logits - frequency * count - presence * [count > 0]). logits, counts: [B, V]."""
     seen = token_counts > 0
     rep = params.repetition_penalty[:, None]  # [B, 1]
     penalized = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(seen, penalized, logits)
-    return logits - params.frequency_penalty[:, None] * token_counts.to(logits.dtype)
+    logits = logits - params.frequency_penalty[:, None] * token_counts.to(logits.dtype)
+    return logits - params.presence_penalty[:, None] * seen.to(logits.dtype)
 
 
 def apply_warpers(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:

@@ -68,3 +68,18 @@ def test_completion_continues_a_prompt(client: OpenAI) -> None:
     assert answer.choices[0].text
     assert answer.choices[0].finish_reason in ("stop", "length")
     assert answer.usage is not None and 0 < answer.usage.completion_tokens <= 5
+
+
+def test_presence_penalty_steers_away_from_tokens_already_used(client: OpenAI) -> None:
+    def complete(presence_penalty: float) -> str:
+        answer = client.completions.create(
+            model="textgate",
+            prompt="red red red red red red red red",
+            temperature=0,
+            max_tokens=12,
+            presence_penalty=presence_penalty,
+        )
+        return answer.choices[0].text
+
+    plain, penalized = complete(0.0), complete(2.0)
+    assert plain.split().count("red") > penalized.split().count("red")

@@ -55,6 +55,7 @@ def test_sampling_fields_pass_through() -> None:
         seed=3,
         stop="END",
         frequency_penalty=0.2,
+        presence_penalty=0.3,
         repetition_penalty=1.1,
         ignore_eos=True,
         min_tokens=2,
@@ -65,6 +66,7 @@ def test_sampling_fields_pass_through() -> None:
     assert (params.temperature, params.top_p, params.top_k, params.seed) == (0.7, 0.9, 40, 3)
     assert params.stop == ["END"]
     assert (params.frequency_penalty, params.repetition_penalty) == (0.2, 1.1)
+    assert params.presence_penalty == 0.3
     assert params.ignore_eos and params.min_new_tokens == 2
     assert params.max_new_tokens == 9
 
@@ -103,7 +105,6 @@ def test_unknown_fields_are_ignored() -> None:
         ({"response_format": {"type": "json_schema"}}, "`response_format` is not supported yet"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "`tools`"),
         ({"tool_choice": {"type": "function"}}, "`tool_choice`"),
-        ({"presence_penalty": 1.0}, "`presence_penalty` is not supported"),
         ({"top_logprobs": 1}, "needs `logprobs`"),
         ({"logprobs": True, "top_logprobs": 6}, "<= 5"),
         ({"temperature": -0.1}, "`temperature` must be >= 0"),

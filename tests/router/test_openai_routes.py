@@ -111,6 +111,7 @@ async def test_chat_maps_parameters_onto_the_shard_request(
         top_p=0.9,
         seed=7,
         frequency_penalty=0.5,
+        presence_penalty=-0.25,
         ignore_eos=True,
         min_tokens=1,
     )
@@ -123,6 +124,7 @@ async def test_chat_maps_parameters_onto_the_shard_request(
     assert params.temperature == pytest.approx(0.5)
     assert params.top_p == pytest.approx(0.9)
     assert params.frequency_penalty == pytest.approx(0.5)
+    assert params.presence_penalty == pytest.approx(-0.25)
     assert stopping.max_new_tokens == 2
     assert stopping.ignore_eos_token and stopping.min_new_tokens == 1
 
@@ -334,7 +336,7 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("/v1/chat/completions", chat(max_tokens=0), "`max_tokens` must be >= 1"),
     ("/v1/chat/completions", chat(max_completion_tokens=0), "`max_completion_tokens`"),
     ("/v1/chat/completions", chat(n=3), "`n` must be >= 1 and <= 2"),
-    ("/v1/chat/completions", chat(presence_penalty=0.5), "`presence_penalty` is not"),
+    ("/v1/chat/completions", chat(presence_penalty=2.5), "`presence_penalty` must be >= -2.0"),
     ("/v1/chat/completions", chat(logit_bias={"5": 1}), "`logit_bias` is not"),
     ("/v1/chat/completions", chat(top_logprobs=2), "needs `logprobs`"),
     ("/v1/chat/completions", chat(logprobs=True, top_logprobs=9), "`top_logprobs` must"),

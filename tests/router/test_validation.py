@@ -25,6 +25,7 @@ RULES: list[tuple[dict[str, Any], str, bool, str]] = [
     ({"repetition_penalty": 0}, "w5", False, "`repetition_penalty` must be strictly positive"),
     ({"frequency_penalty": 2.5}, "w5", False, "`frequency_penalty` must be >= -2.0 and <= 2.0"),
     ({"frequency_penalty": -3}, "w5", False, "`frequency_penalty` must be >= -2.0 and <= 2.0"),
+    ({"presence_penalty": 2.5}, "w5", False, "`presence_penalty` must be >= -2.0 and <= 2.0"),
     ({"top_p": 0}, "w5", False, "`top_p` must be > 0.0 and < 1.0"),
     ({"top_p": 1.0}, "w5", False, "`top_p` must be > 0.0 and < 1.0"),
     ({"typical_p": 0}, "w5", False, "`typical_p` must be > 0.0 and < 1.0"),
@@ -146,6 +147,7 @@ async def test_defaults_are_tgis(validator: Validator) -> None:
         1.0,
     )
     assert (sampling.repetition_penalty, sampling.frequency_penalty) == (1.0, 0.0)
+    assert sampling.presence_penalty == 0.0
     assert sampling.do_sample is False
     assert 0 <= sampling.seed < 2**64
     assert valid.top_n_tokens == 0 and valid.best_of == 1

@@ -78,6 +78,10 @@ def test_penalties() -> None:
     assert out.tolist() == [[1.0, -4.0, 1.0]]
     out = apply_penalties(logits, counts * 2, tensors(params(frequency_penalty=0.5)))
     assert out.tolist() == [[1.0, -3.0, 1.0]]
+    # Presence: the same for every token seen, whatever its count.
+    counts = torch.tensor([[3.0, 1.0, 0.0]])
+    out = apply_penalties(logits, counts, tensors(params(presence_penalty=0.5)))
+    assert out.tolist() == [[1.5, -2.5, 1.0]]
 
 
 def test_suppressed_tokens_are_never_chosen() -> None:
@@ -98,8 +102,13 @@ def test_greedy_results_come_back_as_python_values() -> None:
 
 
 def test_penalty_flags_follow_rows() -> None:
-    sampling = tensors(params(), params(repetition_penalty=1.3), params(frequency_penalty=0.5))
-    assert sampling.penalized == [False, True, True]
+    sampling = tensors(
+        params(),
+        params(repetition_penalty=1.3),
+        params(frequency_penalty=0.5),
+        params(presence_penalty=-0.5),
+    )
+    assert sampling.penalized == [False, True, True, True]
     assert sampling.any_penalty
     assert not sampling.select([0]).any_penalty
     assert SamplingTensors.concatenate([sampling.select([0]), sampling.select([2])]).penalized == [
