@@ -127,6 +127,7 @@ def _parameters(
         seed=body.seed,
         frequency_penalty=body.frequency_penalty,
         presence_penalty=body.presence_penalty,
+        logit_bias=_token_bias(body.logit_bias),
         repetition_penalty=body.repetition_penalty,
         top_n_tokens=top_n_tokens,
         decoder_input_details=prompt_logprobs,
@@ -140,8 +141,16 @@ def _check_sampling(body: SamplingRequest) -> None:
         raise ValidationError(f"`temperature` must be >= 0. Given: {body.temperature}")
     if body.top_p is not None and not 0 < body.top_p <= 1:
         raise ValidationError(f"`top_p` must be > 0 and <= 1. Given: {body.top_p}")
-    if body.logit_bias:
-        raise ValidationError("`logit_bias` is not supported")
+
+
+def _token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias, keyed by token ids written as strings."""
+    if not bias:
+        return None
+    try:
+        return {int(token_id): value for token_id, value in bias.items()}
+    except ValueError:
+        raise ValidationError("`logit_bias` keys must be token ids (integers)") from None
 
 
 def _check_max_tokens(value: int | None, name: str) -> None:

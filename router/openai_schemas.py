@@ -50,11 +50,11 @@ class SamplingRequest(BaseModel):
     seed: int | None = None
     """Sampling seed; choice i of n uses seed + i."""
     presence_penalty: float | None = None
-    """Only 0 is accepted: the shards implement no additive presence penalty."""
+    """Penalty on every token present so far, in [-2, 2]."""
     frequency_penalty: float | None = None
     """Penalty proportional to a token's count so far, in [-2, 2]."""
     logit_bias: dict[str, float] | None = None
-    """Only empty is accepted."""
+    """Token id (as a string) -> value in [-100, 100] added to its logit."""
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

@@ -21,9 +21,13 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs added to the logits."""
 
     def to_pb(self) -> pb.NextTokenChooserParameters:
-        return pb.NextTokenChooserParameters(**dataclasses.asdict(self))
+        fields = dataclasses.asdict(self)
+        fields["logit_bias"] = dict(self.logit_bias)
+        return pb.NextTokenChooserParameters(**fields)
 
 
 @dataclass(frozen=True)

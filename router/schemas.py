@@ -30,6 +30,8 @@ class GenerateParameters(BaseModel):
     """Penalty proportional to a token's count so far, in [-2, 2]."""
     presence_penalty: float | None = None
     """Penalty on every token present so far, in [-2, 2] (OpenAI's; not in TGI)."""
+    logit_bias: dict[int, float] | None = None
+    """Token id -> value in [-100, 100] added to its logit (OpenAI's; not in TGI)."""
     max_new_tokens: int | None = None
     """Most tokens to generate; None: up to max_total_tokens - prompt tokens."""
     repetition_penalty: float | None = None

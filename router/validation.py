@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from collections.abc import Sized
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, cast
 
@@ -37,6 +38,8 @@ class Validator:
     def __init__(self, config: RouterConfig, tokenizer: Tokenizer) -> None:
         self._config = config
         self._tokenizer = tokenizer
+        # transformers' tokenizers know their size; logit_bias ids are checked against it.
+        self._vocab_size: int | None = len(tokenizer) if isinstance(tokenizer, Sized) else None
         self._executor = ThreadPoolExecutor(
             max_workers=config.validation_workers, thread_name_prefix="tokenizer"
         )
@@ -48,6 +51,7 @@ class Validator:
         _check_stream(params, stream)
         best_of = _check_best_of(params, self._config.max_best_of)
         sampling = _sampling(params, best_of)
+        self._check_token_ids(sampling.logit_bias)
         _check_counts(params, self._config)
         if not request.inputs:
             raise ValidationError("`inputs` cannot be empty")
@@ -97,6 +101,14 @@ class Validator:
             )
         except Exception as exc:
             raise ValidationError(f"tokenizer error {exc}") from exc
+
+    def _check_token_ids(self, logit_bias: tuple[tuple[int, float], ...]) -> None:
+        for token_id, _ in logit_bias:
+            if token_id < 0 or (self._vocab_size is not None and token_id >= self._vocab_size):
+                raise ValidationError(
+                    f"`logit_bias` token id {token_id} is not in the vocabulary "
+                    f"(0 to {(self._vocab_size or 1) - 1})"
+                )
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
@@ -206,7 +218,18 @@ def _sampling(p: GenerateParameters, best_of: int) -> SamplingParams:
         repetition_penalty=repetition_penalty,
         frequency_penalty=frequency_penalty,
         presence_penalty=presence_penalty,
+        logit_bias=_logit_bias(p.logit_bias),
     )
+
+
+def _logit_bias(bias: dict[int, float] | None) -> tuple[tuple[int, float], ...]:
+    """The bias as sorted (token id, value) pairs, each value within [-100, 100]."""
+    for token_id, value in (bias or {}).items():
+        if not -100.0 <= value <= 100.0:
+            raise ValidationError(
+                f"`logit_bias` values must be >= -100 and <= 100 (token {token_id}: {value})"
+            )
+    return tuple(sorted((bias or {}).items()))
 
 
 def _penalty(name: str, value: float | None) -> float:

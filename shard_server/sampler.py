@@ -31,6 +31,7 @@ class SamplingTensors:
     repetition_penalty: torch.Tensor  # [B] float32, 1.0 = off
     frequency_penalty: torch.Tensor  # [B] float32, 0.0 = off
     presence_penalty: torch.Tensor  # [B] float32, 0.0 = off
+    logit_bias: list[dict[int, float]]  # per row, token id -> added to its logit
     do_sample: list[bool]  # per row: sample (True) or argmax
     penalized: list[bool]  # per row: a repetition, frequency or presence penalty is set
     generators: list[torch.Generator]  # per row, seeded from the request
@@ -57,6 +58,7 @@ class SamplingTensors:
             repetition_penalty=column([p.repetition_penalty or 1.0 for p in params]),
             frequency_penalty=column([p.frequency_penalty for p in params]),
             presence_penalty=column([p.presence_penalty for p in params]),
+            logit_bias=[dict(p.logit_bias) for p in params],
             do_sample=[_samples(p) for p in params],
             penalized=[
                 (p.repetition_penalty or 1.0) != 1.0
@@ -79,6 +81,7 @@ class SamplingTensors:
             repetition_penalty=self.repetition_penalty[index],
             frequency_penalty=self.frequency_penalty[index],
             presence_penalty=self.presence_penalty[index],
+            logit_bias=[self.logit_bias[r] for r in rows],
             do_sample=[self.do_sample[r] for r in rows],
             penalized=[self.penalized[r] for r in rows],
             generators=[self.generators[r] for r in rows],
@@ -95,6 +98,7 @@ class SamplingTensors:
             repetition_penalty=torch.cat([p.repetition_penalty for p in parts]),
             frequency_penalty=torch.cat([p.frequency_penalty for p in parts]),
             presence_penalty=torch.cat([p.presence_penalty for p in parts]),
+            logit_bias=[bias for p in parts for bias in p.logit_bias],
             do_sample=[s for p in parts for s in p.do_sample],
             penalized=[s for p in parts for s in p.penalized],
             generators=[g for p in parts for g in p.generators],
@@ -139,6 +143,8 @@ class Sampler:
         suppress_ids: [B, V] bool, tokens that must not be chosen (eos before min_new_tokens).
         """
         logits = logits.float()
+        if any(params.logit_bias):
+            logits = apply_logit_bias(logits, params.logit_bias)
         if token_counts is not None and params.any_penalty:
             logits = apply_penalties(logits, token_counts, params)
         if suppress_ids is not None:
@@ -169,6 +175,26 @@ def _sample_row(logprobs: torch.Tensor, generator: torch.Generator) -> torch.Ten
     # request's generator, so a seeded request samples the same alone or in a batch.
     noise = torch.empty_like(logprobs).exponential_(generator=generator)
     return (logprobs.exp() / noise).argmax()
+
+
+def apply_logit_bias(logits: torch.Tensor, logit_bias: list[dict[int, float]]) -> torch.Tensor:
+    """logits [B, V] plus each row's bias; ids past V (a model whose tokenizer is larger
+    than its vocabulary) are left out."""
+    vocab = logits.shape[1]
+    entries = [
+        (row, token_id, value)
+        for row, bias in enumerate(logit_bias)
+        for token_id, value in bias.items()
+        if token_id < vocab
+    ]
+    if not entries:
+        return logits
+    rows, cols, values = zip(*entries, strict=True)
+    index = (
+        torch.tensor(rows, device=logits.device),
+        torch.tensor(cols, device=logits.device),
+    )
+    return logits.index_put(index, torch.tensor(values, device=logits.device), accumulate=True)
 
 
 def apply_penalties(

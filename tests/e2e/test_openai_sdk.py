@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import httpx
 import pytest
 from openai import OpenAI
 from openai.types.chat import ChatCompletionMessageParam
@@ -83,3 +84,24 @@ def test_presence_penalty_steers_away_from_tokens_already_used(client: OpenAI) -
 
     plain, penalized = complete(0.0), complete(2.0)
     assert plain.split().count("red") > penalized.split().count("red")
+
+
+def test_logit_bias_bans_and_forces_tokens(client: OpenAI, live_server: str) -> None:
+    prompt = "The capital of France is"
+    details = httpx.post(
+        f"{live_server}/generate",
+        json={"inputs": prompt, "parameters": {"max_new_tokens": 1, "details": True}},
+        timeout=120,
+    ).json()["details"]
+    greedy = details["tokens"][0]  # " Paris"
+    (forced,) = httpx.post(f"{live_server}/tokenize", json={"inputs": " Berlin"}).json()[:1]
+
+    def first_text(bias: dict[str, int]) -> str:
+        answer = client.completions.create(
+            model="textgate", prompt=prompt, temperature=0, max_tokens=2, logit_bias=bias
+        )
+        return answer.choices[0].text
+
+    assert first_text({}).startswith(greedy["text"])
+    assert not first_text({str(greedy["id"]): -100}).startswith(greedy["text"])
+    assert first_text({str(forced["id"]): 100}).startswith(forced["text"])

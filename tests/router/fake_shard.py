@@ -31,6 +31,7 @@ from textgate.proto import generate_pb2_grpc as pb_grpc
 
 EOS_TOKEN_ID = 2
 EOS_TEXT = "</s>"
+VOCAB_SIZE = 1000
 _WORD = re.compile(r"^[wt](\d+)$")
 
 
@@ -43,6 +44,9 @@ class FakeTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [_word_id(match.group()) for match in re.finditer(r"\S+", text)]
+
+    def __len__(self) -> int:
+        return VOCAB_SIZE
 
     def __call__(
         self, text: str, add_special_tokens: bool = True, return_offsets_mapping: bool = False

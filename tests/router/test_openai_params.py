@@ -56,6 +56,7 @@ def test_sampling_fields_pass_through() -> None:
         stop="END",
         frequency_penalty=0.2,
         presence_penalty=0.3,
+        logit_bias={"11": -2.5},
         repetition_penalty=1.1,
         ignore_eos=True,
         min_tokens=2,
@@ -67,6 +68,7 @@ def test_sampling_fields_pass_through() -> None:
     assert params.stop == ["END"]
     assert (params.frequency_penalty, params.repetition_penalty) == (0.2, 1.1)
     assert params.presence_penalty == 0.3
+    assert params.logit_bias == {11: -2.5}
     assert params.ignore_eos and params.min_new_tokens == 2
     assert params.max_new_tokens == 9
 

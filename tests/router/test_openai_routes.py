@@ -112,6 +112,7 @@ async def test_chat_maps_parameters_onto_the_shard_request(
         seed=7,
         frequency_penalty=0.5,
         presence_penalty=-0.25,
+        logit_bias={"7": 5.0, "2": -100},
         ignore_eos=True,
         min_tokens=1,
     )
@@ -125,6 +126,7 @@ async def test_chat_maps_parameters_onto_the_shard_request(
     assert params.top_p == pytest.approx(0.9)
     assert params.frequency_penalty == pytest.approx(0.5)
     assert params.presence_penalty == pytest.approx(-0.25)
+    assert dict(params.logit_bias) == {7: 5.0, 2: -100.0}
     assert stopping.max_new_tokens == 2
     assert stopping.ignore_eos_token and stopping.min_new_tokens == 1
 
@@ -337,7 +339,8 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("/v1/chat/completions", chat(max_completion_tokens=0), "`max_completion_tokens`"),
     ("/v1/chat/completions", chat(n=3), "`n` must be >= 1 and <= 2"),
     ("/v1/chat/completions", chat(presence_penalty=2.5), "`presence_penalty` must be >= -2.0"),
-    ("/v1/chat/completions", chat(logit_bias={"5": 1}), "`logit_bias` is not"),
+    ("/v1/chat/completions", chat(logit_bias={"x": 1}), "`logit_bias` keys must be token ids"),
+    ("/v1/chat/completions", chat(logit_bias={"5": -101}), "`logit_bias` values must be"),
     ("/v1/chat/completions", chat(top_logprobs=2), "needs `logprobs`"),
     ("/v1/chat/completions", chat(logprobs=True, top_logprobs=9), "`top_logprobs` must"),
     ("/v1/chat/completions", chat(response_format={"type": "json_object"}), "structured"),

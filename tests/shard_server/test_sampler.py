@@ -4,7 +4,13 @@ import pytest
 import torch
 
 from textgate.proto import generate_pb2 as pb
-from textgate.shard_server.sampler import Sampler, SamplingTensors, apply_penalties, apply_warpers
+from textgate.shard_server.sampler import (
+    Sampler,
+    SamplingTensors,
+    apply_logit_bias,
+    apply_penalties,
+    apply_warpers,
+)
 from textgate.shard_server.sequence import Sequence, TokenizerInfo
 
 
@@ -82,6 +88,19 @@ def test_penalties() -> None:
     counts = torch.tensor([[3.0, 1.0, 0.0]])
     out = apply_penalties(logits, counts, tensors(params(presence_penalty=0.5)))
     assert out.tolist() == [[1.5, -2.5, 1.0]]
+
+
+def test_logit_bias_is_added_per_row_before_choosing() -> None:
+    logits = torch.tensor([[3.0, 2.0, 1.0], [3.0, 2.0, 1.0], [3.0, 2.0, 1.0]])
+    biased = params(logit_bias={2: 5.0})
+    banned = params(logit_bias={0: -100.0, 7: 9.0})  # 7 is past the vocabulary: left out
+    sampling = tensors(params(), biased, banned)
+    out = Sampler()(logits, sampling)
+    assert out.next_ids == [0, 2, 1]
+    assert apply_logit_bias(logits, sampling.logit_bias)[1].tolist() == [3.0, 2.0, 6.0]
+    assert logits[1].tolist() == [3.0, 2.0, 1.0], "the caller's logits stay as they were"
+    kept = SamplingTensors.concatenate([sampling.select([2]), sampling.select([1])])
+    assert kept.logit_bias == [{0: -100.0, 7: 9.0}, {2: 5.0}]
 
 
 def test_suppressed_tokens_are_never_chosen() -> None:
