@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from textgate.router.config import RouterConfig
 from textgate.router.openai_schemas import (
@@ -75,9 +75,14 @@ def completion_fanout(body: CompletionRequest, config: RouterConfig) -> Fanout:
     return _fanout(body.n, body.best_of, body.stream, config)
 
 
-def prompt_list(body: CompletionRequest) -> list[str]:
-    """The prompts of a completion request, each non-empty."""
-    prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+def prompt_list(body: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completion request, each non-empty: text, or token ids."""
+    prompt = body.prompt
+    prompts: list[str | list[int]]
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompts = [cast("str | list[int]", prompt)]
+    else:
+        prompts = list(cast("list[str] | list[list[int]]", prompt))
     if not prompts or not all(prompts):
         raise ValidationError("`prompt` cannot be empty")
     return prompts

@@ -140,13 +140,20 @@ class _OpenAIHandlers:
 
     async def _complete(self, request: Request, received: float) -> Response:
         body = await read_json(request, CompletionRequest, self._config.payload_limit)
-        prompts = prompt_list(body)
+        given = prompt_list(body)
         params = completion_parameters(body, self._config)
         fanout = completion_fanout(body, self._config)
+        validator = self._state.validator
+        # Token-id prompts keep their ids; their text is what `echo` returns.
+        prompts = [p if isinstance(p, str) else validator.decode(p) for p in given]
         valids = await asyncio.gather(
             *(
-                self._validate(GenerateRequest(inputs=p, parameters=params), body.stream)
-                for p in prompts
+                self._validate(
+                    GenerateRequest(inputs=text, parameters=params),
+                    body.stream,
+                    input_ids=None if isinstance(p, str) else p,
+                )
+                for text, p in zip(prompts, given, strict=True)
             )
         )
         requests = [r for v in valids for r in candidates(v, body.seed, fanout.num_candidates)]
@@ -190,8 +197,10 @@ class _OpenAIHandlers:
             continue_final_message=body.continue_final_message,
         )
 
-    async def _validate(self, inputs: GenerateRequest, stream: bool) -> ValidRequest:
-        valid = await self._state.validator.validate(inputs, stream=stream)
+    async def _validate(
+        self, inputs: GenerateRequest, stream: bool, input_ids: Sequence[int] | None = None
+    ) -> ValidRequest:
+        valid = await self._state.validator.validate(inputs, stream=stream, input_ids=input_ids)
         self._metrics.request_validated(valid.input_length, valid.max_new_tokens)
         return valid
 

@@ -115,8 +115,9 @@ class ChatCompletionRequest(SamplingRequest):
 class CompletionRequest(SamplingRequest):
     """Body of POST /v1/completions."""
 
-    prompt: str | list[str]
-    """One prompt, or several (choices in prompt order, `n` per prompt)."""
+    prompt: str | list[str] | list[int] | list[list[int]]
+    """One prompt, or several (choices in prompt order, `n` per prompt); each a string or
+    token ids."""
     max_tokens: int | None = 16
     """OpenAI's default for text completions."""
     echo: bool = False

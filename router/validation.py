@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import Sized
+from collections.abc import Sequence, Sized
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, cast
 
@@ -44,8 +44,17 @@ class Validator:
             max_workers=config.validation_workers, thread_name_prefix="tokenizer"
         )
 
-    async def validate(self, request: GenerateRequest, *, stream: bool = False) -> ValidRequest:
-        """The validated request, or ValidationError with TGI's message."""
+    async def validate(
+        self,
+        request: GenerateRequest,
+        *,
+        stream: bool = False,
+        input_ids: Sequence[int] | None = None,
+    ) -> ValidRequest:
+        """The validated request, or ValidationError with TGI's message.
+
+        `input_ids`: the prompt as token ids (OpenAI completions), used instead of
+        tokenizing `request.inputs` (then only its text for echoing)."""
         params = request.parameters
         _check_unsupported(params)
         _check_stream(params, stream)
@@ -53,10 +62,14 @@ class Validator:
         sampling = _sampling(params, best_of)
         self._check_token_ids(sampling.logit_bias)
         _check_counts(params, self._config)
-        if not request.inputs:
-            raise ValidationError("`inputs` cannot be empty")
         truncate = _check_truncate(params.truncate, self._config.max_input_tokens)
-        ids = await self._tokenize(request.inputs, request.add_special_tokens)
+        if input_ids is not None:
+            self._check_prompt_ids(input_ids)
+            ids = list(input_ids)
+        elif not request.inputs:
+            raise ValidationError("`inputs` cannot be empty")
+        else:
+            ids = await self._tokenize(request.inputs, request.add_special_tokens)
         if truncate is not None:
             ids = ids[-truncate:]
         max_new_tokens = self._check_lengths(len(ids), params.max_new_tokens)
@@ -102,13 +115,26 @@ class Validator:
         except Exception as exc:
             raise ValidationError(f"tokenizer error {exc}") from exc
 
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of token ids (empty when the tokenizer cannot decode)."""
+        decode = getattr(self._tokenizer, "decode", None)
+        return str(decode(list(ids))) if decode is not None else ""
+
     def _check_token_ids(self, logit_bias: tuple[tuple[int, float], ...]) -> None:
         for token_id, _ in logit_bias:
-            if token_id < 0 or (self._vocab_size is not None and token_id >= self._vocab_size):
-                raise ValidationError(
-                    f"`logit_bias` token id {token_id} is not in the vocabulary "
-                    f"(0 to {(self._vocab_size or 1) - 1})"
-                )
+            self._check_id(token_id, "`logit_bias` token id")
+
+    def _check_prompt_ids(self, ids: Sequence[int]) -> None:
+        if not ids:
+            raise ValidationError("`prompt` cannot be empty")
+        for token_id in ids:
+            self._check_id(token_id, "`prompt` token id")
+
+    def _check_id(self, token_id: int, what: str) -> None:
+        if token_id < 0 or (self._vocab_size is not None and token_id >= self._vocab_size):
+            raise ValidationError(
+                f"{what} {token_id} is not in the vocabulary (0 to {(self._vocab_size or 1) - 1})"
+            )
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))

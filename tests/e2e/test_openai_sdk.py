@@ -105,3 +105,16 @@ def test_logit_bias_bans_and_forces_tokens(client: OpenAI, live_server: str) -> 
     assert first_text({}).startswith(greedy["text"])
     assert not first_text({str(greedy["id"]): -100}).startswith(greedy["text"])
     assert first_text({str(forced["id"]): 100}).startswith(forced["text"])
+
+
+def test_a_token_id_prompt_completes_like_its_text(client: OpenAI, live_server: str) -> None:
+    text = "The capital of France is"
+    ids = [t["id"] for t in httpx.post(f"{live_server}/tokenize", json={"inputs": text}).json()]
+
+    def complete(prompt: str | list[int]) -> str:
+        answer = client.completions.create(
+            model="textgate", prompt=prompt, temperature=0, max_tokens=6, echo=True
+        )
+        return answer.choices[0].text
+
+    assert complete(ids) == complete(text)

@@ -48,6 +48,9 @@ class FakeTokenizer:
     def __len__(self) -> int:
         return VOCAB_SIZE
 
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(f"w{token_id}" for token_id in ids)
+
     def __call__(
         self, text: str, add_special_tokens: bool = True, return_offsets_mapping: bool = False
     ) -> dict[str, list[Any]]:

@@ -141,7 +141,9 @@ def test_fanout_limits() -> None:
 def test_prompt_list() -> None:
     assert prompt_list(completion(prompt="a")) == ["a"]
     assert prompt_list(completion(prompt=["a", "b"])) == ["a", "b"]
-    for empty in ("", [], ["a", ""]):
+    assert prompt_list(completion(prompt=[5, 6])) == [[5, 6]]
+    assert prompt_list(completion(prompt=[[5], [6, 7]])) == [[5], [6, 7]]
+    for empty in ("", [], ["a", ""], [[5], []]):
         with pytest.raises(ValidationError, match="cannot be empty"):
             prompt_list(completion(prompt=empty))
 

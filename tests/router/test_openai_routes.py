@@ -251,6 +251,19 @@ async def test_completion_with_prompts_n_and_usage(client: httpx.AsyncClient) ->
     assert answer["usage"] == {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11}
 
 
+async def test_completion_of_token_id_prompts(client: httpx.AsyncClient, fake: FakeShard) -> None:
+    # vLLM's (and OpenAI's) token-array prompts, as lm-evaluation-harness sends them.
+    body = {"prompt": [[5, 20], [7]], "max_tokens": 1, "echo": True, "temperature": 0}
+    answer = (await client.post("/v1/completions", json=body)).json()
+    (prefill,) = fake.calls_to("Prefill")
+    assert [list(r.input_ids) for r in prefill.batch.requests] == [[5, 20], [7]]
+    texts = [c["text"] for c in answer["choices"]]
+    assert texts[0].startswith("w5 w20") and texts[1].startswith("w7")  # echoed, decoded
+    assert answer["usage"]["prompt_tokens"] == 3
+    single = {"prompt": [5, 20], "max_tokens": 1}
+    assert (await client.post("/v1/completions", json=single)).status_code == 200
+
+
 async def test_completion_defaults_to_16_tokens(client: httpx.AsyncClient) -> None:
     answer = (await client.post("/v1/completions", json={"prompt": "w5"})).json()
     assert answer["usage"]["completion_tokens"] == 16
@@ -365,7 +378,9 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         "assistant",
     ),
     ("/v1/completions", {"prompt": ""}, "`prompt` cannot be empty"),
-    ("/v1/completions", {"prompt": [1, 2]}, "prompt"),
+    ("/v1/completions", {"prompt": [5, 1000]}, "`prompt` token id 1000 is not in the vocabulary"),
+    ("/v1/completions", {"prompt": [[5], []]}, "`prompt` cannot be empty"),
+    ("/v1/completions", {"prompt": [5, "w6"]}, "prompt"),
     ("/v1/completions", {"prompt": ["w5"] * 5}, "at most 4 prompts"),
     ("/v1/completions", {"prompt": "w5", "n": 2, "best_of": 1}, "`best_of` must be >= `n`"),
     ("/v1/completions", {"prompt": "w5", "best_of": 3}, "`best_of` must be <= 2"),
