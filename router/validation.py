@@ -131,9 +131,12 @@ class Validator:
             self._check_id(token_id, "`prompt` token id")
 
     def _check_id(self, token_id: int, what: str) -> None:
-        if token_id < 0 or (self._vocab_size is not None and token_id >= self._vocab_size):
+        if self._vocab_size is None:
+            if token_id < 0:
+                raise ValidationError(f"{what} {token_id} is negative")
+        elif not 0 <= token_id < self._vocab_size:
             raise ValidationError(
-                f"{what} {token_id} is not in the vocabulary (0 to {(self._vocab_size or 1) - 1})"
+                f"{what} {token_id} is not in the vocabulary (0 to {self._vocab_size - 1})"
             )
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:

@@ -246,3 +246,20 @@ async def test_tokenize_truncates_and_checks_truncate(validator: Validator) -> N
     assert [(t.id, t.text) for t in tokens] == [(7, "w7")]
     with pytest.raises(ValidationError, match="`truncate` must be strictly positive"):
         await validator.tokenize(generate_request("w5", truncate=0))
+
+
+async def test_token_ids_of_a_tokenizer_without_a_size_need_only_be_non_negative(
+    make_config: Callable[..., RouterConfig],
+) -> None:
+    class SizelessTokenizer:
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            return [5]
+
+    validator = Validator(make_config(), SizelessTokenizer())
+    try:
+        bias = GenerateRequest(inputs="w5", parameters={"logit_bias": {"123456": 1.0}})
+        assert (await validator.validate(bias)).sampling.logit_bias == ((123456, 1.0),)
+        with pytest.raises(ValidationError, match="`prompt` token id -3 is negative"):
+            await validator.validate(GenerateRequest(inputs="x"), input_ids=[5, -3])
+    finally:
+        validator.close()
