@@ -10,6 +10,7 @@ proxies and load balancers do not close a stream that waits behind a long queue.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable, Mapping
 
 import anyio
@@ -78,28 +79,27 @@ class SseResponse(StreamingResponse):
         await send(
             {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
         )
-        frames = aiter(self._frames)
-        next_frame: asyncio.Future[bytes] | None = None
-        try:
+        # One timer task per stream sends the keep-alives, so a frame costs no more than
+        # its own send (no task or timeout per frame) and is never interrupted.
+        last_sent = time.monotonic()
+
+        async def keep_alive() -> None:
+            nonlocal last_sent
             while True:
-                if next_frame is None:
-                    next_frame = asyncio.ensure_future(anext(frames))
-                # asyncio.wait, not wait_for: a keep-alive must not cancel the frame in the making.
-                done, _ = await asyncio.wait({next_frame}, timeout=self._keep_alive_s)
-                if not done:
+                await asyncio.sleep(last_sent + self._keep_alive_s - time.monotonic())
+                if time.monotonic() - last_sent >= self._keep_alive_s:
                     await send(_body(KEEP_ALIVE_FRAME))
-                    continue
-                finished, next_frame = next_frame, None
-                try:
-                    frame = finished.result()
-                except StopAsyncIteration:
-                    break
+                    last_sent = time.monotonic()
+
+        pinger = asyncio.ensure_future(keep_alive())
+        try:
+            async for frame in self._frames:
                 await send(_body(frame))
+                last_sent = time.monotonic()
         finally:
             with anyio.CancelScope(shield=True):
-                if next_frame is not None:
-                    next_frame.cancel()
-                    await asyncio.gather(next_frame, return_exceptions=True)
+                pinger.cancel()
+                await asyncio.gather(pinger, return_exceptions=True)
                 # Run the generator's cleanup (it cancels the request) even when cancelled.
                 aclose = getattr(self._frames, "aclose", None)
                 if aclose is not None:
