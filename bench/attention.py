@@ -25,6 +25,7 @@ import torch
 from textgate.bench.cli import parse_list
 from textgate.bench.report import format_table
 from textgate.bench.roofline import DTYPES
+from textgate.bench.tokenizer import default_model_dir
 from textgate.kernels import AttentionMetadata, get_attention_backend
 
 BLOCK_SIZE = 16
@@ -120,12 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.model is None:
-        from textgate.shard_server.model_source import resolve_model
-
-        model_dir = resolve_model(None)
-    else:
-        model_dir = Path(args.model)
+    model_dir = Path(args.model) if args.model else default_model_dir()
     shape = AttentionShape.from_config(model_dir)
     backends = args.backends.split(",")
     cases = default_cases(parse_list(args.batch, int), parse_list(args.context, int), args.chunk)

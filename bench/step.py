@@ -21,6 +21,7 @@ import torch
 
 from textgate.bench.cli import parse_list
 from textgate.bench.report import format_table
+from textgate.bench.tokenizer import default_model_dir
 from textgate.proto import generate_pb2 as pb
 from textgate.shard_server.loader import load_model
 from textgate.shard_server.paged_model import CacheConfig, PagedModel
@@ -91,12 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.model is None:
-        from textgate.shard_server.model_source import resolve_model
-
-        model_dir = resolve_model(None)
-    else:
-        model_dir = Path(args.model)
+    model_dir = Path(args.model) if args.model else default_model_dir()
     batches = parse_list(args.batch, int)
     blocks = (args.prompt_len + args.steps + BLOCK_SIZE) // BLOCK_SIZE + 1
     cache_bytes = 1 << 30

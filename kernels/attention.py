@@ -285,7 +285,22 @@ class SdpaAttentionBackend(AttentionBackend[SdpaPlan]):
         if len(plan.groups) == 1 and plan.groups[0].token_index is None:
             return self.attend(query, key_cache, value_cache, plan.groups[0], scale, sliding_window)
         out = torch.empty_like(query)
-        for group in plan.groups:
+        self.attend_groups(query, key_cache, value_cache, plan.groups, out, scale, sliding_window)
+        return out
+
+    def attend_groups(
+        self,
+        query: Tensor,
+        key_cache: Tensor,
+        value_cache: Tensor,
+        groups: Sequence[SeqGroup],
+        out: Tensor,
+        scale: float,
+        window: int | None,
+    ) -> None:
+        """Write the attention of each group's rows of query [T, H_q, D] into out [T, H_q, D]
+        (every group selects its rows: token_index is set)."""
+        for group in groups:
             assert group.token_index is not None
             rows = self.attend(
                 query.index_select(0, group.token_index),
@@ -293,10 +308,9 @@ class SdpaAttentionBackend(AttentionBackend[SdpaPlan]):
                 value_cache,
                 group,
                 scale,
-                sliding_window,
+                window,
             )
             out.index_copy_(0, group.token_index, rows)
-        return out
 
     @staticmethod
     def attend(

@@ -120,17 +120,9 @@ class CpuAttentionBackend(AttentionBackend[CpuPlan]):
             )
         query = query.contiguous()
         out = torch.empty_like(query)  # [T, H_q, D]; each row written by exactly one of the two
-        for group in plan.sdpa_groups:
-            assert group.token_index is not None
-            rows = self._sdpa.attend(
-                query.index_select(0, group.token_index),
-                key_cache,
-                value_cache,
-                group,
-                scale,
-                sliding_window,
-            )
-            out.index_copy_(0, group.token_index, rows)
+        self._sdpa.attend_groups(
+            query, key_cache, value_cache, plan.sdpa_groups, out, scale, sliding_window
+        )
         if plan.kernel is not None:
             self._run_kernel(
                 library, query, key_cache, value_cache, out, plan.kernel, scale, sliding_window
