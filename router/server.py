@@ -2,7 +2,7 @@
 
 Startup order: connect to rank 0 (ServiceDiscovery gives the others), ClearCache,
 Info, Health, Warmup with a batch as large as the prefill budget, then uvicorn.
-Padded shards (Info.block_size 0) get the `Batcher`; paged shards the scheduler's
+Padded shards (Info.block_size 0) get the `PaddedEngine`; paged shards the scheduler's
 `PagedEngine`, sized by the KV blocks Warmup reports.
 `Router listening on http://{hostname}:{port}` is logged once connections are
 accepted. On a signal uvicorn stops accepting, lets in-flight requests finish (each
@@ -21,16 +21,16 @@ import uvicorn
 from starlette.applications import Starlette
 
 from textgate.proto import generate_pb2 as pb
-from textgate.router.app import build_app
-from textgate.router.batcher import Batcher, batch_limits
 from textgate.router.config import RouterConfig
-from textgate.router.engine import PagedEngine
+from textgate.router.engine.padded_engine import PaddedEngine, batch_limits
+from textgate.router.engine.paged_engine import PagedEngine
+from textgate.router.engine.request import SamplingParams, StoppingParams
+from textgate.router.engine.scheduler import Scheduler, SchedulerConfig
+from textgate.router.http.app import build_app
+from textgate.router.http.state import Engine
+from textgate.router.http.validation import Tokenizer
 from textgate.router.metrics import Metrics
-from textgate.router.request import SamplingParams, StoppingParams
-from textgate.router.scheduler import Scheduler, SchedulerConfig
 from textgate.router.shard_client import ShardedClient
-from textgate.router.state import Engine
-from textgate.router.validation import Tokenizer
 
 log = logging.getLogger("textgate.router")
 
@@ -79,7 +79,7 @@ def make_engine(
     *,
     metrics: Metrics | None = None,
 ) -> Engine:
-    """A PagedEngine for paged shards (block_size > 0), else the padded-batch Batcher.
+    """A PagedEngine for paged shards (block_size > 0), else the padded-batch PaddedEngine.
 
     `metrics` (the app's) gets the engine's step metrics.
     """
@@ -92,7 +92,7 @@ def make_engine(
                 "a native implementation (no chunked prefill)"
             )
         limits = batch_limits(config, info)
-        return Batcher(shards, limits, config.max_concurrent_requests, metrics=metrics)
+        return PaddedEngine(shards, limits, config.max_concurrent_requests, metrics=metrics)
     if warmup.num_blocks == 0:
         raise RuntimeError("the paged shards reported no KV-cache blocks at warmup")
     scheduler = Scheduler(

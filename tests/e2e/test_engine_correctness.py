@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from textgate.proto import generate_pb2 as pb
-from textgate.router.channel import Channel, StepEvent
-from textgate.router.engine import PagedEngine
-from textgate.router.request import SamplingParams, StoppingParams, ValidRequest
-from textgate.router.scheduler import Scheduler, SchedulerConfig
+from textgate.router.engine.channel import Channel, StepEvent
+from textgate.router.engine.paged_engine import PagedEngine
+from textgate.router.engine.request import SamplingParams, StoppingParams, ValidRequest
+from textgate.router.engine.scheduler import Scheduler, SchedulerConfig
 from textgate.router.shard_client import ShardedClient
 from textgate.shard_server.loader import load_model
 from textgate.shard_server.server import serve

@@ -12,8 +12,8 @@ import httpx
 import pytest
 import uvicorn
 
-from textgate.router.app import build_app
 from textgate.router.config import RouterConfig
+from textgate.router.http.app import build_app
 from textgate.router.server import bound_port
 from textgate.router.shard_client import ShardedClient
 from textgate.tests.router.fake_shard import FakeShard, FakeTokenizer, fake_shards

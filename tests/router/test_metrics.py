@@ -12,17 +12,17 @@ import httpx
 import pytest
 
 from textgate.proto import generate_pb2 as pb
-from textgate.router.engine import PagedEngine
-from textgate.router.generate import collect
+from textgate.router.engine.paged_engine import PagedEngine
+from textgate.router.engine.request import SamplingParams, StoppingParams, ValidRequest
+from textgate.router.engine.scheduler import Scheduler, SchedulerConfig
 from textgate.router.metrics import (
     DURATION_BUCKETS,
     KvCacheStats,
     Metrics,
     RequestTimings,
 )
-from textgate.router.request import SamplingParams, StoppingParams, ValidRequest
-from textgate.router.scheduler import Scheduler, SchedulerConfig
 from textgate.router.shard_client import ShardedClient
+from textgate.router.tgi.output import collect
 from textgate.tests.router.fake_shard import FakeShard
 
 StartRouter = Callable[..., Awaitable[str]]

@@ -15,9 +15,9 @@ import httpx
 import pytest
 
 from textgate.proto import generate_pb2 as pb
-from textgate.router.batcher import Batcher
 from textgate.router.config import RouterConfig
-from textgate.router.engine import PagedEngine
+from textgate.router.engine.padded_engine import PaddedEngine
+from textgate.router.engine.paged_engine import PagedEngine
 from textgate.router.server import make_engine, resolve_config, warmup_request
 from textgate.router.shard_client import ShardedClient
 from textgate.tests.router.fake_shard import FakeShard
@@ -78,7 +78,7 @@ async def test_the_engine_follows_the_shard_kind(
 ) -> None:
     config = make_config(max_batch_total_tokens=1000)
     padded = make_engine(config, sharded, pb.InfoResponse(), pb.WarmupResponse())
-    assert isinstance(padded, Batcher)
+    assert isinstance(padded, PaddedEngine)
     paged = make_engine(
         config, sharded, pb.InfoResponse(block_size=16), pb.WarmupResponse(num_blocks=64)
     )

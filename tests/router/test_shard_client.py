@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from textgate.proto import generate_pb2 as pb
-from textgate.router.request import SamplingParams, StoppingParams, ValidRequest
+from textgate.router.engine.request import SamplingParams, StoppingParams, ValidRequest
 from textgate.router.shard_client import ShardedClient, ShardError
 from textgate.tests.router.fake_shard import FakeShard, fake_shards
 

@@ -1,0 +1,464 @@
+"""Step scheduler: decides, before every forward pass, which tokens of which requests run.
+
+One rule covers prefill, chunked prefill, decode, prefix-cache hits and recompute
+after preemption: every request's `num_computed_tokens` catches up with its
+`num_tokens` (prompt + generated so far) under a per-step token budget. A step that
+brings a request's computed tokens up to its total samples its next token.
+
+The engine step reads in three lines::
+
+    output = scheduler.schedule()      # data only: what to compute, where the KV goes
+    result = run_on_shards(output)     # the shards compute and sample
+    scheduler.update(result)           # record tokens, finish, free blocks
+
+Pure Python: no torch, no I/O, no asyncio. Not thread-safe; one task drives it, and
+`abort` is called from that same task between steps.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from textgate.router.engine.block_allocator import BlockAllocator
+from textgate.router.engine.budget_policy import BudgetPolicy
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits the scheduler works under; built once by the launcher."""
+
+    num_blocks: int
+    """KV-cache blocks in the pool (the shards size the cache at warmup)."""
+    block_size: int = 16
+    """Tokens per KV-cache block (`InfoResponse.block_size`)."""
+    max_num_batched_tokens: int = 4096
+    """Most tokens computed in one step (TGI's --max-batch-prefill-tokens)."""
+    max_num_seqs: int = 256
+    """Most requests running at once."""
+    num_reserved_tokens: int = 16
+    """Decode tokens allocated beyond the prompt at admission, so decoding starts without growing."""
+    enable_prefix_caching: bool = True
+    """Share computed prompt blocks between requests with the same prefix."""
+    target_step_latency_s: float | None = None
+    """Step latency (inter-token latency) the budget adapts to; None keeps the budget fixed."""
+    min_num_batched_tokens: int | None = None
+    """Smallest budget the adaptation may reach; None means max_num_seqs (every decode fits)."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.num_reserved_tokens < 0:
+            raise ValueError(f"num_reserved_tokens must be >= 0, got {self.num_reserved_tokens}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                f"max_num_seqs ({self.max_num_seqs}) so every running request can decode each step"
+            )
+        if self.target_step_latency_s is not None and self.target_step_latency_s <= 0:
+            raise ValueError(f"target_step_latency_s must be > 0, got {self.target_step_latency_s}")
+        if (
+            not self.max_num_seqs
+            <= self.resolved_min_num_batched_tokens
+            <= self.max_num_batched_tokens
+        ):
+            raise ValueError(
+                f"min_num_batched_tokens ({self.min_num_batched_tokens}) must lie between "
+                f"max_num_seqs ({self.max_num_seqs}) and max_num_batched_tokens "
+                f"({self.max_num_batched_tokens})"
+            )
+
+    @property
+    def resolved_min_num_batched_tokens(self) -> int:
+        """`min_num_batched_tokens`, with its default applied."""
+        if self.min_num_batched_tokens is None:
+            return self.max_num_seqs
+        return self.min_num_batched_tokens
+
+    @property
+    def max_num_cached_tokens(self) -> int:
+        """Tokens the whole KV cache holds."""
+        return self.num_blocks * self.block_size
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step: compute `token_ids` at positions [start, end)."""
+
+    request_id: int
+    token_ids: tuple[int, ...]
+    """The tokens to compute this step (a prompt chunk, or the last sampled token)."""
+    start_position: int
+    """Position of the first token; everything before it is already in the KV cache
+    (on a request's first step: its prefix-cache hit, `Request.cache_len` in the contract)."""
+    block_table: tuple[int, ...]
+    """The request's KV blocks in token order (may extend past this step's tokens)."""
+    slot_mapping: tuple[int, ...]
+    """KV slot of each token in `token_ids`."""
+    produces_token: bool
+    """Whether this step completes the request's tokens, so its next token is sampled."""
+
+    @property
+    def num_new_tokens(self) -> int:
+        """Tokens computed this step: 1 for a decode, up to the budget for a prefill chunk."""
+        return len(self.token_ids)
+
+    @property
+    def end_position(self) -> int:
+        """One past the position of the last token computed this step."""
+        return self.start_position + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """Everything the shards need for one step; data only."""
+
+    scheduled: tuple[ScheduledRequest, ...]
+    """Requests computed this step: running decodes first, then prefill chunks."""
+    new_request_ids: tuple[int, ...]
+    """Requests admitted this step (first step of their prompt, or of their recompute)."""
+    preempted_ids: tuple[int, ...]
+    """Requests whose blocks were taken back; shards drop their state, they recompute later."""
+    finished_ids: tuple[int, ...]
+    """Running requests that finished or were aborted since the last step; shards drop them."""
+    token_budget: int
+    """The token budget this step was planned under."""
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens computed this step (never more than `token_budget`)."""
+        return sum(request.num_new_tokens for request in self.scheduled)
+
+
+@dataclass(frozen=True)
+class ModelStepResult:
+    """What the shards report back after running a `SchedulerOutput`."""
+
+    sampled_token_ids: Mapping[int, Sequence[int]] = field(default_factory=dict)
+    """Request id -> tokens sampled this step, for each request scheduled with produces_token."""
+    finished_ids: frozenset[int] = frozenset()
+    """Requests the shard's stopping criteria ended this step (eos, stop sequence, length)."""
+    step_latency_s: float | None = None
+    """Measured wall time of the step; feeds the budget policy when set."""
+
+
+@dataclass
+class _Request:
+    """A request's scheduling state; its tokens are prompt + generated so far."""
+
+    request_id: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    max_new_tokens: int
+    num_computed_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.num_prompt_tokens + self.max_new_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.num_output_tokens > 0 and self.num_tokens - self.num_computed_tokens == 1
+
+
+@dataclass
+class _StepDraft:
+    """The step being planned inside one `schedule()` call."""
+
+    budget: int
+    scheduled: dict[int, ScheduledRequest] = field(default_factory=dict)
+    new_request_ids: list[int] = field(default_factory=list)
+    preempted_ids: list[int] = field(default_factory=list)
+
+
+class Scheduler:
+    """Owns the waiting queue and the running batch and plans every step.
+
+    `add_request` and `abort` may be called at any time between steps; each
+    `schedule()` that scheduled work must be followed by one `update()` with the
+    shards' result before the next `schedule()`.
+    """
+
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.allocator = BlockAllocator(
+            config.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.budget_policy: BudgetPolicy | None = None
+        if config.target_step_latency_s is not None:
+            self.budget_policy = BudgetPolicy(
+                min_budget=config.resolved_min_num_batched_tokens,
+                max_budget=config.max_num_batched_tokens,
+                target_step_latency_s=config.target_step_latency_s,
+            )
+        self._requests: dict[int, _Request] = {}
+        self._waiting: deque[_Request] = deque()
+        # Admission order: the last one is the first to be preempted.
+        self._running: list[_Request] = []
+        self._finished_ids: list[int] = []
+        self._in_flight: tuple[ScheduledRequest, ...] | None = None
+        self._in_flight_has_decodes = False
+        self.num_preemptions = 0
+
+    # ---- queries ----
+
+    @property
+    def token_budget(self) -> int:
+        """Tokens the next step may compute."""
+        if self.budget_policy is None:
+            return self.config.max_num_batched_tokens
+        return self.budget_policy.budget
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for admission (new or preempted)."""
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding KV blocks."""
+        return len(self._running)
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self._requests)
+
+    def has_request(self, request_id: int) -> bool:
+        """Whether the request is waiting or running (not finished, not aborted)."""
+        return request_id in self._requests
+
+    def output_token_ids(self, request_id: int) -> tuple[int, ...]:
+        """Tokens generated so far for a live request."""
+        request = self._requests[request_id]
+        return tuple(request.token_ids[request.num_prompt_tokens :])
+
+    # ---- requests in and out ----
+
+    def add_request(
+        self, request_id: int, prompt_token_ids: Sequence[int], max_new_tokens: int
+    ) -> None:
+        """Queue a request; ValueError if it is malformed or could never fit the KV cache."""
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id} is already scheduled")
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id} has an empty prompt")
+        if max_new_tokens < 1:
+            raise ValueError(
+                f"request {request_id}: max_new_tokens must be at least 1, got {max_new_tokens}"
+            )
+        total = len(prompt_token_ids) + max_new_tokens
+        if total > self.config.max_num_cached_tokens:
+            raise ValueError(
+                f"request {request_id} needs {total} tokens of KV cache (prompt "
+                f"{len(prompt_token_ids)} + max_new_tokens {max_new_tokens}) but the whole "
+                f"cache holds {self.config.max_num_cached_tokens}"
+            )
+        request = _Request(
+            request_id, list(prompt_token_ids), len(prompt_token_ids), max_new_tokens
+        )
+        self._requests[request_id] = request
+        self._waiting.append(request)
+
+    def abort(self, request_id: int) -> bool:
+        """Drop a request (client went away) and free its blocks now; False if unknown."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return False
+        if request in self._running:
+            self._running.remove(request)
+            self.allocator.free(request_id)
+            self._finished_ids.append(request_id)
+        else:
+            self._waiting.remove(request)
+        return True
+
+    # ---- the step ----
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan the next step.
+
+        Running requests first (their decodes, then the one unfinished prefill), then
+        waiting requests in arrival order as the budget and free blocks allow.
+        """
+        if self._in_flight:
+            raise RuntimeError("schedule() called again before update() of the previous step")
+        draft = _StepDraft(budget=self.token_budget)
+        self._schedule_running(draft)
+        # Admitting while running requests are short of blocks would only preempt more.
+        if not draft.preempted_ids:
+            self._schedule_waiting(draft)
+        output = SchedulerOutput(
+            scheduled=tuple(draft.scheduled.values()),
+            new_request_ids=tuple(draft.new_request_ids),
+            preempted_ids=tuple(draft.preempted_ids),
+            finished_ids=tuple(self._finished_ids),
+            token_budget=self.token_budget,
+        )
+        self._finished_ids.clear()
+        self._in_flight = output.scheduled
+        self._in_flight_has_decodes = any(
+            self._requests[s.request_id].is_decoding for s in output.scheduled
+        )
+        return output
+
+    def update(self, result: ModelStepResult) -> tuple[int, ...]:
+        """Record the shards' result for the last scheduled step; return who finished.
+
+        Advances each scheduled request's computed tokens, appends sampled tokens,
+        finishes requests (stopping criteria, or max_new_tokens as a safety net), frees
+        their blocks and publishes newly computed full blocks to the prefix cache.
+        Raises ValueError, changing nothing, if the result does not match the step.
+        """
+        if self._in_flight is None:
+            raise RuntimeError("update() called without a scheduled step")
+        live = [s for s in self._in_flight if s.request_id in self._requests]
+        self._check_result(live, result)
+        self._in_flight = None
+        num_finished_before = len(self._finished_ids)
+        for step in live:
+            self._advance(self._requests[step.request_id], step, result)
+        if self.budget_policy is not None and result.step_latency_s is not None:
+            self.budget_policy.next_budget(
+                result.step_latency_s, self.allocator.usage, self._in_flight_has_decodes
+            )
+        return tuple(self._finished_ids[num_finished_before:])
+
+    # ---- internals ----
+
+    def _schedule_running(self, draft: _StepDraft) -> None:
+        """Give every running request its next tokens, oldest first.
+
+        Admission order is decode-first order: a request starts its prefill only with
+        the budget left after all older requests were served, and a chunk is cut short
+        only when it uses up the budget, so at most one running request is still in its
+        prefill and it is the newest. The budget never drops below max_num_seqs, so
+        every decode fits.
+        """
+        index = 0
+        # Preemption pops from the end, so the list shrinks under the loop.
+        while index < len(self._running) and draft.budget > 0:
+            request = self._running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, draft.budget)
+            if not self._make_room(request, num_new, draft):
+                return  # it preempted itself, so everything newer is gone too
+            self._add_to_step(request, num_new, draft)
+            index += 1
+
+    def _make_room(self, request: _Request, num_new: int, draft: _StepDraft) -> bool:
+        """Grow the request's table for this step, preempting the newest requests as needed.
+
+        False when the request itself had to be preempted. Never fails otherwise: a
+        lone request always fits, because add_request rejects any that could not.
+        """
+        while not self.allocator.grow(request.request_id, request.num_computed_tokens + num_new):
+            victim = self._running[-1]
+            self._preempt(victim, draft)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: _Request, draft: _StepDraft) -> None:
+        """Recompute policy: free all blocks, requeue at the head with the generated tokens
+        kept, so the recompute is a prefill of prompt + output (often a prefix-cache hit)."""
+        # The newest request is never one already scheduled in this step: those are older.
+        assert request.request_id not in draft.scheduled
+        self._running.remove(request)
+        self.allocator.free(request.request_id)
+        request.num_computed_tokens = 0
+        self._waiting.appendleft(request)
+        draft.preempted_ids.append(request.request_id)
+        self.num_preemptions += 1
+
+    def _schedule_waiting(self, draft: _StepDraft) -> None:
+        reserve = self.config.num_reserved_tokens
+        while self._waiting and draft.budget > 0 and len(self._running) < self.config.max_num_seqs:
+            request = self._waiting[0]
+            num_tokens = min(request.num_tokens + reserve, request.max_total_tokens)
+            num_cached = self.allocator.allocate(request.request_id, request.token_ids, num_tokens)
+            if num_cached is None:
+                return  # first come, first served: nobody overtakes the head of the queue
+            self._waiting.popleft()
+            self._running.append(request)
+            request.num_computed_tokens = num_cached
+            num_new = min(request.num_tokens - num_cached, draft.budget)
+            self._add_to_step(request, num_new, draft)
+            draft.new_request_ids.append(request.request_id)
+
+    def _add_to_step(self, request: _Request, num_new: int, draft: _StepDraft) -> None:
+        start = request.num_computed_tokens
+        end = start + num_new
+        draft.scheduled[request.request_id] = ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=tuple(request.token_ids[start:end]),
+            start_position=start,
+            block_table=self.allocator.block_table(request.request_id),
+            slot_mapping=self.allocator.slot_mapping(request.request_id, start, end),
+            produces_token=end == request.num_tokens,
+        )
+        draft.budget -= num_new
+
+    def _check_result(self, live: list[ScheduledRequest], result: ModelStepResult) -> None:
+        """Reject a result that does not match the step, before any state changes."""
+        producing = {s.request_id for s in live if s.produces_token}
+        missing = [rid for rid in producing if not result.sampled_token_ids.get(rid)]
+        if missing:
+            raise ValueError(f"no sampled token for requests {sorted(missing)}")
+        unexpected = {
+            rid
+            for rid in (*result.sampled_token_ids, *result.finished_ids)
+            if rid in self._requests and rid not in producing
+        }
+        if unexpected:
+            raise ValueError(
+                f"tokens or finish reported for requests that sampled nothing: {sorted(unexpected)}"
+            )
+
+    def _advance(self, request: _Request, step: ScheduledRequest, result: ModelStepResult) -> None:
+        request.num_computed_tokens = step.end_position
+        self.allocator.cache_blocks(
+            request.request_id, request.token_ids, request.num_computed_tokens
+        )
+        if not step.produces_token:
+            return
+        room = request.max_new_tokens - request.num_output_tokens
+        request.token_ids.extend(result.sampled_token_ids[request.request_id][:room])
+        if (
+            request.request_id in result.finished_ids
+            or request.num_output_tokens >= request.max_new_tokens
+        ):
+            self._finish(request)
+
+    def _finish(self, request: _Request) -> None:
+        self._running.remove(request)
+        del self._requests[request.request_id]
+        self.allocator.free(request.request_id)
+        self._finished_ids.append(request.request_id)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if scheduler and allocator disagree (tests and debugging)."""
+        self.allocator.check_invariants()
+        running = {request.request_id for request in self._running}
+        waiting = {request.request_id for request in self._waiting}
+        assert len(running) == len(self._running) and len(waiting) == len(self._waiting)
+        assert not running & waiting, "a request is both running and waiting"
+        assert running | waiting == set(self._requests), "a request was lost"
+        assert len(running) <= self.config.max_num_seqs
+        for request in self._running:
+            table = self.allocator.block_table(request.request_id)
+            assert len(table) * self.config.block_size >= request.num_computed_tokens
+            assert request.num_computed_tokens < request.num_tokens, (
+                "running request has nothing to compute"
+            )
+        for request in self._waiting:
+            assert not self.allocator.has_table(request.request_id), "waiting request holds blocks"
+            assert request.num_computed_tokens == 0

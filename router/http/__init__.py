@@ -1,0 +1,1 @@
+"""The HTTP side shared by every API: the app, validation, request bodies, SSE, errors, docs."""

@@ -1,0 +1,157 @@
+"""The HTTP app: TGI's routes, the OpenAI ones and the API docs, over one `RouterState`.
+
+Errors are raised by the handlers as typed exceptions (ValidationError, OverloadedError,
+GenerationError, PayloadTooLargeError) and answered here with TGI's body
+`{"error", "error_type"}` and status. With an API key, the routes that generate need
+`Authorization: Bearer <key>`; probes, /info, /metrics and the docs stay open, as in TGI.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+import textgate
+from textgate.proto import generate_pb2 as pb
+from textgate.router.config import RouterConfig
+from textgate.router.engine.padded_engine import OverloadedError, PaddedEngine, batch_limits
+from textgate.router.http.errors import PayloadTooLargeError, error_response
+from textgate.router.http.openapi import DOCS_PATH, SPEC_PATH, docs_routes
+from textgate.router.http.sagemaker import sagemaker_route
+from textgate.router.http.state import Engine, RouterState
+from textgate.router.http.validation import Tokenizer, ValidationError, Validator
+from textgate.router.metrics import Metrics
+from textgate.router.openai.routes import openai_routes
+from textgate.router.shard_client import ShardedClient
+from textgate.router.tgi.output import GenerationError
+from textgate.router.tgi.routes import tgi_routes
+
+log = logging.getLogger("textgate.router")
+
+# Routes an API key does not guard (TGI's "info routes"): probes and scrapers carry no key.
+OPEN_PATHS = frozenset(
+    {"/health", "/ping", "/info", "/metrics", "/v1/models", "/chat_tokenize", DOCS_PATH, SPEC_PATH}
+)
+
+
+def build_app(
+    config: RouterConfig,
+    shards: ShardedClient,
+    tokenizer: Tokenizer,
+    *,
+    shard_info: pb.InfoResponse | None = None,
+    engine: Engine | None = None,
+    metrics: Metrics | None = None,
+) -> Starlette:
+    """The router's Starlette app.
+
+    `shard_info` (rank 0's Info) fills /info; `engine` defaults to a `PaddedEngine` for
+    padded shards under the config's budgets. Give an engine the same `metrics` as the
+    app, or its step metrics will not show at /metrics. The app closes the engine on
+    shutdown.
+    """
+    if metrics is None:
+        metrics = Metrics(config.max_input_tokens, config.max_total_tokens)
+    if engine is None:
+        limits = batch_limits(config, shard_info)
+        engine = PaddedEngine(shards, limits, config.max_concurrent_requests, metrics=metrics)
+    validator = Validator(config, tokenizer)
+    state = RouterState(config, shards, tokenizer, validator, engine, shard_info, metrics)
+    routes = [*tgi_routes(state), *openai_routes(state)]
+    routes.append(sagemaker_route(routes, config.payload_limit))
+    routes += docs_routes(routes, textgate.__version__)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        await engine.close()
+        validator.close()
+
+    app = Starlette(
+        routes=routes,
+        middleware=_middleware(config),
+        exception_handlers={
+            ValidationError: _typed_error,
+            OverloadedError: _typed_error,
+            GenerationError: _typed_error,
+            PayloadTooLargeError: _typed_error,
+            HTTPException: _http_error,
+            Exception: _internal_error,
+        },
+        lifespan=lifespan,
+    )
+    app.state.engine = engine
+    app.state.router = state
+    return app
+
+
+async def _typed_error(request: Request, exc: Exception) -> Response:
+    return error_response(str(exc), getattr(exc, "error_type", "generation"))
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    error_type = exc.detail.lower().replace(" ", "_")
+    response = error_response(exc.detail, error_type, exc.status_code)
+    response.headers.update(exc.headers or {})
+    return response
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    log.error("%s %s failed: %r", request.method, request.url.path, exc)
+    return error_response("Internal server error", "internal", 500)
+
+
+def _middleware(config: RouterConfig) -> list[Middleware]:
+    middleware = []
+    if config.cors_allow_origin:
+        # Outside the key check: browsers send preflights without credentials.
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(config.cors_allow_origin),
+                allow_methods=["GET", "POST"],
+                allow_headers=["content-type", "authorization"],
+            )
+        )
+    if config.api_key is not None:
+        middleware.append(Middleware(ApiKeyMiddleware, api_key=config.api_key))
+    return middleware
+
+
+class ApiKeyMiddleware:
+    """Answers 401 unless a generating request carries `Authorization: Bearer <api_key>`."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self._app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and _guarded(scope) and not self._authorized(scope):
+            response = error_response("Unauthorized", "unauthorized", 401)
+            await response(scope, receive, send)
+            return
+        await self._app(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        headers: list[tuple[bytes, bytes]] = scope.get("headers", [])
+        given = next((v for k, v in headers if k == b"authorization"), b"")
+        return hmac.compare_digest(given, self._expected)
+
+
+def _guarded(scope: Scope) -> bool:
+    path = scope.get("path", "")
+    if path in OPEN_PATHS:
+        return False
+    # `GET /` is TGI's health check; `POST /` generates.
+    return not (path == "/" and scope.get("method") in ("GET", "HEAD"))

@@ -1,0 +1,220 @@
+"""The OpenAPI spec at /api-doc/openapi.json (TGI's path) and a self-contained /docs page.
+
+Schemas come from the pydantic models in `schemas.py`, so the spec cannot drift from
+what the handlers parse and send. Routes mounted by other modules (the OpenAI ones)
+are listed too, with their methods and a summary from their endpoint's docstring.
+The /docs page is plain HTML rendered here: no JavaScript, nothing loaded from a CDN.
+"""
+
+from __future__ import annotations
+
+import html
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from textgate.router.tgi.schemas import (
+    ErrorResponse,
+    GenerateRequest,
+    GenerateResponse,
+    Info,
+    SimpleToken,
+    StreamResponse,
+)
+
+SPEC_PATH = "/api-doc/openapi.json"
+DOCS_PATH = "/docs"
+SCHEMA_MODELS: tuple[type[BaseModel], ...] = (
+    GenerateRequest,
+    GenerateResponse,
+    StreamResponse,
+    SimpleToken,
+    Info,
+    ErrorResponse,
+)
+_GENERATE_ERRORS = {
+    "422": "Input validation error",
+    "424": "Generation error",
+    "429": "Model is overloaded",
+    "500": "Incomplete generation",
+}
+
+
+@dataclass(frozen=True)
+class _Operation:
+    method: str
+    path: str
+    summary: str
+    request: str | None = None
+    """Schema of the JSON body, if any."""
+    content: dict[str, Any] = field(default_factory=dict)
+    """Media type -> schema of the 200 answer."""
+    errors: dict[str, str] = field(default_factory=dict)
+    """Status -> description; every error body is an ErrorResponse."""
+
+
+def _ref(name: str) -> dict[str, Any]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _list_of(name: str) -> dict[str, Any]:
+    return {"type": "array", "items": _ref(name)}
+
+
+_JSON = "application/json"
+_SSE = "text/event-stream"
+_OPERATIONS: tuple[_Operation, ...] = (
+    _Operation(
+        "post",
+        "/",
+        "Generate tokens (TGI compat): `stream` false gives a one-element list, true gives SSE",
+        "GenerateRequest",
+        {_JSON: _list_of("GenerateResponse"), _SSE: _ref("StreamResponse")},
+        _GENERATE_ERRORS,
+    ),
+    _Operation(
+        "post",
+        "/generate",
+        "Generate tokens",
+        "GenerateRequest",
+        {_JSON: _ref("GenerateResponse")},
+        _GENERATE_ERRORS,
+    ),
+    _Operation(
+        "post",
+        "/generate_stream",
+        "Generate a stream of tokens as server-sent events",
+        "GenerateRequest",
+        {_SSE: _ref("StreamResponse")},
+        _GENERATE_ERRORS,
+    ),
+    _Operation(
+        "post",
+        "/invocations",
+        "Generate (SageMaker): a TGI body as for POST /; a `messages` or `prompt` body"
+        " is served as /v1/chat/completions or /v1/completions",
+        "GenerateRequest",
+        {_JSON: _list_of("GenerateResponse"), _SSE: _ref("StreamResponse")},
+        _GENERATE_ERRORS,
+    ),
+    _Operation(
+        "post",
+        "/tokenize",
+        "Tokenize the inputs",
+        "GenerateRequest",
+        {_JSON: _list_of("SimpleToken")},
+        {"422": "Input validation error"},
+    ),
+    _Operation("get", "/", "Health check", errors={"503": "Text generation is down"}),
+    _Operation("get", "/health", "Health check", errors={"503": "Text generation is down"}),
+    _Operation(
+        "get", "/ping", "Health check (SageMaker)", errors={"503": "Text generation is down"}
+    ),
+    _Operation("get", "/info", "Served model info", content={_JSON: _ref("Info")}),
+    _Operation("get", "/metrics", "Prometheus metrics", content={"text/plain": {"type": "string"}}),
+    _Operation("get", SPEC_PATH, "This OpenAPI spec", content={_JSON: {"type": "object"}}),
+    _Operation("get", DOCS_PATH, "The API documentation page", content={"text/html": {}}),
+)
+
+
+def openapi_spec(routes: Sequence[BaseRoute], version: str) -> dict[str, Any]:
+    """OpenAPI 3.1 for the mounted `routes`: TGI's in full, any others by method and summary."""
+    _, schemas = models_json_schema(
+        [(model, "validation") for model in SCHEMA_MODELS],
+        ref_template="#/components/schemas/{model}",
+    )
+    paths: dict[str, dict[str, Any]] = {}
+    for operation in _OPERATIONS:
+        paths.setdefault(operation.path, {})[operation.method] = _operation_spec(operation)
+    for route in routes:
+        if isinstance(route, Route):
+            _add_route(paths, route)
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "textgate",
+            "description": "Text generation server, compatible with TGI and OpenAI clients",
+            "version": version,
+            "license": {"name": "Apache 2.0"},
+        },
+        "paths": paths,
+        "components": {"schemas": schemas.get("$defs", {})},
+    }
+
+
+def docs_routes(routes: Sequence[BaseRoute], version: str) -> list[BaseRoute]:
+    """GET /api-doc/openapi.json and GET /docs, describing `routes` (and themselves)."""
+    spec = openapi_spec(routes, version)
+    page = docs_page(spec)
+
+    async def openapi_json(request: Request) -> Response:
+        return JSONResponse(spec)
+
+    async def docs(request: Request) -> Response:
+        return HTMLResponse(page)
+
+    return [
+        Route(SPEC_PATH, openapi_json, methods=["GET"]),
+        Route(DOCS_PATH, docs, methods=["GET"]),
+    ]
+
+
+def docs_page(spec: dict[str, Any]) -> str:
+    """A small HTML page: every operation, and a link to the full spec."""
+    rows = []
+    for path, operations in spec["paths"].items():
+        for method, operation in operations.items():
+            rows.append(
+                f"<tr><td><code>{method.upper()}</code></td><td><code>{html.escape(path)}</code>"
+                f"</td><td>{html.escape(operation.get('summary', ''))}</td></tr>"
+            )
+    title = html.escape(f"{spec['info']['title']} {spec['info']['version']}")
+    return (
+        "<!doctype html>\n<html><head><meta charset='utf-8'>"
+        f"<title>{title} API</title></head><body>"
+        f"<h1>{title} API</h1>"
+        f"<p>The full OpenAPI spec, with every request and response schema: "
+        f"<a href='{SPEC_PATH}'>{SPEC_PATH}</a>.</p>"
+        "<table><thead><tr><th>Method</th><th>Path</th><th>What it does</th></tr></thead>"
+        f"<tbody>{''.join(rows)}</tbody></table></body></html>\n"
+    )
+
+
+def _operation_spec(operation: _Operation) -> dict[str, Any]:
+    responses: dict[str, Any] = {
+        "200": {
+            "description": "OK",
+            "content": {media: {"schema": schema} for media, schema in operation.content.items()},
+        }
+    }
+    for status, description in operation.errors.items():
+        responses[status] = {
+            "description": description,
+            "content": {_JSON: {"schema": _ref("ErrorResponse")}},
+        }
+    spec: dict[str, Any] = {"summary": operation.summary, "responses": responses}
+    if operation.request is not None:
+        spec["requestBody"] = {
+            "required": True,
+            "content": {_JSON: {"schema": _ref(operation.request)}},
+        }
+    return spec
+
+
+def _add_route(paths: dict[str, dict[str, Any]], route: Route) -> None:
+    """A route not described above: its methods, summarized by its endpoint's docstring."""
+    doc = inspect.getdoc(route.endpoint) or route.name
+    summary = doc.splitlines()[0] if doc else route.path
+    for method in sorted(route.methods or ()):
+        if method == "HEAD":
+            continue
+        paths.setdefault(route.path, {}).setdefault(
+            method.lower(), {"summary": summary, "responses": {"200": {"description": "OK"}}}
+        )

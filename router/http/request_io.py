@@ -1,0 +1,73 @@
+"""Request plumbing every route module shares: bounded JSON bodies, client disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import TypeVar
+
+import pydantic
+from starlette.requests import Request
+from starlette.types import Receive
+
+from textgate.router.http.errors import PayloadTooLargeError
+from textgate.router.http.validation import ValidationError
+
+T = TypeVar("T")
+M = TypeVar("M", bound=pydantic.BaseModel)
+
+
+class ClientDisconnectedError(Exception):
+    """The client closed the connection before its answer was ready."""
+
+
+async def read_json(request: Request, model: type[M], limit: int) -> M:
+    """The body parsed as `model`: PayloadTooLargeError over `limit` bytes, else
+    ValidationError (422) with TGI's "Failed to deserialize..." message when it does not fit."""
+    body = await read_body(request, limit)
+    try:
+        return model.model_validate_json(body)
+    except pydantic.ValidationError as exc:
+        raise ValidationError(describe(exc)) from exc
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The raw body; PayloadTooLargeError as soon as it is known to exceed `limit` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLargeError(limit)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise PayloadTooLargeError(limit)
+    return bytes(body)
+
+
+def describe(exc: pydantic.ValidationError) -> str:
+    """The first problem of a body that does not deserialize, worded like TGI's."""
+    first = exc.errors()[0]
+    where = ".".join(str(part) for part in first["loc"])
+    detail = f"{where}: {first['msg']}" if where else first["msg"]
+    return f"Failed to deserialize the JSON body into the target type: {detail}"
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """`await work`, unless the client disconnects first (then ClientDisconnectedError,
+    and `work` is cancelled)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request.receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise ClientDisconnectedError()
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass

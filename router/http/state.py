@@ -1,0 +1,40 @@
+"""What every route handler shares: config, tokenizer, validator, engine, shards, metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from textgate.proto import generate_pb2 as pb
+from textgate.router.config import RouterConfig
+from textgate.router.engine.channel import Channel
+from textgate.router.engine.request import ValidRequest
+from textgate.router.http.validation import Tokenizer, Validator
+from textgate.router.metrics import Metrics
+from textgate.router.shard_client import ShardedClient
+
+
+class Engine(Protocol):
+    """What the handlers need from the loop that steps the shards (PaddedEngine, PagedEngine)."""
+
+    @property
+    def num_active(self) -> int: ...
+
+    def submit(self, requests: Sequence[ValidRequest]) -> list[Channel]: ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class RouterState:
+    """Built once by `build_app`; route modules (TGI, OpenAI) take it explicitly."""
+
+    config: RouterConfig
+    shards: ShardedClient
+    tokenizer: Tokenizer
+    validator: Validator
+    engine: Engine
+    shard_info: pb.InfoResponse | None
+    metrics: Metrics = field(default_factory=Metrics)
+    """The app's Prometheus metrics: handlers record `request_*`, the engine `batch_*`."""

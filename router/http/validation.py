@@ -1,0 +1,320 @@
+"""Request validation: TGI's rules and messages, tokenization off the event loop.
+
+Every rejected request raises `ValidationError`, answered 422 with
+`{"error": str(err), "error_type": "validation"}`. The order of the checks is TGI's,
+so a request breaking several rules gets the same message it would get from TGI.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import Sequence, Sized
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol, cast
+
+from textgate.router.config import RouterConfig
+from textgate.router.engine.request import SamplingParams, StoppingParams, ValidRequest
+from textgate.router.tgi.schemas import GenerateParameters, GenerateRequest, SimpleToken
+
+MAX_SEED = 2**64
+
+
+class ValidationError(Exception):
+    """A request the router rejects with 422; the message is TGI's."""
+
+    error_type = "validation"
+
+
+class Tokenizer(Protocol):
+    """What validation needs from a tokenizer (transformers' tokenizers fit)."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+
+class Validator:
+    """Checks requests against the router's limits and tokenizes them in a thread pool."""
+
+    def __init__(self, config: RouterConfig, tokenizer: Tokenizer) -> None:
+        self._config = config
+        self._tokenizer = tokenizer
+        # transformers' tokenizers know their size; logit_bias ids are checked against it.
+        self._vocab_size: int | None = len(tokenizer) if isinstance(tokenizer, Sized) else None
+        self._executor = ThreadPoolExecutor(
+            max_workers=config.validation_workers, thread_name_prefix="tokenizer"
+        )
+
+    async def validate(
+        self,
+        request: GenerateRequest,
+        *,
+        stream: bool = False,
+        input_ids: Sequence[int] | None = None,
+    ) -> ValidRequest:
+        """The validated request, or ValidationError with TGI's message.
+
+        `input_ids`: the prompt as token ids (OpenAI completions), used instead of
+        tokenizing `request.inputs` (then only its text for echoing)."""
+        params = request.parameters
+        _check_unsupported(params)
+        _check_stream(params, stream)
+        best_of = _check_best_of(params, self._config.max_best_of)
+        sampling = _sampling(params, best_of)
+        self._check_token_ids(sampling.logit_bias)
+        _check_counts(params, self._config)
+        truncate = _check_truncate(params.truncate, self._config.max_input_tokens)
+        if input_ids is not None:
+            self._check_prompt_ids(input_ids)
+            ids = list(input_ids)
+        elif not request.inputs:
+            raise ValidationError("`inputs` cannot be empty")
+        else:
+            ids = await self._tokenize(request.inputs, request.add_special_tokens)
+        if truncate is not None:
+            ids = ids[-truncate:]
+        max_new_tokens = self._check_lengths(len(ids), params.max_new_tokens)
+        return ValidRequest(
+            inputs=request.inputs,
+            input_ids=tuple(ids),
+            sampling=sampling,
+            stopping=_stopping(params, max_new_tokens),
+            top_n_tokens=params.top_n_tokens or 0,
+            decoder_input_details=params.decoder_input_details,
+            best_of=best_of,
+        )
+
+    async def tokenize(self, request: GenerateRequest) -> list[SimpleToken]:
+        """The prompt's tokens with their character spans (TGI's /tokenize).
+
+        `parameters.truncate` keeps the last tokens, as generation would.
+        """
+        truncate = _check_truncate(request.parameters.truncate, self._config.max_input_tokens)
+        loop = asyncio.get_running_loop()
+        try:
+            tokens = await loop.run_in_executor(
+                self._executor,
+                token_spans,
+                self._tokenizer,
+                request.inputs,
+                request.add_special_tokens,
+            )
+        except Exception as exc:
+            raise ValidationError(f"tokenizer error {exc}") from exc
+        return tokens[-truncate:] if truncate is not None else tokens
+
+    def close(self) -> None:
+        """Stop the tokenizer threads (pending work is dropped)."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(
+                self._executor, self._encode, text, add_special_tokens
+            )
+        except Exception as exc:
+            raise ValidationError(f"tokenizer error {exc}") from exc
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of token ids (empty when the tokenizer cannot decode)."""
+        decode = getattr(self._tokenizer, "decode", None)
+        return str(decode(list(ids))) if decode is not None else ""
+
+    def _check_token_ids(self, logit_bias: tuple[tuple[int, float], ...]) -> None:
+        for token_id, _ in logit_bias:
+            self._check_id(token_id, "`logit_bias` token id")
+
+    def _check_prompt_ids(self, ids: Sequence[int]) -> None:
+        if not ids:
+            raise ValidationError("`prompt` cannot be empty")
+        for token_id in ids:
+            self._check_id(token_id, "`prompt` token id")
+
+    def _check_id(self, token_id: int, what: str) -> None:
+        if self._vocab_size is None:
+            if token_id < 0:
+                raise ValidationError(f"{what} {token_id} is negative")
+        elif not 0 <= token_id < self._vocab_size:
+            raise ValidationError(
+                f"{what} {token_id} is not in the vocabulary (0 to {self._vocab_size - 1})"
+            )
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def _check_lengths(self, input_length: int, max_new_tokens: int | None) -> int:
+        """The request's max_new_tokens (defaulting to what max_total_tokens leaves)."""
+        max_total = self._config.max_total_tokens
+        if max_new_tokens is None:
+            max_new_tokens = max(max_total - input_length, 0)
+        if input_length + max_new_tokens > max_total:
+            raise ValidationError(
+                f"`inputs` tokens + `max_new_tokens` must be <= {max_total}. "
+                f"Given: {input_length} `inputs` tokens and {max_new_tokens} `max_new_tokens`"
+            )
+        if input_length > self._config.max_input_tokens:
+            raise ValidationError(
+                f"`inputs` must have less than {self._config.max_input_tokens} tokens. "
+                f"Given: {input_length}"
+            )
+        return max_new_tokens
+
+
+def token_spans(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[SimpleToken]:
+    """Token ids with the text each one covers.
+
+    Fast (transformers) tokenizers give character offsets; a tokenizer that cannot gives
+    ids with empty spans, as TGI does for those.
+    """
+    if callable(tokenizer):
+        try:
+            encoding = cast(Any, tokenizer)(
+                text, add_special_tokens=add_special_tokens, return_offsets_mapping=True
+            )
+            ids, offsets = encoding["input_ids"], encoding["offset_mapping"]
+        except NotImplementedError:
+            pass  # a slow tokenizer: no offsets
+        else:
+            return [
+                SimpleToken(id=i, text=text[start:stop], start=start, stop=stop)
+                for i, (start, stop) in zip(ids, offsets, strict=True)
+            ]
+    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return [SimpleToken(id=i, text="", start=0, stop=0) for i in ids]
+
+
+def _check_unsupported(p: GenerateParameters) -> None:
+    # Silently ignoring these would return output the client did not ask for.
+    if p.watermark:
+        raise ValidationError("`watermark` is not supported: this server does not watermark")
+    if p.adapter_id is not None:
+        raise ValidationError("`adapter_id` is not supported: this server loads no adapters")
+    if p.grammar is not None:
+        raise ValidationError("grammar is not supported")
+
+
+def _check_stream(p: GenerateParameters, stream: bool) -> None:
+    if not stream:
+        return
+    if p.best_of is not None and p.best_of != 1:
+        raise ValidationError("`best_of` != 1 is not supported when streaming tokens")
+    if p.decoder_input_details:
+        raise ValidationError(
+            "`decoder_input_details` == true is not supported when streaming tokens"
+        )
+
+
+def _check_best_of(p: GenerateParameters, max_best_of: int) -> int:
+    best_of = 1 if p.best_of is None else p.best_of
+    if max_best_of == 1 and best_of != 1:
+        raise ValidationError("`best_of` != 1 is not allowed for this endpoint")
+    if not 0 < best_of <= max_best_of:
+        raise ValidationError(f"`best_of` must be > 0 and <= {max_best_of}. Given: {best_of}")
+    if best_of > 1 and not _wants_sampling(p):
+        raise ValidationError("you must use sampling when `best_of` is > 1")
+    return best_of
+
+
+def _wants_sampling(p: GenerateParameters) -> bool:
+    """TGI samples when asked to, or when any sampling parameter is set."""
+    warpers = (p.temperature, p.top_k, p.top_p, p.typical_p)
+    return p.do_sample or any(value is not None for value in warpers)
+
+
+def _sampling(p: GenerateParameters, best_of: int) -> SamplingParams:
+    temperature = 1.0 if p.temperature is None else p.temperature
+    if temperature <= 0:
+        raise ValidationError("`temperature` must be strictly positive")
+    repetition_penalty = 1.0 if p.repetition_penalty is None else p.repetition_penalty
+    if repetition_penalty <= 0:
+        raise ValidationError("`repetition_penalty` must be strictly positive")
+    frequency_penalty = _penalty("frequency_penalty", p.frequency_penalty)
+    presence_penalty = _penalty("presence_penalty", p.presence_penalty)
+    if p.top_p is not None and not 0.0 < p.top_p < 1.0:
+        raise ValidationError("`top_p` must be > 0.0 and < 1.0")
+    if p.typical_p is not None and not 0.0 < p.typical_p < 1.0:
+        raise ValidationError("`typical_p` must be > 0.0 and < 1.0")
+    if p.top_k is not None and p.top_k <= 0:
+        raise ValidationError("`top_k` must be strictly positive")
+    return SamplingParams(
+        temperature=temperature,
+        top_k=p.top_k or 0,
+        top_p=1.0 if p.top_p is None else p.top_p,
+        typical_p=1.0 if p.typical_p is None else p.typical_p,
+        # The shard gets an explicit choice: TGI samples whenever a warper is set.
+        do_sample=_wants_sampling(p),
+        seed=_seed(p.seed, best_of),
+        repetition_penalty=repetition_penalty,
+        frequency_penalty=frequency_penalty,
+        presence_penalty=presence_penalty,
+        logit_bias=_logit_bias(p.logit_bias),
+    )
+
+
+def _logit_bias(bias: dict[int, float] | None) -> tuple[tuple[int, float], ...]:
+    """The bias as sorted (token id, value) pairs, each value within [-100, 100]."""
+    for token_id, value in (bias or {}).items():
+        if not -100.0 <= value <= 100.0:
+            raise ValidationError(
+                f"`logit_bias` values must be >= -100 and <= 100 (token {token_id}: {value})"
+            )
+    return tuple(sorted((bias or {}).items()))
+
+
+def _penalty(name: str, value: float | None) -> float:
+    """An OpenAI-style additive penalty: 0.0 when unset, else within [-2, 2]."""
+    if value is None:
+        return 0.0
+    if not -2.0 <= value <= 2.0:
+        raise ValidationError(f"`{name}` must be >= -2.0 and <= 2.0")
+    return value
+
+
+def _seed(seed: int | None, best_of: int) -> int:
+    if seed is None:
+        return secrets.randbits(64)
+    if best_of > 1:
+        raise ValidationError("`seed` must not be set when `best_of` > 1")
+    if not 0 <= seed < MAX_SEED:
+        raise ValidationError(f"`seed` must be >= 0 and < 2^64. Given: {seed}")
+    return seed
+
+
+def _check_counts(p: GenerateParameters, config: RouterConfig) -> None:
+    if p.max_new_tokens is not None and p.max_new_tokens <= 0:
+        raise ValidationError("`max_new_tokens` must be strictly positive")
+    if len(p.stop) > config.max_stop_sequences:
+        raise ValidationError(
+            f"`stop` supports up to {config.max_stop_sequences} stop sequences. "
+            f"Given: {len(p.stop)}"
+        )
+    top_n = p.top_n_tokens
+    if top_n is not None and not 0 <= top_n <= config.max_top_n_tokens:
+        raise ValidationError(
+            f"`top_n_tokens` must be >= 0 and <= {config.max_top_n_tokens}. Given: {top_n}"
+        )
+    min_new = p.min_new_tokens
+    if min_new is not None and (
+        min_new < 0 or (p.max_new_tokens is not None and min_new > p.max_new_tokens)
+    ):
+        raise ValidationError(
+            f"`min_new_tokens` must be >= 0 and <= `max_new_tokens`. Given: {min_new}"
+        )
+
+
+def _check_truncate(truncate: int | None, max_input_tokens: int) -> int | None:
+    if truncate is not None and not 0 < truncate <= max_input_tokens:
+        raise ValidationError(
+            f"`truncate` must be strictly positive and less than {max_input_tokens}. "
+            f"Given: {truncate}"
+        )
+    return truncate
+
+
+def _stopping(p: GenerateParameters, max_new_tokens: int) -> StoppingParams:
+    return StoppingParams(
+        max_new_tokens=max_new_tokens,
+        stop_sequences=tuple(p.stop),
+        ignore_eos_token=p.ignore_eos,
+        min_new_tokens=min(p.min_new_tokens or 0, max_new_tokens),
+    )

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible API: chat and text completions, models, streaming chunks."""

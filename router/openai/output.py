@@ -1,0 +1,282 @@
+"""What generated sequences look like in OpenAI bodies: text, finish reasons, logprobs, usage.
+
+OpenAI returns text that ends before the stop sequence that matched (TGI's text keeps
+it); `include_stop_str_in_output` keeps it, as in vLLM. Special tokens (end of
+sequence, template markers) are never part of the text.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TypedDict
+
+import textgate
+from textgate.router.engine.channel import Finished, TokenInfo
+from textgate.router.openai.schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatLogprobs,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from textgate.router.tgi.output import Generated
+from textgate.router.tgi.schemas import FinishReason
+
+# TGI's format: "{version}-{docker label}"; clients such as huggingface_hub require it.
+SYSTEM_FINGERPRINT = f"{textgate.__version__}-native"
+# JSON has no -inf: the floor vLLM uses too.
+MIN_LOGPROB = -9999.0
+
+_FINISH_REASONS: dict[FinishReason, str] = {
+    "length": "length",
+    "eos_token": "stop",
+    "stop_sequence": "stop",
+}
+
+
+class MetaFields(TypedDict):
+    """`ResponseMeta` as keyword arguments."""
+
+    id: str
+    created: int
+    model: str
+    system_fingerprint: str
+
+
+@dataclass(frozen=True)
+class ResponseMeta:
+    """The fields every body and chunk of one response repeats."""
+
+    id: str
+    created: int
+    model: str
+    system_fingerprint: str = SYSTEM_FINGERPRINT
+
+    @classmethod
+    def new(cls, prefix: str, model: str) -> ResponseMeta:
+        """A fresh id ("chatcmpl-…", "cmpl-…") created now."""
+        return cls(id=f"{prefix}-{uuid.uuid4().hex}", created=int(time.time()), model=model)
+
+    def fields(self) -> MetaFields:
+        """The shared fields as keyword arguments of a response or chunk model."""
+        return MetaFields(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            system_fingerprint=self.system_fingerprint,
+        )
+
+
+@dataclass(frozen=True)
+class TextOptions:
+    """How a choice's text is cut."""
+
+    stop: tuple[str, ...] = ()
+    keep_stop: bool = False
+    """Keep the matched stop sequence at the end of the text."""
+
+    @property
+    def trimmed_stops(self) -> tuple[str, ...]:
+        """The stop sequences cut from the text."""
+        return () if self.keep_stop else tuple(s for s in self.stop if s)
+
+
+def finish_reason(reason: FinishReason) -> str:
+    """OpenAI's name: "stop" (end of sequence or a stop sequence) or "length"."""
+    return _FINISH_REASONS[reason]
+
+
+def visible_text(tokens: Sequence[TokenInfo]) -> str:
+    """The text of `tokens` without the special ones."""
+    return "".join(t.text for t in tokens if not t.special)
+
+
+def trim_stop(text: str, stops: Sequence[str]) -> str:
+    """`text` up to the first stop sequence in it (the one that ended generation)."""
+    found = [text.find(s) for s in stops if s and s in text]
+    return text[: min(found)] if found else text
+
+
+def answer_text(finished: Finished, options: TextOptions) -> str:
+    """The text a finished sequence answers with."""
+    if finished.finish_reason != "stop_sequence":
+        return finished.text
+    return trim_stop(finished.text, options.trimmed_stops)
+
+
+class StreamText:
+    """One streamed choice's text: what can be sent now, holding back a possible stop sequence.
+
+    A stop sequence can span tokens; while the tail of the text could still be the
+    start of one, that tail is held back, so no part of a matched stop is ever sent.
+    """
+
+    def __init__(self, options: TextOptions) -> None:
+        self._stops = options.trimmed_stops
+        self._hold = max((len(s) for s in self._stops), default=1) - 1
+        self._text = ""
+        self._sent = 0
+
+    def push(self, tokens: Sequence[TokenInfo], finished: FinishReason | None = None) -> str:
+        """Add `tokens`; return the text that can be sent now.
+
+        Once `finished`, that is everything not sent yet, cut before the stop sequence
+        that matched.
+        """
+        self._text += visible_text(tokens)
+        if finished is None:
+            return self._take(max(len(self._text) - self._hold, self._sent))
+        if finished == "stop_sequence":
+            self._text = trim_stop(self._text, self._stops)
+        return self._take(len(self._text))
+
+    def _take(self, end: int) -> str:
+        out = self._text[self._sent : end]
+        self._sent = max(end, self._sent)
+        return out
+
+
+def likeliest(candidates: Sequence[Generated], n: int) -> list[Generated]:
+    """The `n` candidates with the highest logprob sums (TGI's best_of rule), in order."""
+    if len(candidates) <= n:
+        return list(candidates)
+    return sorted(candidates, key=lambda g: g.logprob_sum, reverse=True)[:n]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+    """Token counts of a request."""
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
+
+
+def chat_logprobs(
+    tokens: Sequence[TokenInfo], top_tokens: Sequence[Sequence[TokenInfo]]
+) -> ChatLogprobs:
+    """Chat `logprobs`: each non-special token with its alternatives."""
+    content = []
+    for i, token in enumerate(tokens):
+        if token.special:
+            continue
+        top = top_tokens[i] if i < len(top_tokens) else []
+        content.append(
+            TokenLogprob(
+                **_top_logprob(token).model_dump(),
+                top_logprobs=[_top_logprob(t) for t in top],
+            )
+        )
+    return ChatLogprobs(content=content)
+
+
+def completion_logprobs(
+    prompt: Sequence[TokenInfo],
+    tokens: Sequence[TokenInfo],
+    top_tokens: Sequence[Sequence[TokenInfo]],
+    text_offset: int = 0,
+) -> CompletionLogprobs:
+    """Legacy completions `logprobs` of (echoed) `prompt` tokens then non-special generated ones.
+
+    `text_offset` is where the first token's text starts in the choice's text. Prompt
+    tokens have no alternatives (null), the first one no logprob either.
+    """
+    result = CompletionLogprobs()
+    entries: list[tuple[TokenInfo, Sequence[TokenInfo] | None]] = [(t, None) for t in prompt]
+    entries += [
+        (t, top_tokens[i] if i < len(top_tokens) else None)
+        for i, t in enumerate(tokens)
+        if not t.special
+    ]
+    for token, top in entries:
+        result.tokens.append(token.text)
+        result.token_logprobs.append(None if token.logprob is None else _logprob(token.logprob))
+        result.top_logprobs.append({t.text: _logprob(t.logprob) for t in top} if top else None)
+        result.text_offset.append(text_offset)
+        text_offset += len(token.text)
+    return result
+
+
+def chat_completion(
+    meta: ResponseMeta,
+    results: Sequence[Generated],
+    prompt_tokens: int,
+    options: TextOptions,
+    *,
+    logprobs: bool,
+) -> ChatCompletion:
+    """A non-streamed chat answer, one choice per result."""
+    choices = [
+        ChatChoice(
+            index=i,
+            message=AssistantMessage(content=answer_text(g.finished, options)),
+            logprobs=chat_logprobs(g.tokens, g.top_tokens) if logprobs else None,
+            finish_reason=finish_reason(g.finished.finish_reason),
+        )
+        for i, g in enumerate(results)
+    ]
+    return ChatCompletion(
+        **meta.fields(),
+        choices=choices,
+        usage=usage(prompt_tokens, sum(g.finished.generated_tokens for g in results)),
+    )
+
+
+def completion(
+    meta: ResponseMeta,
+    prompts: Sequence[str],
+    results: Sequence[Sequence[Generated]],
+    prompt_tokens: int,
+    options: TextOptions,
+    *,
+    echo: bool,
+    logprobs: bool,
+) -> Completion:
+    """A non-streamed text completion: `results[p]` are prompt p's choices."""
+    choices: list[CompletionChoice] = []
+    for prompt, chosen in zip(prompts, results, strict=True):
+        for generated in chosen:
+            choices.append(
+                _completion_choice(len(choices), prompt, generated, options, echo, logprobs)
+            )
+    completion_tokens = sum(g.finished.generated_tokens for chosen in results for g in chosen)
+    return Completion(
+        **meta.fields(),
+        choices=choices,
+        usage=usage(prompt_tokens, completion_tokens),
+    )
+
+
+def _completion_choice(
+    index: int, prompt: str, generated: Generated, options: TextOptions, echo: bool, logprobs: bool
+) -> CompletionChoice:
+    prefix = prompt if echo else ""
+    result = None
+    if logprobs:
+        echoed = generated.prefill if echo else []
+        result = completion_logprobs(echoed, generated.tokens, generated.top_tokens)
+    return CompletionChoice(
+        index=index,
+        text=prefix + answer_text(generated.finished, options),
+        logprobs=result,
+        finish_reason=finish_reason(generated.finished.finish_reason),
+    )
+
+
+def _top_logprob(token: TokenInfo) -> TopLogprob:
+    return TopLogprob(
+        token=token.text, logprob=_logprob(token.logprob), bytes=list(token.text.encode())
+    )
+
+
+def _logprob(logprob: float | None) -> float:
+    """A JSON-safe logprob; unknown (None) and -inf read as the floor."""
+    return MIN_LOGPROB if logprob is None else max(logprob, MIN_LOGPROB)

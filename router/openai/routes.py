@@ -1,0 +1,288 @@
+"""The OpenAI-compatible routes, mapped onto TGI's pipeline.
+
+Every request becomes TGI `GenerateRequest`s (one per prompt) that the validator
+checks and tokenizes; `n`/`best_of` copies get their own seeds and go to the engine
+together (all admitted or 429). Errors keep TGI's `{"error", "error_type"}` bodies
+and statuses, so these routes answer like the TGI ones next to them.
+
+    POST /v1/chat/completions   messages -> chat template -> generation
+    POST /v1/completions        prompt(s) -> generation
+    GET  /v1/models             the served model
+    POST /chat_tokenize         TGI's: the templated prompt and its tokens
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import Awaitable, Callable, Sequence
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from textgate.router.engine.channel import Channel, ErrorEvent
+from textgate.router.engine.padded_engine import OverloadedError
+from textgate.router.engine.request import ValidRequest
+from textgate.router.http.errors import PayloadTooLargeError, error_response
+from textgate.router.http.request_io import ClientDisconnectedError, read_json, unless_disconnected
+from textgate.router.http.sse import SseResponse
+from textgate.router.http.state import RouterState
+from textgate.router.http.validation import ValidationError
+from textgate.router.metrics import RequestTimings
+from textgate.router.openai.chat_template import render_chat
+from textgate.router.openai.output import (
+    ResponseMeta,
+    TextOptions,
+    chat_completion,
+    completion,
+    likeliest,
+)
+from textgate.router.openai.params import (
+    candidates,
+    chat_fanout,
+    chat_parameters,
+    completion_fanout,
+    completion_parameters,
+    prompt_list,
+    stop_sequences,
+    template_messages,
+)
+from textgate.router.openai.schemas import (
+    ChatCompletionRequest,
+    ChatTokenizeResponse,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    SamplingRequest,
+)
+from textgate.router.openai.stream import (
+    ChatChunks,
+    ChunkWriter,
+    CompletionChunks,
+    OnEnd,
+    openai_frames,
+)
+from textgate.router.tgi.output import Generated, GenerationError, collect
+from textgate.router.tgi.schemas import GenerateRequest
+
+Handler = Callable[[Request], Awaitable[Response]]
+# A client that left before its (non-streamed) answer was ready (nginx's code).
+CLIENT_CLOSED_REQUEST = 499
+
+
+def openai_routes(state: RouterState) -> list[BaseRoute]:
+    """The OpenAI-compatible routes over `state`; they answer their own errors."""
+    handlers = _OpenAIHandlers(state)
+    return [
+        Route("/v1/chat/completions", _typed_errors(handlers.chat_completions), methods=["POST"]),
+        Route("/v1/completions", _typed_errors(handlers.completions), methods=["POST"]),
+        Route("/v1/models", handlers.models, methods=["GET"]),
+        Route("/chat_tokenize", _typed_errors(handlers.chat_tokenize), methods=["POST"]),
+    ]
+
+
+class _OpenAIHandlers:
+    def __init__(self, state: RouterState) -> None:
+        self._state = state
+        self._config = state.config
+        self._metrics = state.metrics
+        self._created = int(time.time())
+
+    async def chat_completions(self, request: Request) -> Response:
+        """POST /v1/chat/completions: OpenAI chat completion (messages through the chat template)."""
+        received = time.monotonic()
+        self._metrics.request_received()
+        with self._metrics.count_failures():
+            return await self._chat(request, received)
+
+    async def completions(self, request: Request) -> Response:
+        """POST /v1/completions: OpenAI (legacy) text completion of one or more prompts."""
+        received = time.monotonic()
+        self._metrics.request_received()
+        with self._metrics.count_failures():
+            return await self._complete(request, received)
+
+    async def models(self, request: Request) -> Response:
+        """GET /v1/models: the served model, OpenAI's model list."""
+        card = ModelCard(id=self._config.model_id, created=self._created)
+        return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
+
+    async def chat_tokenize(self, request: Request) -> Response:
+        """POST /chat_tokenize: the chat-templated prompt and its tokens with their spans."""
+        body = await read_json(request, ChatCompletionRequest, self._config.payload_limit)
+        prompt = await self._render(body)
+        inputs = GenerateRequest(inputs=prompt, add_special_tokens=False)
+        tokens = await self._state.validator.tokenize(inputs)
+        answer = ChatTokenizeResponse(tokenize_response=tokens, templated_text=prompt)
+        return JSONResponse(answer.model_dump(mode="json"))
+
+    async def _chat(self, request: Request, received: float) -> Response:
+        body = await read_json(request, ChatCompletionRequest, self._config.payload_limit)
+        params = chat_parameters(body, self._config)
+        fanout = chat_fanout(body, self._config)
+        prompt = await self._render(body)
+        # The template already holds the special tokens the model expects (BOS, markers).
+        inputs = GenerateRequest(inputs=prompt, parameters=params, add_special_tokens=False)
+        valid = await self._validate(inputs, body.stream)
+        channels = self._state.engine.submit(candidates(valid, body.seed, fanout.num_candidates))
+        meta = ResponseMeta.new("chatcmpl", body.model or self._config.model_id)
+        options = _text_options(body)
+        if body.stream:
+            writer = ChatChunks(meta, len(channels), options, logprobs=body.logprobs)
+            return self._stream(channels, writer, valid.input_length, body, received)
+        results = await self._collect(request, channels, received)
+        if results is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        answer = chat_completion(meta, results, valid.input_length, options, logprobs=body.logprobs)
+        return JSONResponse(answer.model_dump(mode="json"))
+
+    async def _complete(self, request: Request, received: float) -> Response:
+        body = await read_json(request, CompletionRequest, self._config.payload_limit)
+        given = prompt_list(body)
+        params = completion_parameters(body, self._config)
+        fanout = completion_fanout(body, self._config)
+        validator = self._state.validator
+        # Token-id prompts keep their ids; their text is what `echo` returns.
+        prompts = [p if isinstance(p, str) else validator.decode(p) for p in given]
+        valids = await asyncio.gather(
+            *(
+                self._validate(
+                    GenerateRequest(inputs=text, parameters=params),
+                    body.stream,
+                    input_ids=None if isinstance(p, str) else p,
+                )
+                for text, p in zip(prompts, given, strict=True)
+            )
+        )
+        requests = [r for v in valids for r in candidates(v, body.seed, fanout.num_candidates)]
+        channels = self._state.engine.submit(requests)
+        prompt_tokens = sum(v.input_length for v in valids)
+        meta = ResponseMeta.new("cmpl", body.model or self._config.model_id)
+        options = _text_options(body)
+        logprobs = body.logprobs is not None
+        if body.stream:
+            # Streams have no best_of: channel i is choice i, of prompt i // n.
+            choice_prompts = [p for p in prompts for _ in range(fanout.num_choices)]
+            writer = CompletionChunks(
+                meta, choice_prompts, options, echo=body.echo, logprobs=logprobs
+            )
+            return self._stream(channels, writer, prompt_tokens, body, received)
+        results = await self._collect(request, channels, received)
+        if results is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        size = fanout.num_candidates
+        chosen = [
+            likeliest(results[p * size : (p + 1) * size], fanout.num_choices)
+            for p in range(len(prompts))
+        ]
+        answer = completion(
+            meta, prompts, chosen, prompt_tokens, options, echo=body.echo, logprobs=logprobs
+        )
+        return JSONResponse(answer.model_dump(mode="json"))
+
+    async def _render(self, body: ChatCompletionRequest) -> str:
+        # Asking to continue the last message implies no new assistant header,
+        # unless the client explicitly asked for both (then it is told it cannot).
+        implied = (
+            body.continue_final_message and "add_generation_prompt" not in body.model_fields_set
+        )
+        # Templates are jinja: rendering long conversations is CPU work for a thread.
+        return await asyncio.to_thread(
+            render_chat,
+            self._state.tokenizer,
+            template_messages(body.messages),
+            add_generation_prompt=body.add_generation_prompt and not implied,
+            continue_final_message=body.continue_final_message,
+        )
+
+    async def _validate(
+        self, inputs: GenerateRequest, stream: bool, input_ids: Sequence[int] | None = None
+    ) -> ValidRequest:
+        valid = await self._state.validator.validate(inputs, stream=stream, input_ids=input_ids)
+        self._metrics.request_validated(valid.input_length, valid.max_new_tokens)
+        return valid
+
+    async def _collect(
+        self, request: Request, channels: Sequence[Channel], received: float
+    ) -> list[Generated] | None:
+        """Every channel's result, or None when the client left first (all are cancelled)."""
+        try:
+            results = await unless_disconnected(request, _collect_all(channels))
+        except ClientDisconnectedError:
+            return None
+        self._metrics.request_succeeded(
+            RequestTimings(
+                received_at=received,
+                queued_at=min(g.queued_at for g in results),
+                started_at=min(g.started_at for g in results),
+                ended_at=max(g.ended_at for g in results),
+                generated_tokens=sum(g.finished.generated_tokens for g in results),
+            )
+        )
+        return results
+
+    def _stream(
+        self,
+        channels: Sequence[Channel],
+        writer: ChunkWriter,
+        prompt_tokens: int,
+        body: SamplingRequest,
+        received: float,
+    ) -> Response:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        frames = openai_frames(
+            channels, writer, prompt_tokens, include_usage, self._on_stream_end(channels, received)
+        )
+        return SseResponse(frames, on_disconnect=lambda: _cancel_all(channels))
+
+    def _on_stream_end(self, channels: Sequence[Channel], received: float) -> OnEnd:
+        def on_end(failure: ErrorEvent | None, generated_tokens: int) -> None:
+            if failure is not None:
+                self._metrics.request_failed(failure.error_type)
+                return
+            queued = min(c.queued_at for c in channels)
+            started = min(c.started_at or c.queued_at for c in channels)
+            timings = RequestTimings(received, queued, started, time.monotonic(), generated_tokens)
+            self._metrics.request_succeeded(timings)
+
+        return on_end
+
+
+def _text_options(body: SamplingRequest) -> TextOptions:
+    return TextOptions(stop=tuple(stop_sequences(body)), keep_stop=body.include_stop_str_in_output)
+
+
+def _cancel_all(channels: Sequence[Channel]) -> None:
+    for channel in channels:
+        channel.cancel()
+
+
+async def _collect_all(channels: Sequence[Channel]) -> list[Generated]:
+    """Every channel's result; GenerationError when one fails (the others are cancelled)."""
+    tasks = [asyncio.ensure_future(collect(c)) for c in channels]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        # No-ops once finished; otherwise the shards drop the rest (failure, client gone),
+        # and their collectors, which would wait for events that no longer come, stop.
+        _cancel_all(channels)
+        for task in tasks:
+            task.cancel()
+
+
+def _typed_errors(handler: Handler) -> Handler:
+    """`handler`, answering the pipeline's typed errors with TGI's body and status.
+
+    The app answers them the same way; this keeps the routes whole in any app.
+    """
+
+    @functools.wraps(handler)
+    async def answer(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except (ValidationError, OverloadedError, GenerationError, PayloadTooLargeError) as exc:
+            return error_response(str(exc), exc.error_type)
+
+    return answer

@@ -1,0 +1,202 @@
+"""OpenAI streams: SSE chunks for every choice of a request, then `data: [DONE]`.
+
+The choices' channels are read together, so n choices stream interleaved as their
+tokens come. A choice that fails ends the stream with TGI's error event
+(`{"error", "error_type"}`) and cancels the others; the stream always ends with
+`data: [DONE]`. Leaving the generator early (client gone) cancels every choice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from contextlib import aclosing
+from typing import Protocol
+
+from pydantic import BaseModel
+
+from textgate.router.engine.channel import Channel, ErrorEvent, Event, StepEvent
+from textgate.router.http.sse import error_frame, sse_frame
+from textgate.router.openai.output import (
+    ResponseMeta,
+    StreamText,
+    TextOptions,
+    chat_logprobs,
+    completion_logprobs,
+    finish_reason,
+    usage,
+)
+from textgate.router.openai.schemas import (
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatDelta,
+    Completion,
+    CompletionChoice,
+    Usage,
+)
+
+DONE_FRAME = b"data: [DONE]\n\n"
+
+OnEnd = Callable[[ErrorEvent | None, int], None]
+"""Hears how a stream ended (the failure, or None when every choice finished) and the
+number of tokens generated, before the last frames are sent."""
+
+
+class ChunkWriter(Protocol):
+    """Turns one choice's events into chunks of one response kind (chat or text)."""
+
+    def opening(self, index: int) -> BaseModel | None:
+        """The chunk a choice starts with, if any."""
+
+    def step(self, index: int, event: StepEvent) -> BaseModel | None:
+        """The chunk for a step of a choice (None when it adds nothing)."""
+
+    def usage(self, usage: Usage) -> BaseModel:
+        """The last chunk: usage and no choices."""
+
+
+async def openai_frames(
+    channels: Sequence[Channel],
+    writer: ChunkWriter,
+    prompt_tokens: int,
+    include_usage: bool,
+    on_end: OnEnd | None = None,
+) -> AsyncIterator[bytes]:
+    """The SSE frames of a streamed response whose choice i reads `channels[i]`.
+
+    `on_end` is not called when the client leaves first.
+    """
+    completion_tokens = 0
+    failure: ErrorEvent | None = None
+    try:
+        for index in range(len(channels)):
+            opening = writer.opening(index)
+            if opening is not None:
+                yield sse_frame(opening)
+        async with aclosing(merged(channels)) as events:
+            async for index, event in events:
+                if isinstance(event, ErrorEvent):
+                    failure = event
+                    break
+                if event.finished is not None:
+                    completion_tokens += event.finished.generated_tokens
+                chunk = writer.step(index, event)
+                if chunk is not None:
+                    yield sse_frame(chunk)
+        if on_end is not None:
+            on_end(failure, completion_tokens)
+        if failure is not None:
+            yield error_frame(failure.message, failure.error_type)
+        elif include_usage:
+            yield sse_frame(writer.usage(usage(prompt_tokens, completion_tokens)))
+        yield DONE_FRAME
+    finally:
+        # No-op for finished choices; stops the others (error, client gone, server closing).
+        for channel in channels:
+            channel.cancel()
+
+
+async def merged(channels: Sequence[Channel]) -> AsyncGenerator[tuple[int, Event], None]:
+    """(index, event) of every channel as events arrive, until each has its final event."""
+    queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+
+    async def pump(index: int, channel: Channel) -> None:
+        async for event in channel:
+            queue.put_nowait((index, event))
+
+    tasks = [asyncio.create_task(pump(i, c)) for i, c in enumerate(channels)]
+    remaining = len(channels)
+    try:
+        while remaining:
+            index, event = await queue.get()
+            if isinstance(event, ErrorEvent) or event.finished is not None:
+                remaining -= 1
+            yield index, event
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class ChatChunks:
+    """`chat.completion.chunk`s: a role chunk per choice, content deltas, the finish reason."""
+
+    def __init__(
+        self, meta: ResponseMeta, num_choices: int, options: TextOptions, *, logprobs: bool
+    ) -> None:
+        self._meta = meta
+        self._texts = [StreamText(options) for _ in range(num_choices)]
+        self._logprobs = logprobs
+
+    def opening(self, index: int) -> BaseModel | None:
+        return self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=""))])
+
+    def step(self, index: int, event: StepEvent) -> BaseModel | None:
+        done = event.finished
+        text = self._texts[index].push(event.tokens, None if done is None else done.finish_reason)
+        logprobs = chat_logprobs(event.tokens, event.top_tokens) if self._logprobs else None
+        if not text and done is None and not (logprobs and logprobs.content):
+            return None
+        choice = ChatChunkChoice(
+            index=index,
+            delta=ChatDelta(content=text),
+            logprobs=logprobs,
+            finish_reason=None if done is None else finish_reason(done.finish_reason),
+        )
+        return self._chunk([choice])
+
+    def usage(self, usage: Usage) -> BaseModel:
+        return self._chunk([], usage)
+
+    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> BaseModel:
+        return ChatCompletionChunk(**self._meta.fields(), choices=choices, usage=usage)
+
+
+class CompletionChunks:
+    """`text_completion` chunks: the echoed prompt first (if asked), then text deltas."""
+
+    def __init__(
+        self,
+        meta: ResponseMeta,
+        prompts: Sequence[str],
+        options: TextOptions,
+        *,
+        echo: bool,
+        logprobs: bool,
+    ) -> None:
+        self._meta = meta
+        self._prompts = prompts
+        """The prompt of each choice."""
+        self._texts = [StreamText(options) for _ in prompts]
+        self._offsets = [len(p) if echo else 0 for p in prompts]
+        """Where each choice's next token text starts (for logprobs' text_offset)."""
+        self._echo = echo
+        self._logprobs = logprobs
+
+    def opening(self, index: int) -> BaseModel | None:
+        if not self._echo:
+            return None
+        return self._chunk([CompletionChoice(index=index, text=self._prompts[index])])
+
+    def step(self, index: int, event: StepEvent) -> BaseModel | None:
+        done = event.finished
+        text = self._texts[index].push(event.tokens, None if done is None else done.finish_reason)
+        logprobs = None
+        if self._logprobs:
+            logprobs = completion_logprobs([], event.tokens, event.top_tokens, self._offsets[index])
+            self._offsets[index] += sum(len(t) for t in logprobs.tokens)
+        if not text and done is None and not (logprobs and logprobs.tokens):
+            return None
+        choice = CompletionChoice(
+            index=index,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=None if done is None else finish_reason(done.finish_reason),
+        )
+        return self._chunk([choice])
+
+    def usage(self, usage: Usage) -> BaseModel:
+        return self._chunk([], usage)
+
+    def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> BaseModel:
+        return Completion(**self._meta.fields(), choices=choices, usage=usage)

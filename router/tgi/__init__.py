@@ -1,0 +1,1 @@
+"""TGI's API: `/generate`, `/generate_stream`, `POST /`, `/tokenize` and their JSON shapes."""

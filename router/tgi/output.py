@@ -1,0 +1,189 @@
+"""From a request's channel events to TGI's /generate and /generate_stream bodies."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeAlias
+
+from textgate.router.engine.channel import Channel, ErrorEvent, Finished, TokenInfo
+from textgate.router.http.sse import error_frame, sse_frame
+from textgate.router.tgi.schemas import (
+    BestOfSequence,
+    Details,
+    GenerateParameters,
+    GenerateResponse,
+    PrefillToken,
+    StreamDetails,
+    StreamResponse,
+    Token,
+)
+
+INCOMPLETE = ErrorEvent("Incomplete generation", "incomplete_generation")
+
+StreamEnd: TypeAlias = Finished | ErrorEvent
+"""How a stream ended: its request finished, or failed (a client that left is neither)."""
+
+
+class GenerationError(Exception):
+    """A request ended with an error event; `error_type` picks the HTTP status."""
+
+    def __init__(self, event: ErrorEvent) -> None:
+        super().__init__(event.message)
+        self.error_type = event.error_type
+
+
+@dataclass
+class Generated:
+    """Everything one request produced, with its timings."""
+
+    finished: Finished
+    input_length: int
+    queued_at: float
+    started_at: float
+    tokens: list[TokenInfo] = field(default_factory=list)
+    top_tokens: list[list[TokenInfo]] = field(default_factory=list)
+    prefill: list[TokenInfo] = field(default_factory=list)
+    ended_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def logprob_sum(self) -> float:
+        return sum(t.logprob or 0.0 for t in self.tokens)
+
+
+async def collect(channel: Channel) -> Generated:
+    """Wait for the request to finish; GenerationError if it fails."""
+    tokens: list[TokenInfo] = []
+    top_tokens: list[list[TokenInfo]] = []
+    prefill: list[TokenInfo] = []
+    async for event in channel:
+        if isinstance(event, ErrorEvent):
+            raise GenerationError(event)
+        tokens += event.tokens
+        top_tokens += event.top_tokens
+        prefill += event.prefill
+        if event.finished is not None:
+            return Generated(
+                finished=event.finished,
+                input_length=channel.input_length,
+                queued_at=channel.queued_at,
+                started_at=channel.started_at or channel.queued_at,
+                tokens=tokens,
+                top_tokens=top_tokens,
+                prefill=prefill,
+            )
+    raise GenerationError(INCOMPLETE)
+
+
+def best_of(candidates: Sequence[Generated]) -> tuple[Generated, list[Generated]]:
+    """The candidate with the highest logprob sum (TGI's rule), and the others."""
+    best = max(range(len(candidates)), key=lambda i: candidates[i].logprob_sum)
+    return candidates[best], [c for i, c in enumerate(candidates) if i != best]
+
+
+def generate_response(
+    best: Generated,
+    others: Sequence[Generated],
+    params: GenerateParameters,
+    prompt: str,
+    *,
+    sampled: bool = True,
+) -> GenerateResponse:
+    """The /generate body; `others` are the best_of candidates not chosen.
+
+    `sampled`: whether the request sampled; greedy ones report no seed, as TGI's do.
+    """
+    prefix = prompt if params.return_full_text else ""
+    details = None
+    if params.details or params.decoder_input_details:
+        details = Details(
+            finish_reason=best.finished.finish_reason,
+            generated_tokens=best.finished.generated_tokens,
+            seed=best.finished.seed if sampled else None,
+            prefill=[_prefill_token(t) for t in best.prefill],
+            tokens=[_token(t) for t in best.tokens],
+            top_tokens=[[_token(t) for t in top] for top in best.top_tokens],
+            best_of_sequences=[_best_of_sequence(o, prefix) for o in others] if others else None,
+        )
+    return GenerateResponse(generated_text=prefix + best.finished.text, details=details)
+
+
+async def stream_frames(
+    channel: Channel,
+    params: GenerateParameters,
+    prompt: str,
+    *,
+    sampled: bool = True,
+    on_end: Callable[[StreamEnd], None] | None = None,
+) -> AsyncIterator[bytes]:
+    """SSE frames for /generate_stream: one per token, then an error frame on failure.
+
+    `sampled` as for `generate_response`; `on_end` hears how the stream ended, before
+    its last frame is sent.
+    """
+    prefix = prompt if params.return_full_text else ""
+    index = 0
+    end = INCOMPLETE
+    try:
+        async for event in channel:
+            if isinstance(event, ErrorEvent):
+                end = event
+                break
+            for i, token in enumerate(event.tokens):
+                index += 1
+                last = i == len(event.tokens) - 1
+                finished = event.finished if last else None
+                if finished is not None and on_end is not None:
+                    on_end(finished)
+                top = event.top_tokens[i] if i < len(event.top_tokens) else []
+                yield sse_frame(
+                    StreamResponse(
+                        index=index,
+                        token=_token(token),
+                        top_tokens=[_token(t) for t in top],
+                        generated_text=None if finished is None else prefix + finished.text,
+                        details=_stream_details(finished, channel, params, sampled),
+                    )
+                )
+            if event.finished is not None and event.tokens:
+                return
+        if on_end is not None:
+            on_end(end)
+        yield error_frame(end.message, end.error_type)
+    finally:
+        # No-op once finished; otherwise the client left (or the server is closing).
+        channel.cancel()
+
+
+def _stream_details(
+    finished: Finished | None, channel: Channel, params: GenerateParameters, sampled: bool
+) -> StreamDetails | None:
+    if finished is None or not params.details:
+        return None
+    return StreamDetails(
+        finish_reason=finished.finish_reason,
+        generated_tokens=finished.generated_tokens,
+        seed=finished.seed if sampled else None,
+        input_length=channel.input_length,
+    )
+
+
+def _best_of_sequence(candidate: Generated, prefix: str) -> BestOfSequence:
+    return BestOfSequence(
+        generated_text=prefix + candidate.finished.text,
+        finish_reason=candidate.finished.finish_reason,
+        generated_tokens=candidate.finished.generated_tokens,
+        seed=candidate.finished.seed,
+        prefill=[_prefill_token(t) for t in candidate.prefill],
+        tokens=[_token(t) for t in candidate.tokens],
+        top_tokens=[[_token(t) for t in top] for top in candidate.top_tokens],
+    )
+
+
+def _token(token: TokenInfo) -> Token:
+    return Token(id=token.id, text=token.text, logprob=token.logprob, special=token.special)
+
+
+def _prefill_token(token: TokenInfo) -> PrefillToken:
+    return PrefillToken(id=token.id, text=token.text, logprob=token.logprob)

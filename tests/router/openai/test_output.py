@@ -1,0 +1,168 @@
+"""Text, finish reasons, logprobs and usage of OpenAI bodies, from generated sequences."""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from textgate.router.engine.channel import Finished, TokenInfo
+from textgate.router.openai.output import (
+    MIN_LOGPROB,
+    ResponseMeta,
+    StreamText,
+    TextOptions,
+    answer_text,
+    chat_completion,
+    chat_logprobs,
+    completion,
+    completion_logprobs,
+    finish_reason,
+    likeliest,
+    trim_stop,
+)
+from textgate.router.tgi.output import Generated
+
+META = ResponseMeta(id="x-1", created=1, model="m")
+
+
+def tok(text: str, logprob: float | None = -0.5, special: bool = False, id: int = 7) -> TokenInfo:
+    return TokenInfo(id=id, text=text, logprob=logprob, special=special)
+
+
+def generated(text: str, reason: str = "length", logprob: float = -0.5) -> Generated:
+    tokens = [tok(t, logprob) for t in text.split("|")]
+    return Generated(
+        finished=Finished("".join(t.text for t in tokens), len(tokens), reason, None),  # type: ignore[arg-type]
+        input_length=2,
+        queued_at=0.0,
+        started_at=0.0,
+        tokens=tokens,
+    )
+
+
+def test_finish_reasons() -> None:
+    assert finish_reason("length") == "length"
+    assert finish_reason("eos_token") == "stop"
+    assert finish_reason("stop_sequence") == "stop"
+
+
+def test_trim_stop_cuts_at_the_first_match() -> None:
+    assert trim_stop("a b STOP c", ["STOP"]) == "a b "
+    assert trim_stop("xAByCD", ["CD", "AB"]) == "x"
+    assert trim_stop("abc", ["z"]) == "abc"
+
+
+def test_answer_text_cuts_only_after_a_stop_sequence() -> None:
+    options = TextOptions(stop=("b",))
+    assert answer_text(Finished("abc", 3, "stop_sequence", None), options) == "a"
+    assert answer_text(Finished("abc", 3, "length", None), options) == "abc"
+    keep = TextOptions(stop=("b",), keep_stop=True)
+    assert answer_text(Finished("ab", 2, "stop_sequence", None), keep) == "ab"
+
+
+def test_stream_text_never_sends_part_of_the_matched_stop() -> None:
+    stream = StreamText(TextOptions(stop=("STOP",)))
+    sent = [stream.push([tok(t)]) for t in ("Hello ", "S", "T")]
+    sent.append(stream.push([tok("OP!")], "stop_sequence"))
+    assert "".join(sent) == "Hello "
+    assert all("S" not in s for s in sent)
+
+
+def test_stream_text_releases_held_text_that_was_no_stop() -> None:
+    stream = StreamText(TextOptions(stop=("STOP",)))
+    sent = [stream.push([tok(t)]) for t in ("ab", "ST", "x", "yz")]
+    sent.append(stream.push([tok("!")], "length"))
+    assert "".join(sent) == "abSTxyz!"
+
+
+def test_stream_text_skips_special_tokens() -> None:
+    stream = StreamText(TextOptions())
+    assert stream.push([tok("hi")]) == "hi"
+    assert stream.push([tok("</s>", special=True)], "eos_token") == ""
+
+
+@given(
+    pieces=st.lists(st.text(alphabet="abS", min_size=0, max_size=3), min_size=1, max_size=12),
+    stop=st.text(alphabet="abS", min_size=1, max_size=3),
+)
+def test_stream_text_equals_the_trimmed_whole(pieces: list[str], stop: str) -> None:
+    """Whatever the split, the streamed text is the finished text cut before the stop."""
+    text = ""
+    stream = StreamText(TextOptions(stop=(stop,)))
+    sent = ""
+    for i, piece in enumerate(pieces):
+        text += piece
+        # The shard ends the request at the first token whose text completes a stop.
+        if stop in text or i == len(pieces) - 1:
+            reason = "stop_sequence" if stop in text else "length"
+            sent += stream.push([tok(piece)], reason)  # type: ignore[arg-type]
+            assert sent == (trim_stop(text, [stop]) if stop in text else text)
+            return
+        sent += stream.push([tok(piece)])
+        assert stop not in sent
+
+
+def test_chat_logprobs_shape_and_floor() -> None:
+    logprobs = chat_logprobs(
+        [tok("a", -1.0), tok("</s>", -0.1, special=True)],
+        [[tok("a", -1.0), tok("b", -math.inf)], []],
+    )
+    (entry,) = logprobs.model_dump()["content"]
+    assert entry == {
+        "token": "a",
+        "logprob": -1.0,
+        "bytes": [97],
+        "top_logprobs": [
+            {"token": "a", "logprob": -1.0, "bytes": [97]},
+            {"token": "b", "logprob": MIN_LOGPROB, "bytes": [98]},
+        ],
+    }
+
+
+def test_completion_logprobs_with_echoed_prompt() -> None:
+    prompt = [tok("Hi", None), tok(" there", -2.0)]
+    result = completion_logprobs(prompt, [tok("!", -0.5)], [[tok("!", -0.5), tok("?", -1.5)]])
+    assert result.model_dump() == {
+        "tokens": ["Hi", " there", "!"],
+        "token_logprobs": [None, -2.0, -0.5],
+        "top_logprobs": [None, None, {"!": -0.5, "?": -1.5}],
+        "text_offset": [0, 2, 8],
+    }
+
+
+def test_likeliest_keeps_the_highest_logprob_sums() -> None:
+    low, high, mid = (
+        generated("a", logprob=-3),
+        generated("b", logprob=-1),
+        generated("c", logprob=-2),
+    )
+    assert likeliest([low, high, mid], 2) == [high, mid]
+    assert likeliest([low, high], 2) == [low, high]
+
+
+def test_chat_completion_counts_every_choice() -> None:
+    answer = chat_completion(
+        META, [generated("a|b"), generated("c")], 4, TextOptions(), logprobs=False
+    ).model_dump()
+    assert [c["message"]["content"] for c in answer["choices"]] == ["ab", "c"]
+    assert answer["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+    assert answer["system_fingerprint"]
+
+
+def test_completion_orders_choices_by_prompt() -> None:
+    answer = completion(
+        META,
+        ["p0", "p1"],
+        [[generated("a")], [generated("b", "stop_sequence")]],
+        3,
+        TextOptions(stop=("b",)),
+        echo=True,
+        logprobs=False,
+    ).model_dump()
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in answer["choices"]] == [
+        (0, "p0a", "length"),
+        (1, "p1", "stop"),
+    ]
+    assert answer["usage"]["completion_tokens"] == 2

@@ -1,0 +1,503 @@
+"""The OpenAI routes end to end: uvicorn -> the router app -> batcher -> fake shard.
+
+The fake chat template joins the messages' contents and adds " w9" as the generation
+prompt, so with the fake model "w5" answers " t10 t11 …" (each token follows the last).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from textgate.tests.router.fake_shard import FakeShard, FakeTokenizer
+
+StartRouter = Callable[..., Awaitable[str]]
+
+
+class ChatFakeTokenizer(FakeTokenizer):
+    """The fake tokenizer with a toy chat template and offsets."""
+
+    chat_template = "contents joined by spaces"
+
+    def apply_chat_template(
+        self,
+        conversation: list[dict[str, Any]],
+        *,
+        tokenize: bool,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+    ) -> str:
+        if any(m["role"] == "bad" for m in conversation):
+            raise ValueError("roles must be user or assistant")
+        text = " ".join(m["content"] for m in conversation)
+        return text + " w9" if add_generation_prompt else text
+
+    def __call__(
+        self, text: str, add_special_tokens: bool, return_offsets_mapping: bool
+    ) -> dict[str, list[Any]]:
+        spans = [m.span() for m in re.finditer(r"\S+", text)]
+        return {"input_ids": self.encode(text), "offset_mapping": spans}
+
+
+@pytest.fixture
+def start_openai(start_router: StartRouter) -> StartRouter:
+    """`await start_openai(tokenizer=None, **config_overrides)`: `start_router` with a
+    tokenizer that has a chat template (ChatFakeTokenizer) by default."""
+
+    async def start(tokenizer: FakeTokenizer | None = None, **overrides: Any) -> str:
+        return await start_router(tokenizer or ChatFakeTokenizer(), **overrides)
+
+    return start
+
+
+@pytest.fixture
+async def client(start_openai: StartRouter) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=await start_openai(), timeout=10) as http:
+        yield http
+
+
+def chat(content: str = "w5", **fields: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "user", "content": content}], **fields}
+
+
+async def sse(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> list[Any]:
+    """POST a streamed request; every `data:` payload, "[DONE]" as the string."""
+    events: list[Any] = []
+    async with client.stream("POST", path, json=body) as response:
+        assert response.status_code == 200, await response.aread()
+        assert response.headers["content-type"].startswith("text/event-stream")
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                data = line.removeprefix("data: ")
+                events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+async def test_chat_completion_has_openai_shape(client: httpx.AsyncClient) -> None:
+    response = await client.post(
+        "/v1/chat/completions", json=chat(max_tokens=3, temperature=0, user="u")
+    )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["id"].startswith("chatcmpl-")
+    assert body["object"] == "chat.completion"
+    assert isinstance(body["created"], int)
+    assert body["model"] == "m"
+    assert isinstance(body["system_fingerprint"], str)
+    assert body["choices"] == [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": " t10 t11 t12"},
+            "logprobs": None,
+            "finish_reason": "length",
+        }
+    ]
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+
+
+async def test_chat_maps_parameters_onto_the_shard_request(
+    client: httpx.AsyncClient, fake: FakeShard
+) -> None:
+    body = chat(
+        max_completion_tokens=2,
+        max_tokens=50,
+        temperature=0.5,
+        top_p=0.9,
+        seed=7,
+        frequency_penalty=0.5,
+        presence_penalty=-0.25,
+        logit_bias={"7": 5.0, "2": -100},
+        ignore_eos=True,
+        min_tokens=1,
+    )
+    assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+    (prefill,) = fake.calls_to("Prefill")
+    (request,) = prefill.batch.requests
+    assert list(request.input_ids) == [5, 9]
+    params, stopping = request.parameters, request.stopping_parameters
+    assert params.do_sample and params.seed == 7
+    assert params.temperature == pytest.approx(0.5)
+    assert params.top_p == pytest.approx(0.9)
+    assert params.frequency_penalty == pytest.approx(0.5)
+    assert params.presence_penalty == pytest.approx(-0.25)
+    assert dict(params.logit_bias) == {7: 5.0, 2: -100.0}
+    assert stopping.max_new_tokens == 2
+    assert stopping.ignore_eos_token and stopping.min_new_tokens == 1
+
+
+async def test_temperature_zero_is_greedy_and_unset_samples(
+    client: httpx.AsyncClient, fake: FakeShard
+) -> None:
+    await client.post("/v1/chat/completions", json=chat(max_tokens=1, temperature=0, top_p=0.5))
+    await client.post("/v1/chat/completions", json=chat(max_tokens=1))
+    greedy, default = (p.batch.requests[0].parameters for p in fake.calls_to("Prefill"))
+    assert not greedy.do_sample and greedy.top_p == 1.0
+    assert default.do_sample and default.temperature == 1.0
+
+
+async def test_stop_sequence_is_cut_from_the_answer(client: httpx.AsyncClient) -> None:
+    body = chat(max_tokens=10, stop=" t12")
+    answer = (await client.post("/v1/chat/completions", json=body)).json()
+    assert answer["choices"][0]["message"]["content"] == " t10 t11"
+    assert answer["choices"][0]["finish_reason"] == "stop"
+    assert answer["usage"]["completion_tokens"] == 3
+    body["include_stop_str_in_output"] = True
+    answer = (await client.post("/v1/chat/completions", json=body)).json()
+    assert answer["choices"][0]["message"]["content"] == " t10 t11 t12"
+
+
+async def test_eos_finishes_with_stop(client: httpx.AsyncClient, fake: FakeShard) -> None:
+    fake.eos_after = 2
+    answer = (await client.post("/v1/chat/completions", json=chat(max_tokens=10))).json()
+    assert answer["choices"][0]["message"]["content"] == " t10 t11"
+    assert answer["choices"][0]["finish_reason"] == "stop"
+    assert answer["usage"]["completion_tokens"] == 3
+
+
+async def test_n_gives_independent_choices(client: httpx.AsyncClient, fake: FakeShard) -> None:
+    answer = (
+        await client.post("/v1/chat/completions", json=chat(max_tokens=2, n=2, seed=5))
+    ).json()
+    assert [c["index"] for c in answer["choices"]] == [0, 1]
+    assert answer["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}
+    seeds = sorted(r.parameters.seed for p in fake.calls_to("Prefill") for r in p.batch.requests)
+    assert seeds == [5, 6]
+
+
+async def test_chat_logprobs_have_openai_shape(client: httpx.AsyncClient) -> None:
+    body = chat(max_tokens=2, temperature=0, logprobs=True, top_logprobs=2)
+    choice = (await client.post("/v1/chat/completions", json=body)).json()["choices"][0]
+    first = choice["logprobs"]["content"][0]
+    assert first["token"] == " t10"
+    assert first["logprob"] == -0.5
+    assert first["bytes"] == list(b" t10")
+    assert [t["token"] for t in first["top_logprobs"]] == [" t10", " t11"]
+    assert len(choice["logprobs"]["content"]) == 2
+
+
+async def test_chat_stream_sends_role_content_finish_usage_done(client: httpx.AsyncClient) -> None:
+    body = chat(max_tokens=3, stream=True, stream_options={"include_usage": True})
+    events = await sse(client, "/v1/chat/completions", body)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    assert len({c["id"] for c in chunks}) == 1
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    content = [c["choices"][0]["delta"]["content"] for c in chunks[:-1]]
+    assert "".join(content) == " t10 t11 t12"
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]][-1] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-2])
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+
+
+async def test_chat_stream_holds_back_stop_sequences(client: httpx.AsyncClient) -> None:
+    events = await sse(
+        client, "/v1/chat/completions", chat(max_tokens=9, stream=True, stop=[" t12"])
+    )
+    content = "".join(e["choices"][0]["delta"]["content"] for e in events[:-1])
+    assert content == " t10 t11"
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+    assert "usage" not in events[-2] or events[-2]["usage"] is None
+
+
+async def test_chat_stream_with_n_and_logprobs(client: httpx.AsyncClient) -> None:
+    body = chat(max_tokens=2, stream=True, n=2, logprobs=True)
+    events = await sse(client, "/v1/chat/completions", body)
+    for index in (0, 1):
+        chunks = [e["choices"][0] for e in events[:-1] if e["choices"][0]["index"] == index]
+        assert "".join(c["delta"]["content"] for c in chunks) == " t10 t11"
+        assert chunks[-1]["finish_reason"] == "length"
+        tokens = [t["token"] for c in chunks if c["logprobs"] for t in c["logprobs"]["content"]]
+        assert tokens == [" t10", " t11"]
+
+
+async def test_a_shard_error_ends_the_stream_with_an_error_then_done(
+    client: httpx.AsyncClient, fake: FakeShard
+) -> None:
+    fake.fail["Decode"] = 1
+    events = await sse(client, "/v1/chat/completions", chat(max_tokens=5, stream=True))
+    assert events[-1] == "[DONE]"
+    assert set(events[-2]) == {"error", "error_type"}
+    assert events[-2]["error_type"] == "generation"
+
+
+async def test_a_shard_error_without_stream_is_424(
+    client: httpx.AsyncClient, fake: FakeShard
+) -> None:
+    fake.fail["Decode"] = 1
+    response = await client.post("/v1/chat/completions", json=chat(max_tokens=5, n=2))
+    assert response.status_code == 424
+    assert response.json()["error_type"] == "generation"
+
+
+async def test_completion_with_prompts_n_and_usage(client: httpx.AsyncClient) -> None:
+    body = {"model": "m", "prompt": ["w5", "w20 w21"], "max_tokens": 2, "n": 2, "temperature": 0}
+    answer = (await client.post("/v1/completions", json=body)).json()
+    assert answer["id"].startswith("cmpl-")
+    assert answer["object"] == "text_completion"
+    assert [(c["index"], c["text"]) for c in answer["choices"]] == [
+        (0, " t6 t7"),
+        (1, " t6 t7"),
+        (2, " t22 t23"),
+        (3, " t22 t23"),
+    ]
+    assert answer["usage"] == {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11}
+
+
+async def test_completion_of_token_id_prompts(client: httpx.AsyncClient, fake: FakeShard) -> None:
+    # vLLM's (and OpenAI's) token-array prompts, as lm-evaluation-harness sends them.
+    body = {"prompt": [[5, 20], [7]], "max_tokens": 1, "echo": True, "temperature": 0}
+    answer = (await client.post("/v1/completions", json=body)).json()
+    (prefill,) = fake.calls_to("Prefill")
+    assert [list(r.input_ids) for r in prefill.batch.requests] == [[5, 20], [7]]
+    texts = [c["text"] for c in answer["choices"]]
+    assert texts[0].startswith("w5 w20") and texts[1].startswith("w7")  # echoed, decoded
+    assert answer["usage"]["prompt_tokens"] == 3
+    single = {"prompt": [5, 20], "max_tokens": 1}
+    assert (await client.post("/v1/completions", json=single)).status_code == 200
+
+
+async def test_completion_defaults_to_16_tokens(client: httpx.AsyncClient) -> None:
+    answer = (await client.post("/v1/completions", json={"prompt": "w5"})).json()
+    assert answer["usage"]["completion_tokens"] == 16
+    assert answer["model"] == "fake-model"
+
+
+async def test_completion_echo_and_logprobs(client: httpx.AsyncClient) -> None:
+    body = {"prompt": "w5 w6", "max_tokens": 2, "echo": True, "logprobs": 1, "temperature": 0}
+    choice = (await client.post("/v1/completions", json=body)).json()["choices"][0]
+    assert choice["text"] == "w5 w6 t7 t8"
+    assert choice["logprobs"] == {
+        "tokens": [" t5", " t6", " t7", " t8"],
+        "token_logprobs": [None, -1.0, -0.5, -0.5],
+        "top_logprobs": [None, None, {" t7": -0.5}, {" t8": -0.5}],
+        "text_offset": [0, 3, 6, 9],
+    }
+
+
+async def test_completion_best_of_keeps_the_likeliest(
+    client: httpx.AsyncClient, fake: FakeShard
+) -> None:
+    body = {"prompt": "w5", "max_tokens": 1, "best_of": 2, "logprobs": 0}
+    choices = (await client.post("/v1/completions", json=body)).json()["choices"]
+    assert len(choices) == 1
+    candidates = [r.parameters.seed for p in fake.calls_to("Prefill") for r in p.batch.requests]
+    assert len(candidates) == 2
+    best = max(-((seed % 97) + 1) / 100 for seed in candidates)
+    assert choices[0]["logprobs"]["token_logprobs"] == [pytest.approx(best)]
+
+
+async def test_completion_stream(client: httpx.AsyncClient) -> None:
+    body = {
+        "prompt": "w5",
+        "max_tokens": 3,
+        "stream": True,
+        "echo": True,
+        "stream_options": {"include_usage": True},
+    }
+    events = await sse(client, "/v1/completions", body)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-2]
+    assert {c["object"] for c in chunks} == {"text_completion"}
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "w5 t6 t7 t8"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert events[-2]["choices"] == []
+    assert events[-2]["usage"]["completion_tokens"] == 3
+
+
+async def test_models_lists_the_served_model(client: httpx.AsyncClient) -> None:
+    body = (await client.get("/v1/models")).json()
+    assert body["object"] == "list"
+    (card,) = body["data"]
+    assert card["id"] == "fake-model"
+    assert card["object"] == "model"
+    assert card["owned_by"] == "textgate"
+    assert isinstance(card["created"], int)
+
+
+async def test_chat_tokenize_has_tgi_shape(client: httpx.AsyncClient) -> None:
+    body = chat("w5 hello")
+    answer = (await client.post("/chat_tokenize", json=body)).json()
+    assert answer == {
+        "templated_text": "w5 hello w9",
+        "tokenize_response": [
+            {"id": 5, "text": "w5", "start": 0, "stop": 2},
+            {"id": 8, "text": "hello", "start": 3, "stop": 8},
+            {"id": 9, "text": "w9", "start": 9, "stop": 11},
+        ],
+    }
+
+
+async def test_continue_final_message_prefills_the_answer(
+    client: httpx.AsyncClient, fake: FakeShard
+) -> None:
+    messages = [{"role": "user", "content": "w5"}, {"role": "assistant", "content": "w30"}]
+    body = {"messages": messages, "max_tokens": 1, "continue_final_message": True}
+    assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+    (prefill,) = fake.calls_to("Prefill")
+    assert list(prefill.batch.requests[0].input_ids) == [5, 30]
+
+
+INVALID: list[tuple[str, dict[str, Any], str]] = [
+    ("/v1/chat/completions", chat(temperature=-1), "`temperature` must be >= 0"),
+    ("/v1/chat/completions", chat(top_p=1.5), "`top_p` must be > 0 and <= 1"),
+    ("/v1/chat/completions", chat(max_tokens=0), "`max_tokens` must be >= 1"),
+    ("/v1/chat/completions", chat(max_completion_tokens=0), "`max_completion_tokens`"),
+    ("/v1/chat/completions", chat(n=3), "`n` must be >= 1 and <= 2"),
+    ("/v1/chat/completions", chat(presence_penalty=2.5), "`presence_penalty` must be >= -2.0"),
+    ("/v1/chat/completions", chat(logit_bias={"x": 1}), "`logit_bias` keys must be token ids"),
+    ("/v1/chat/completions", chat(logit_bias={"5": -101}), "`logit_bias` values must be"),
+    ("/v1/chat/completions", chat(top_logprobs=2), "needs `logprobs`"),
+    ("/v1/chat/completions", chat(logprobs=True, top_logprobs=9), "`top_logprobs` must"),
+    ("/v1/chat/completions", chat(response_format={"type": "json_object"}), "structured"),
+    ("/v1/chat/completions", chat(tools=[{"type": "function"}]), "`tools` is not"),
+    ("/v1/chat/completions", chat(tool_choice="required"), "`tool_choice` is not"),
+    ("/v1/chat/completions", chat(stop=["a", "b", "c", "d", "e"]), "up to 4 stop"),
+    ("/v1/chat/completions", chat(seed=-1), "`seed` must be"),
+    ("/v1/chat/completions", chat(frequency_penalty=3), "`frequency_penalty` must"),
+    ("/v1/chat/completions", chat(" ".join(["w5"] * 70)), "`inputs` must have less than"),
+    ("/v1/chat/completions", chat(max_tokens=127), "must be <= 128"),
+    ("/v1/chat/completions", {"messages": []}, "`messages` cannot be empty"),
+    ("/v1/chat/completions", {"model": "m"}, "messages: Field required"),
+    ("/v1/chat/completions", {"messages": [{"role": "bad"}]}, "template"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        "only text",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "w5"}], "continue_final_message": True},
+        "assistant",
+    ),
+    ("/v1/completions", {"prompt": ""}, "`prompt` cannot be empty"),
+    ("/v1/completions", {"prompt": [5, 1000]}, "`prompt` token id 1000 is not in the vocabulary"),
+    ("/v1/completions", {"prompt": [[5], []]}, "`prompt` cannot be empty"),
+    ("/v1/completions", {"prompt": [5, "w6"]}, "prompt"),
+    ("/v1/completions", {"prompt": ["w5"] * 5}, "at most 4 prompts"),
+    ("/v1/completions", {"prompt": "w5", "n": 2, "best_of": 1}, "`best_of` must be >= `n`"),
+    ("/v1/completions", {"prompt": "w5", "best_of": 3}, "`best_of` must be <= 2"),
+    ("/v1/completions", {"prompt": "w5", "best_of": 2, "stream": True}, "streaming"),
+    ("/v1/completions", {"prompt": "w5", "logprobs": 6}, "`logprobs` must be"),
+    ("/v1/completions", {"prompt": "w5", "suffix": "x"}, "`suffix` is not"),
+    (
+        "/v1/completions",
+        {"prompt": "w5", "echo": True, "logprobs": 1, "stream": True},
+        "`echo` with `logprobs`",
+    ),
+    ("/chat_tokenize", {"messages": []}, "`messages` cannot be empty"),
+]
+
+
+async def test_invalid_requests_are_422(client: httpx.AsyncClient) -> None:
+    # One server for all cases: each answers before reaching the shard.
+    failures = []
+    for path, body, message in INVALID:
+        response = await client.post(path, json=body)
+        error = response.json()
+        if (
+            response.status_code != 422
+            or error.get("error_type") != "validation"
+            or message not in error.get("error", "")
+        ):
+            failures.append((path, body, response.status_code, response.text[:200]))
+    assert not failures
+
+
+async def test_malformed_json_is_422(client: httpx.AsyncClient) -> None:
+    response = await client.post("/v1/chat/completions", content=b"{not json")
+    assert response.status_code == 422
+    assert response.json()["error_type"] == "validation"
+
+
+async def test_a_model_without_chat_template_is_422(start_openai: StartRouter) -> None:
+    async with httpx.AsyncClient(base_url=await start_openai(FakeTokenizer())) as http:
+        response = await http.post("/v1/chat/completions", json=chat())
+        assert response.status_code == 422
+        assert "no chat template" in response.json()["error"]
+        completion = await http.post("/v1/completions", json={"prompt": "w5", "max_tokens": 1})
+        assert completion.status_code == 200
+
+
+async def test_over_max_concurrent_requests_is_429(start_openai: StartRouter) -> None:
+    async with httpx.AsyncClient(base_url=await start_openai(max_concurrent_requests=1)) as http:
+        response = await http.post("/v1/chat/completions", json=chat(n=2, max_tokens=1))
+        assert response.status_code == 429
+        assert response.json() == {"error": "Model is overloaded", "error_type": "overloaded"}
+        stream = await http.post("/v1/completions", json={"prompt": ["w5", "w6"], "stream": True})
+        assert stream.status_code == 429
+
+
+async def test_bodies_over_the_payload_limit_are_413(start_openai: StartRouter) -> None:
+    async with httpx.AsyncClient(base_url=await start_openai(payload_limit=100)) as http:
+        response = await http.post("/v1/chat/completions", json=chat("w5 " * 100))
+        assert response.status_code == 413
+        assert response.json()["error_type"] == "payload_too_large"
+
+
+def dropped_from_shard(fake: FakeShard) -> bool:
+    """The router filtered or cleared a batch, and the shard holds no request any more."""
+    cleared = [c for c in fake.calls_to("ClearCache") if c.HasField("id")]
+    return bool(fake.calls_to("FilterBatch") or cleared) and not any(fake.cache.values())
+
+
+async def test_a_client_leaving_a_stream_cancels_every_choice(
+    client: httpx.AsyncClient, fake: FakeShard
+) -> None:
+    fake.step_delay_s = 0.01
+    body = chat(max_tokens=100, stream=True, n=2)
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        async for line in response.aiter_lines():
+            if '"content":" t' in line:
+                break
+    for _ in range(200):
+        if dropped_from_shard(fake):
+            break
+        await asyncio.sleep(0.01)
+    assert dropped_from_shard(fake)
+    assert len(fake.calls_to("Decode")) < 50
+
+
+async def test_a_client_leaving_a_completion_cancels_it(
+    client: httpx.AsyncClient, fake: FakeShard
+) -> None:
+    fake.step_delay_s = 0.01
+    with pytest.raises(httpx.ReadTimeout):
+        await client.post("/v1/completions", json={"prompt": "w5", "max_tokens": 100}, timeout=0.2)
+    for _ in range(200):
+        if dropped_from_shard(fake):
+            break
+        await asyncio.sleep(0.01)
+    assert dropped_from_shard(fake)
+    assert len(fake.calls_to("Decode")) < 50
+
+
+async def test_requests_are_counted_in_tgi_metrics(
+    start_openai: StartRouter, fake: FakeShard
+) -> None:
+    async with httpx.AsyncClient(base_url=await start_openai()) as http:
+        await http.post("/v1/chat/completions", json=chat(max_tokens=2))
+        await sse(http, "/v1/completions", {"prompt": "w5", "max_tokens": 2, "stream": True})
+        await http.post("/v1/chat/completions", json=chat(temperature=-1))
+        fake.fail["Decode"] = 1
+        await sse(http, "/v1/chat/completions", chat(max_tokens=3, stream=True))
+        metrics = (await http.get("/metrics")).text
+    assert "tgi_request_count 4.0" in metrics
+    assert "tgi_request_success 2.0" in metrics
+    assert 'tgi_request_failure{err="validation"} 1.0' in metrics
+    assert 'tgi_request_failure{err="generation"} 1.0' in metrics
+
+
+async def test_explicit_nulls_mean_unset(client: httpx.AsyncClient) -> None:
+    # TGI's text-generation client sends every unset field as null.
+    body = chat(max_tokens=2, temperature=0, n=None, logprobs=None, stream=None, stop=None)
+    response = await client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"]) == 1
