@@ -22,6 +22,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from textgate.paths import cache_dir
+
 log = logging.getLogger("textgate.kernels")
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_attention.c", "cpu_layers.c"))
@@ -87,9 +89,6 @@ def build_library(build_dir: Path, cc: str) -> Path:
 @functools.cache
 def load_library(build_dir: Path | None = None) -> ctypes.CDLL | None:
     """The compiled kernels, built on first use; None (logged once) where they cannot be."""
-    # Imported here: the kernels package does not otherwise depend on the shard server.
-    from textgate.shard_server.model_source import cache_dir
-
     if os.environ.get("TEXTGATE_CPU_KERNELS", "1") == "0":
         log.info("TEXTGATE_CPU_KERNELS=0: CPU kernels run their PyTorch references")
         return None

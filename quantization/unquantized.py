@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from textgate.kernels.linear import FastLinear
 from textgate.quantization.base import Weight, WeightsLoader
 from textgate.quantization.registry import UNQUANTIZED, register
-from textgate.shard_server.layers.linear import FastLinear
 
 if TYPE_CHECKING:
     from textgate.quantization.weights import Shard, Weights

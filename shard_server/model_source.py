@@ -8,13 +8,14 @@ cache (`$TEXTGATE_CACHE`, default `~/.cache/textgate`); later starts load that f
 from __future__ import annotations
 
 import fcntl
-import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
+
+from textgate.paths import cache_dir
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # What /info and /v1/models call the embedded default model (its hub name).
@@ -26,12 +27,6 @@ _DONE_MARKER = ".textgate-converted"
 
 class ModelNotFoundError(RuntimeError):
     """The model id names neither a local folder, a reachable hub repo, nor the embedded model."""
-
-
-def cache_dir() -> Path:
-    """The cache root: `$TEXTGATE_CACHE`, else `~/.cache/textgate`."""
-    env = os.environ.get("TEXTGATE_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "textgate"
 
 
 def resolve_model(model_id: str | None, revision: str | None = None) -> Path:

@@ -1,11 +1,17 @@
-"""Packed oneDNN linears against `F.linear`."""
+"""Packed oneDNN linears against `F.linear`; FastLinear the same packed or not."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from textgate.kernels.linear import can_prepack, packed_linear, prepack, reference_linear
+from textgate.kernels.linear import (
+    FastLinear,
+    can_prepack,
+    packed_linear,
+    prepack,
+    reference_linear,
+)
 
 needs_packing = pytest.mark.skipif(
     not can_prepack(torch.zeros(2, 2)), reason="oneDNN packing unavailable in this build"
@@ -50,3 +56,17 @@ def test_what_is_not_packed():
     assert prepack(torch.zeros(4, 4, dtype=torch.float16)) is None
     assert prepack(torch.zeros(4)) is None
     assert prepack(torch.zeros(4, 4, requires_grad=True)) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fast_linear_computes_x_wt_plus_b(dtype):
+    weight, bias = torch.randn(6, 4).to(dtype), torch.randn(6).to(dtype)
+    linear = FastLinear(weight.clone(), bias)
+    x = torch.randn(3, 4).to(dtype)
+    expected = (x.float() @ weight.float().T + bias.float()).to(dtype)
+    torch.testing.assert_close(linear(x), expected, atol=2e-2, rtol=2e-2)
+    assert (linear.packed is not None) == can_prepack(weight)
+    # Packed: only the packed copy is held; `weight` unpacks one.
+    assert (linear.dense is None) == (linear.packed is not None)
+    assert torch.equal(linear.weight, weight)
+    assert not linear.weight.requires_grad

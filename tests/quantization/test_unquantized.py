@@ -5,9 +5,9 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import save_file
 
+from textgate.kernels.linear import FastLinear
 from textgate.quantization import Shard, Weights
 from textgate.quantization.unquantized import UnquantizedWeight
-from textgate.shard_server.layers.linear import FastLinear
 
 
 @dataclass
