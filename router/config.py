@@ -151,8 +151,12 @@ class RouterConfig:
             raise RuntimeError("max_batch_prefill_tokens is unset: call with_prefill_default()")
         return self.max_batch_prefill_tokens
 
-    def default_batch_total_tokens(self) -> int:
-        """TGI's fallback when neither the flag nor the shard's Warmup gives a capacity."""
+    @property
+    def batch_total_tokens(self) -> int:
+        """max_batch_total_tokens, or TGI's fallback when neither the flag nor the shards'
+        Warmup gives a capacity."""
+        if self.max_batch_total_tokens is not None:
+            return self.max_batch_total_tokens
         return max(16_000, self.max_total_tokens, self.prefill_tokens)
 
 

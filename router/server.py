@@ -2,8 +2,7 @@
 
 Startup order: connect to rank 0 (ServiceDiscovery gives the others), ClearCache,
 Info, Health, Warmup with a batch as large as the prefill budget, then uvicorn.
-Padded shards (Info.block_size 0) get the `PaddedEngine`; paged shards the scheduler's
-`PagedEngine`, sized by the KV blocks Warmup reports.
+`engine.factory.make_engine` picks the engine from what Info and Warmup report.
 `Router listening on http://{hostname}:{port}` is logged once connections are
 accepted. On a signal uvicorn stops accepting, lets in-flight requests finish (each
 gets its final event), then the batcher closes and the process exits 0.
@@ -22,12 +21,9 @@ from starlette.applications import Starlette
 
 from textgate.proto import generate_pb2 as pb
 from textgate.router.config import RouterConfig
-from textgate.router.engine.padded_engine import PaddedEngine, batch_limits
-from textgate.router.engine.paged_engine import PagedEngine
+from textgate.router.engine.factory import make_engine
 from textgate.router.engine.request import SamplingParams, StoppingParams
-from textgate.router.engine.scheduler import Scheduler, SchedulerConfig
 from textgate.router.http.app import build_app
-from textgate.router.http.state import Engine
 from textgate.router.http.validation import Tokenizer
 from textgate.router.metrics import Metrics
 from textgate.router.shard_client import ShardedClient
@@ -38,76 +34,41 @@ CONNECT_TIMEOUT_S = 120.0
 WARMUP_BATCH_ID = 2**64 - 1
 # Any id every vocabulary has; warmup only needs the shapes.
 WARMUP_TOKEN_ID = 0
-# Running requests of a paged engine when max_batch_size is unset.
-DEFAULT_MAX_NUM_SEQS = 256
 
 
 async def serve(config: RouterConfig) -> None:
     """Run the router until a signal; raises if the shards cannot be reached or warmed up."""
     shards = await ShardedClient.connect(config.shard_uds_path, CONNECT_TIMEOUT_S)
     try:
-        await shards.clear_cache()
-        info = await shards.info()
-        config = config.with_prefill_default(
-            paged=info.block_size > 0, device_type=info.device_type
-        )
-        log.info("Max batch prefill tokens: %d", config.prefill_tokens)
-        await shards.health()
         tokenizer = await asyncio.to_thread(load_tokenizer, config.tokenizer_path)
-        log.info("Warming up the model")
-        warmup = await shards.warmup(warmup_request(config))
-        supported = (
-            warmup.max_supported_total_tokens
-            if warmup.HasField("max_supported_total_tokens")
-            else None
-        )
-        config = resolve_config(config, info, supported)
-        log.info("Max batch total tokens: %d", config.max_batch_total_tokens)
-        metrics = Metrics(config.max_input_tokens, config.max_total_tokens)
-        engine = make_engine(config, shards, info, warmup, metrics=metrics)
-        app = build_app(config, shards, tokenizer, shard_info=info, engine=engine, metrics=metrics)
+        app = await build_router(config, shards, tokenizer)
         await run_http(app, config.hostname, config.port)
     finally:
         await shards.close()
 
 
-def make_engine(
-    config: RouterConfig,
-    shards: ShardedClient,
-    info: pb.InfoResponse,
-    warmup: pb.WarmupResponse,
-    *,
-    metrics: Metrics | None = None,
-) -> Engine:
-    """A PagedEngine for paged shards (block_size > 0), else the padded-batch PaddedEngine.
+async def build_router(
+    config: RouterConfig, shards: ShardedClient, tokenizer: Tokenizer
+) -> Starlette:
+    """Warm the shards up, then build the app over the engine they call for.
 
-    `metrics` (the app's) gets the engine's step metrics.
+    The budgets left unset are resolved from what the shards report (Info, Warmup).
     """
-    if info.block_size == 0:
-        if config.prefill_tokens < config.max_input_tokens:
-            # Padded shards prefill whole prompts; paged ones split them into chunks.
-            raise ValueError(
-                f"max_batch_prefill_tokens ({config.prefill_tokens}) must be >= "
-                f"max_input_tokens ({config.max_input_tokens}) for a model served without "
-                "a native implementation (no chunked prefill)"
-            )
-        limits = batch_limits(config, info)
-        return PaddedEngine(shards, limits, config.max_concurrent_requests, metrics=metrics)
-    if warmup.num_blocks == 0:
-        raise RuntimeError("the paged shards reported no KV-cache blocks at warmup")
-    scheduler = Scheduler(
-        SchedulerConfig(
-            num_blocks=warmup.num_blocks,
-            block_size=info.block_size,
-            max_num_batched_tokens=config.prefill_tokens,
-            max_num_seqs=min(config.max_batch_size or DEFAULT_MAX_NUM_SEQS, config.prefill_tokens),
-            enable_prefix_caching=config.prefix_caching,
-            target_step_latency_s=(
-                config.target_step_latency_ms / 1000 if config.target_step_latency_ms else None
-            ),
-        )
+    await shards.clear_cache()
+    info = await shards.info()
+    config = config.with_prefill_default(paged=info.block_size > 0, device_type=info.device_type)
+    log.info("Max batch prefill tokens: %d", config.prefill_tokens)
+    await shards.health()
+    log.info("Warming up the model")
+    warmup = await shards.warmup(warmup_request(config))
+    supported = (
+        warmup.max_supported_total_tokens if warmup.HasField("max_supported_total_tokens") else None
     )
-    return PagedEngine(shards, scheduler, config.max_concurrent_requests, metrics=metrics)
+    config = resolve_config(config, info, supported)
+    log.info("Max batch total tokens: %d", config.batch_total_tokens)
+    metrics = Metrics(config.max_input_tokens, config.max_total_tokens)
+    engine = make_engine(config, shards, info, warmup, metrics=metrics)
+    return build_app(config, shards, tokenizer, engine=engine, metrics=metrics, shard_info=info)
 
 
 def load_tokenizer(path: str) -> Tokenizer:
@@ -156,7 +117,7 @@ def resolve_config(
     config: RouterConfig, info: pb.InfoResponse, supported_total_tokens: int | None
 ) -> RouterConfig:
     """The config with the batch budget and the /info facts the shards reported filled in."""
-    total = config.max_batch_total_tokens or config.default_batch_total_tokens()
+    total = config.batch_total_tokens
     if supported_total_tokens is not None:
         if supported_total_tokens < config.max_total_tokens:
             raise RuntimeError(

@@ -18,32 +18,15 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable
 
 from textgate.proto import generate_pb2 as pb
-from textgate.router.config import RouterConfig
-from textgate.router.engine.channel import StepEvent
 from textgate.router.engine.padded_queue import BatchLimits, Queue, Running
-from textgate.router.engine.step_loop import Entry, StepLoop
-
-# Re-exported: the HTTP handlers import OverloadedError from here.
-from textgate.router.engine.step_loop import OverloadedError as OverloadedError
+from textgate.router.engine.step_loop import Entry, ShardCall, StepLoop
 from textgate.router.metrics import DECODE, PREFILL, Metrics
 from textgate.router.shard_client import ShardedClient
 
 log = logging.getLogger("textgate.router")
-
-
-def batch_limits(config: RouterConfig, shard_info: pb.InfoResponse | None) -> BatchLimits:
-    """The batcher's budgets from the (warmup-resolved) config."""
-    return BatchLimits(
-        max_batch_prefill_tokens=config.prefill_tokens,
-        max_batch_total_tokens=config.max_batch_total_tokens or config.default_batch_total_tokens(),
-        max_batch_size=config.max_batch_size,
-        waiting_served_ratio=config.waiting_served_ratio,
-        max_waiting_tokens=config.max_waiting_tokens,
-        requires_padding=bool(shard_info and shard_info.requires_padding),
-    )
 
 
 class PaddedEngine(StepLoop):
@@ -63,7 +46,7 @@ class PaddedEngine(StepLoop):
         super().__init__(shards, max_concurrent_requests, metrics)
         self._queue: Queue[Entry] = Queue(limits)
         self._running: pb.CachedBatch | None = None
-        self._in_shards: dict[int, Entry] = {}
+        self._in_shards: set[int] = set()
         self._steps_since_prefill = 0
         self._batch_ids = itertools.count()
 
@@ -103,6 +86,10 @@ class PaddedEngine(StepLoop):
     def _num_waiting(self) -> int:
         return len(self._queue)
 
+    def _release(self, entry: Entry) -> None:
+        super()._release(entry)
+        self._in_shards.discard(entry.id)
+
     def _fail_all(self, message: str) -> None:
         self._queue.remove_if(lambda _: True)
         self._fail(list(self._entries.values()), message)
@@ -111,7 +98,8 @@ class PaddedEngine(StepLoop):
 
     async def _recover(self, exc: Exception) -> None:
         """Fail the requests in the shards; waiting ones stay queued for the next step."""
-        self._fail(list(self._in_shards.values()), "Request failed during generation")
+        in_shards = [self._entries[i] for i in self._in_shards if i in self._entries]
+        self._fail(in_shards, "Request failed during generation")
         self._in_shards.clear()
         self._running = None
         self._report_batch()
@@ -120,7 +108,7 @@ class PaddedEngine(StepLoop):
     def _running_view(self) -> Running | None:
         if self._running is None:
             return None
-        entries = [self._in_shards[i] for i in self._running.request_ids if i in self._in_shards]
+        entries = [self._entries[i] for i in self._running.request_ids if i in self._in_shards]
         return Running(
             size=len(entries),
             max_tokens=sum(e.request.max_tokens for e in entries),
@@ -138,11 +126,12 @@ class PaddedEngine(StepLoop):
             self._release(entry)
 
     async def _filter_cancelled(self) -> None:
-        cancelled = [e for e in self._in_shards.values() if e.channel.cancelled]
+        cancelled = [
+            self._entries[i] for i in self._in_shards if self._entries[i].channel.cancelled
+        ]
         if not cancelled or self._running is None:
             return
         for entry in cancelled:
-            del self._in_shards[entry.id]
             self._release(entry)
         batch = self._running
         keep = [i for i in batch.request_ids if i in self._in_shards]
@@ -155,7 +144,9 @@ class PaddedEngine(StepLoop):
                 await self._shards.clear_cache(batch.id)
         except Exception as exc:
             self._running = None
-            self._fail_in_shards(batch.request_ids, exc)
+            log.error("shard call failed: %s", exc)
+            failed = [self._entries[i] for i in batch.request_ids if i in self._in_shards]
+            self._fail(failed, f"Request failed during generation: {exc}")
             await self._clear_cache(batch.id)
 
     async def _prefill(self, entries: list[Entry]) -> pb.CachedBatch | None:
@@ -169,62 +160,27 @@ class PaddedEngine(StepLoop):
         self._metrics.next_batch(len(entries))
         for entry in entries:
             entry.channel.started_at = now
-            self._in_shards[entry.id] = entry
-        try:
-            response = await self._shards.prefill(batch)
-        except Exception as exc:
-            self._metrics.batch_inference(PREFILL, time.monotonic() - now, None)
-            self._fail_in_shards([e.id for e in entries], exc)
-            await self._clear_cache(batch.id)
-            return None
-        routed = time.monotonic()
-        self._metrics.batch_inference(PREFILL, routed - now, response)
-        cached = response.batch if response.HasField("batch") else None
-        self._route(response.generations, [e.id for e in entries], cached)
-        self._metrics.batch_filtered(PREFILL, time.monotonic() - routed)
-        return cached
+            self._in_shards.add(entry.id)
+        ids = [e.id for e in entries]
+        call = ShardCall(PREFILL, fail_ids=ids, clear_batch_id=batch.id)
+        return await self._step_batch(call, self._shards.prefill(batch))
 
     async def _decode(self, batches: list[pb.CachedBatch]) -> pb.CachedBatch | None:
         ids = [i for b in batches for i in b.request_ids]
-        started = time.monotonic()
-        try:
-            response = await self._shards.decode(batches)
-        except Exception as exc:
-            self._metrics.batch_inference(DECODE, time.monotonic() - started, None)
-            self._fail_in_shards(ids, exc)
-            await self._clear_cache(None)
+        return await self._step_batch(ShardCall(DECODE, fail_ids=ids), self._shards.decode(batches))
+
+    async def _step_batch(
+        self, call: ShardCall, response: Awaitable[pb.PrefillResponse | pb.DecodeResponse]
+    ) -> pb.CachedBatch | None:
+        """Run a Prefill or Decode; the batch the shards keep (None: none left, or failed)."""
+        result = await self._call_shards(
+            call, response, expected_ids=call.fail_ids, running=_cached_ids
+        )
+        if result is None or not result[0].HasField("batch"):
             return None
-        routed = time.monotonic()
-        self._metrics.batch_inference(DECODE, routed - started, response)
-        cached = response.batch if response.HasField("batch") else None
-        self._route(response.generations, ids, cached)
-        self._metrics.batch_filtered(DECODE, time.monotonic() - routed)
-        return cached
+        return result[0].batch
 
-    def _route(
-        self,
-        generations: Iterable[pb.Generation],
-        batch_ids: list[int],
-        cached: pb.CachedBatch | None,
-    ) -> None:
-        """Send each Generation to its request; finished requests leave `_in_shards`."""
-        for generation in generations:
-            entry = self._in_shards.get(generation.request_id)
-            if entry is None:
-                continue
-            event = StepEvent.from_pb(generation)
-            entry.channel.push(event)
-            if event.finished is not None:
-                del self._in_shards[entry.id]
-                self._release(entry)
-        # A request the shard dropped without finishing it would otherwise wait forever.
-        live = set(cached.request_ids) if cached is not None else set()
-        lost = [self._in_shards[i] for i in batch_ids if i in self._in_shards and i not in live]
-        for entry in lost:
-            del self._in_shards[entry.id]
-        self._fail(lost, "Incomplete generation", "incomplete_generation")
 
-    def _fail_in_shards(self, request_ids: Iterable[int], exc: Exception) -> None:
-        log.error("shard call failed: %s", exc)
-        entries = [self._in_shards.pop(i) for i in list(request_ids) if i in self._in_shards]
-        self._fail(entries, f"Request failed during generation: {exc}")
+def _cached_ids(response: pb.PrefillResponse | pb.DecodeResponse) -> set[int]:
+    """Requests the shards keep in the batch they cached after the step."""
+    return set(response.batch.request_ids) if response.HasField("batch") else set()

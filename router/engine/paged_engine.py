@@ -7,7 +7,7 @@ One step reads::
     scheduler.update(result_of(response))   # record tokens, finish, free blocks
 
 It serves shards that report a block size (native models over the paged KV cache);
-`batcher.PaddedEngine` serves the padded transformers fallback. Both are `step_loop.StepLoop`s,
+`padded_engine.PaddedEngine` serves the padded transformers fallback. Both are `step_loop.StepLoop`s,
 with the same face to the HTTP handlers: `submit` -> channels, `num_active`, `close`.
 """
 
@@ -17,12 +17,10 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterable
 
 from textgate.proto import generate_pb2 as pb
-from textgate.router.engine.channel import StepEvent
 from textgate.router.engine.scheduler import ModelStepResult, Scheduler, SchedulerOutput
-from textgate.router.engine.step_loop import Entry, StepLoop
+from textgate.router.engine.step_loop import Entry, ShardCall, StepLoop
 from textgate.router.metrics import DECODE, PREFILL, KvCacheStats, Metrics
 from textgate.router.shard_client import ShardedClient
 
@@ -88,24 +86,24 @@ class PagedEngine(StepLoop):
                 await asyncio.wait_for(self._wakeup.wait(), timeout=0.05)
             return
         started = time.monotonic()
-        method = self._method(output)
-        try:
-            response = await self._run(output)
-        except Exception as exc:
-            self._metrics.batch_inference(method, time.monotonic() - started, None)
-            log.error("shard step failed: %s", exc)
-            self._fail_all(f"Request failed during generation: {exc}")
+        # A failed step leaves the scheduler's plan unrun: everything in flight fails.
+        call = ShardCall(self._method(output), fail_ids=list(self._entries))
+        producing = [s.request_id for s in output.scheduled if s.produces_token]
+        result = await self._call_shards(call, self._run(output), expected_ids=producing)
+        if result is None:
             self.scheduler.update(ModelStepResult())
-            await self._clear_cache(None)
             return
-        routed = time.monotonic()
-        self._metrics.batch_inference(method, routed - started, response)
-        result = self._route(response.generations, output, routed - started)
-        self.scheduler.update(result)
-        self._metrics.batch_filtered(method, time.monotonic() - routed)
+        routed = result[1]
+        self.scheduler.update(
+            ModelStepResult(
+                sampled_token_ids=routed.sampled,
+                finished_ids=frozenset(routed.finished),
+                step_latency_s=time.monotonic() - started,
+            )
+        )
         self._report_batch()
 
-    async def _run(self, output: SchedulerOutput) -> pb.PrefillResponse | pb.DecodeResponse:
+    async def _run(self, output: SchedulerOutput) -> pb.StepResponse:
         plan = pb.StepPlan(
             scheduled=[
                 pb.ScheduledRequest(
@@ -130,32 +128,6 @@ class PagedEngine(StepLoop):
         self._in_shards.update(new)
         requests = [self._entries[i].request.to_pb(i) for i in new]
         return await self._shards.step(requests, plan)
-
-    def _route(
-        self, generations: Iterable[pb.Generation], output: SchedulerOutput, latency_s: float
-    ) -> ModelStepResult:
-        """Send each Generation to its request; tell the scheduler what was sampled."""
-        sampled: dict[int, list[int]] = {}
-        finished: set[int] = set()
-        for generation in generations:
-            entry = self._entries.get(generation.request_id)
-            if entry is None:
-                continue
-            event = StepEvent.from_pb(generation)
-            entry.channel.push(event)
-            sampled[entry.id] = list(generation.tokens.ids)
-            if event.finished is not None:
-                finished.add(entry.id)
-                self._release(entry)
-        producing = [s.request_id for s in output.scheduled if s.produces_token]
-        lost = [i for i in producing if i not in sampled and self.scheduler.has_request(i)]
-        for request_id in lost:
-            self._fail(
-                [self._entries[request_id]], "Incomplete generation", "incomplete_generation"
-            )
-        return ModelStepResult(
-            sampled_token_ids=sampled, finished_ids=frozenset(finished), step_latency_s=latency_s
-        )
 
     def _abort(self, entry: Entry) -> None:
         """Forget a request that will not finish normally; its blocks are freed now."""

@@ -18,11 +18,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
-from textgate.router.engine.channel import Channel, ErrorEvent
+from textgate.proto import generate_pb2 as pb
+from textgate.router.engine.channel import Channel, ErrorEvent, StepEvent
 from textgate.router.engine.request import ValidRequest
 from textgate.router.metrics import Metrics
 from textgate.router.shard_client import ShardedClient
@@ -39,6 +42,38 @@ class OverloadedError(Exception):
 
     def __init__(self) -> None:
         super().__init__("Model is overloaded")
+
+
+class ShardResponse(Protocol):
+    """What every step RPC answers (Prefill, Decode, Step)."""
+
+    @property
+    def generations(self) -> Sequence[pb.Generation]: ...
+
+
+R = TypeVar("R", bound=ShardResponse)
+
+
+@dataclass(frozen=True)
+class ShardCall:
+    """One call of a step to the shards, and what to do when it fails."""
+
+    method: str
+    """TGI's `method` metric label: "prefill" or "decode"."""
+    fail_ids: Collection[int]
+    """Requests that fail with the call (they are in the shards' batch)."""
+    clear_batch_id: int | None = None
+    """The batch the shards drop after a failure; None = everything."""
+
+
+@dataclass
+class Routed:
+    """What one step produced, per request."""
+
+    sampled: dict[int, list[int]] = field(default_factory=dict)
+    """Token ids each request received this step."""
+    finished: set[int] = field(default_factory=set)
+    """Requests that had their final event."""
 
 
 @dataclass
@@ -157,6 +192,68 @@ class StepLoop(ABC):
     def _release(self, entry: Entry) -> None:
         """The request had its final event, or its client left: it no longer counts."""
         self._entries.pop(entry.id, None)
+
+    async def _call_shards(
+        self,
+        call: ShardCall,
+        response: Awaitable[R],
+        *,
+        expected_ids: Iterable[int],
+        running: Callable[[R], Collection[int]] | None = None,
+    ) -> tuple[R, Routed] | None:
+        """Await one step RPC and route its generations; on failure fail `call.fail_ids`.
+
+        `expected_ids` are the requests the step must answer: one that the shards neither
+        finished nor keep `running` (default: answered with a token) is failed as lost.
+        Gives the answer and what was routed, or None when the call failed.
+        """
+        started = time.monotonic()
+        try:
+            answer = await response
+        except Exception as exc:
+            self._metrics.batch_inference(call.method, time.monotonic() - started, None)
+            log.error("shard call failed: %s", exc)
+            self._fail_ids(call.fail_ids, f"Request failed during generation: {exc}")
+            await self._clear_cache(call.clear_batch_id)
+            return None
+        routed_at = time.monotonic()
+        self._metrics.batch_inference(call.method, routed_at - started, answer)
+        kept = None if running is None else running(answer)
+        routed = self._route(answer.generations, expected_ids, kept)
+        self._metrics.batch_filtered(call.method, time.monotonic() - routed_at)
+        return answer, routed
+
+    def _route(
+        self,
+        generations: Iterable[pb.Generation],
+        expected_ids: Iterable[int],
+        running: Collection[int] | None,
+    ) -> Routed:
+        """Send each Generation to its request; release finished ones, fail lost ones."""
+        routed = Routed()
+        for generation in generations:
+            entry = self._entries.get(generation.request_id)
+            if entry is None:
+                continue
+            event = StepEvent.from_pb(generation)
+            entry.channel.push(event)
+            routed.sampled[entry.id] = list(generation.tokens.ids)
+            if event.finished is not None:
+                routed.finished.add(entry.id)
+                self._release(entry)
+        kept = routed.sampled.keys() if running is None else running
+        # A request the shards dropped without finishing it would otherwise wait forever.
+        lost = [i for i in expected_ids if i not in routed.finished and i not in kept]
+        self._fail_ids(lost, "Incomplete generation", "incomplete_generation")
+        return routed
+
+    def _fail_ids(
+        self, request_ids: Iterable[int], message: str, error_type: str = "generation"
+    ) -> None:
+        """`_fail` the requests among `request_ids` that are still admitted."""
+        self._fail(
+            [self._entries[i] for i in request_ids if i in self._entries], message, error_type
+        )
 
     async def _clear_cache(self, batch_id: int | None = None) -> None:
         """Drop one batch (or, with None, everything) from the shards; failures are logged."""

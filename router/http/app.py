@@ -24,7 +24,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import textgate
 from textgate.proto import generate_pb2 as pb
 from textgate.router.config import RouterConfig
-from textgate.router.engine.padded_engine import OverloadedError, PaddedEngine, batch_limits
+from textgate.router.engine.step_loop import OverloadedError
 from textgate.router.http.errors import PayloadTooLargeError, error_response
 from textgate.router.http.openapi import DOCS_PATH, SPEC_PATH, docs_routes
 from textgate.router.http.sagemaker import sagemaker_route
@@ -49,22 +49,15 @@ def build_app(
     shards: ShardedClient,
     tokenizer: Tokenizer,
     *,
+    engine: Engine,
+    metrics: Metrics,
     shard_info: pb.InfoResponse | None = None,
-    engine: Engine | None = None,
-    metrics: Metrics | None = None,
 ) -> Starlette:
-    """The router's Starlette app.
+    """The router's Starlette app over `engine` (`engine.factory.make_engine` picks it).
 
-    `shard_info` (rank 0's Info) fills /info; `engine` defaults to a `PaddedEngine` for
-    padded shards under the config's budgets. Give an engine the same `metrics` as the
-    app, or its step metrics will not show at /metrics. The app closes the engine on
-    shutdown.
+    `metrics` must be the engine's own, so that its step metrics show at /metrics;
+    `shard_info` (rank 0's Info) fills /info. The app closes the engine on shutdown.
     """
-    if metrics is None:
-        metrics = Metrics(config.max_input_tokens, config.max_total_tokens)
-    if engine is None:
-        limits = batch_limits(config, shard_info)
-        engine = PaddedEngine(shards, limits, config.max_concurrent_requests, metrics=metrics)
     validator = Validator(config, tokenizer)
     state = RouterState(config, shards, tokenizer, validator, engine, shard_info, metrics)
     routes = [*tgi_routes(state), *openai_routes(state)]

@@ -23,8 +23,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from textgate.router.engine.channel import Channel, ErrorEvent
-from textgate.router.engine.padded_engine import OverloadedError
 from textgate.router.engine.request import ValidRequest
+from textgate.router.engine.step_loop import OverloadedError
 from textgate.router.http.errors import PayloadTooLargeError, error_response
 from textgate.router.http.request_io import ClientDisconnectedError, read_json, unless_disconnected
 from textgate.router.http.sse import SseResponse

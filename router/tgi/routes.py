@@ -21,7 +21,6 @@ import textgate
 from textgate.proto import generate_pb2 as pb
 from textgate.router.config import RouterConfig
 from textgate.router.engine.channel import Channel, ErrorEvent
-from textgate.router.engine.padded_engine import batch_limits
 from textgate.router.engine.request import ValidRequest
 from textgate.router.http.errors import error_response
 from textgate.router.http.request_io import ClientDisconnectedError, read_json, unless_disconnected
@@ -190,7 +189,7 @@ def info_response(config: RouterConfig, shard_info: pb.InfoResponse | None) -> I
         max_input_length=config.max_input_tokens,
         max_total_tokens=config.max_total_tokens,
         waiting_served_ratio=config.waiting_served_ratio,
-        max_batch_total_tokens=batch_limits(config, shard_info).max_batch_total_tokens,
+        max_batch_total_tokens=config.batch_total_tokens,
         max_waiting_tokens=config.max_waiting_tokens,
         max_batch_size=config.max_batch_size,
         validation_workers=config.validation_workers,

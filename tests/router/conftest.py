@@ -13,8 +13,7 @@ import pytest
 import uvicorn
 
 from textgate.router.config import RouterConfig
-from textgate.router.http.app import build_app
-from textgate.router.server import bound_port
+from textgate.router.server import bound_port, build_router
 from textgate.router.shard_client import ShardedClient
 from textgate.tests.router.fake_shard import FakeShard, FakeTokenizer, fake_shards
 
@@ -79,9 +78,8 @@ async def start_router(
     servers: list[tuple[uvicorn.Server, asyncio.Task[None]]] = []
 
     async def start(tokenizer: FakeTokenizer | None = None, **overrides: Any) -> str:
-        info = await sharded.info()
         config = make_config(**overrides)
-        app = build_app(config, sharded, tokenizer or FakeTokenizer(), shard_info=info)
+        app = await build_router(config, sharded, tokenizer or FakeTokenizer())
         server = _QuietServer(
             uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, ws="none", lifespan="on")
         )

@@ -16,9 +16,10 @@ import pytest
 
 from textgate.proto import generate_pb2 as pb
 from textgate.router.config import RouterConfig
+from textgate.router.engine.factory import make_engine
 from textgate.router.engine.padded_engine import PaddedEngine
 from textgate.router.engine.paged_engine import PagedEngine
-from textgate.router.server import make_engine, resolve_config, warmup_request
+from textgate.router.server import resolve_config, warmup_request
 from textgate.router.shard_client import ShardedClient
 from textgate.tests.router.fake_shard import FakeShard
 

@@ -1,0 +1,79 @@
+"""The one place that picks the engine for the shards and sizes it from the router's config.
+
+Paged shards (Info.block_size > 0, every native model) get a `PagedEngine` over a
+scheduler with exactly the KV blocks their Warmup reported; padded shards (the
+transformers fallback) get a `PaddedEngine` under TGI's batch budgets.
+"""
+
+from __future__ import annotations
+
+from textgate.proto import generate_pb2 as pb
+from textgate.router.config import RouterConfig
+from textgate.router.engine.padded_engine import PaddedEngine
+from textgate.router.engine.padded_queue import BatchLimits
+from textgate.router.engine.paged_engine import PagedEngine
+from textgate.router.engine.scheduler import Scheduler, SchedulerConfig
+from textgate.router.engine.step_loop import StepLoop
+from textgate.router.metrics import Metrics
+from textgate.router.shard_client import ShardedClient
+
+DEFAULT_MAX_NUM_SEQS = 256
+"""Running requests of a paged engine when max_batch_size is unset."""
+
+
+def make_engine(
+    config: RouterConfig,
+    shards: ShardedClient,
+    info: pb.InfoResponse,
+    warmup: pb.WarmupResponse,
+    *,
+    metrics: Metrics | None = None,
+) -> StepLoop:
+    """A PagedEngine for paged shards (block_size > 0), else a PaddedEngine.
+
+    `config` is resolved (`server.resolve_config`); `metrics` (the app's) gets the
+    engine's step metrics.
+    """
+    if info.block_size == 0:
+        return PaddedEngine(
+            shards,
+            batch_limits(config, info),
+            config.max_concurrent_requests,
+            metrics=metrics,
+        )
+    if warmup.num_blocks == 0:
+        raise RuntimeError("the paged shards reported no KV-cache blocks at warmup")
+    scheduler = Scheduler(scheduler_config(config, info.block_size, warmup.num_blocks))
+    return PagedEngine(shards, scheduler, config.max_concurrent_requests, metrics=metrics)
+
+
+def scheduler_config(config: RouterConfig, block_size: int, num_blocks: int) -> SchedulerConfig:
+    """The paged scheduler's budgets: the router's flags over the shards' KV blocks."""
+    return SchedulerConfig(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_num_batched_tokens=config.prefill_tokens,
+        max_num_seqs=min(config.max_batch_size or DEFAULT_MAX_NUM_SEQS, config.prefill_tokens),
+        enable_prefix_caching=config.prefix_caching,
+        target_step_latency_s=(
+            config.target_step_latency_ms / 1000 if config.target_step_latency_ms else None
+        ),
+    )
+
+
+def batch_limits(config: RouterConfig, info: pb.InfoResponse) -> BatchLimits:
+    """The padded engine's budgets; its prefills take whole prompts (no chunking)."""
+    if config.prefill_tokens < config.max_input_tokens:
+        raise ValueError(
+            f"max_batch_prefill_tokens ({config.prefill_tokens}) must be >= "
+            f"max_input_tokens ({config.max_input_tokens}) for a model served without "
+            "a native implementation (no chunked prefill)"
+        )
+    return BatchLimits(
+        max_batch_prefill_tokens=config.prefill_tokens,
+        max_batch_total_tokens=config.batch_total_tokens,
+        max_batch_size=config.max_batch_size,
+        waiting_served_ratio=config.waiting_served_ratio,
+        max_waiting_tokens=config.max_waiting_tokens,
+        requires_padding=info.requires_padding,
+    )
