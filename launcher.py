@@ -20,7 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -28,17 +28,6 @@ log = logging.getLogger("textgate.launcher")
 
 QUANTIZE_METHODS = ("gptq", "awq", "bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4")
 _STDERR_TAIL = 40
-
-
-@dataclass(frozen=True)
-class Flag:
-    """One launcher flag: its name, type, default and help (the env var is derived)."""
-
-    name: str
-    type: Callable[[str], Any]
-    default: Any
-    help: str
-    choices: Sequence[str] | None = None
 
 
 def _bool(text: str) -> bool:
@@ -49,95 +38,89 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected a boolean, got {text!r}")
 
 
-def _origins(text: str) -> list[str]:
-    return [o.strip() for o in text.split(",") if o.strip()]
+def _origins(text: str) -> tuple[str, ...]:
+    return tuple(o.strip() for o in text.split(",") if o.strip())
 
 
-FLAGS: tuple[Flag, ...] = (
-    Flag("model-id", str, None, "Local model folder or hub id; unset = embedded SmolLM2-135M"),
-    Flag("revision", str, None, "Hub revision (branch, tag or commit) of --model-id"),
-    Flag("num-shard", int, 1, "Number of shards (tensor-parallel ranks), one process each"),
-    Flag("quantize", str, None, "Weight quantization method", QUANTIZE_METHODS),
-    Flag("dtype", str, "auto", "Weights dtype", ("auto", "float32", "bfloat16", "float16")),
-    Flag("trust-remote-code", _bool, False, "Allow custom model code from the model folder"),
-    Flag("max-concurrent-requests", int, 128, "Requests in flight before answering 429"),
-    Flag("max-best-of", int, 2, "Largest best_of a request may ask for"),
-    Flag("max-stop-sequences", int, 4, "Most stop sequences per request"),
-    Flag("max-top-n-tokens", int, 5, "Largest top_n_tokens a request may ask for"),
-    Flag("max-input-tokens", int, None, "Longest prompt in tokens (default: max-total-tokens - 1)"),
-    Flag("max-total-tokens", int, None, "Longest prompt + generation (default: min(model, 4096))"),
-    Flag(
-        "max-batch-prefill-tokens",
-        int,
-        None,
-        "Tokens one prefill (paged engine: one step) may compute; "
-        "default max-input-tokens + 50, on CPU 256",
-    ),
-    Flag("max-batch-total-tokens", int, None, "Tokens (prompt + generation) a batch may hold"),
-    Flag("max-batch-size", int, None, "Most requests in one batch"),
-    Flag("waiting-served-ratio", float, 0.3, "Waiting/running ratio that triggers a prefill"),
-    Flag("max-waiting-tokens", int, 20, "Decode steps before waiting requests are forced in"),
-    Flag("max-client-batch-size", int, 4, "Most inputs in one client request"),
-    Flag("block-size", int, 16, "Tokens per KV-cache block (native models)"),
-    Flag("prefix-caching", _bool, True, "Reuse the KV of shared prompt prefixes (native models)"),
-    Flag("kv-cache-memory", int, 1 << 30, "Bytes of KV cache per shard on CPU"),
-    Flag(
-        "target-step-latency-ms",
-        float,
-        None,
-        "Adapt the per-step token budget to this step latency (native models); unset = fixed",
-    ),
-    Flag("cuda-memory-fraction", float, 0.9, "Share of free GPU memory the KV cache may take"),
-    Flag("hostname", str, "0.0.0.0", "Address the HTTP server binds"),
-    Flag("port", int, 8080, "Port the HTTP server binds"),
-    Flag("shard-uds-path", str, "/tmp/textgate-server", "Prefix of the shards' unix sockets"),
-    Flag("master-addr", str, "127.0.0.1", "torch.distributed rendezvous address"),
-    Flag("master-port", int, 29500, "torch.distributed rendezvous port"),
-    Flag("api-key", str, None, "Require `Authorization: Bearer <key>` on the routes that generate"),
-    Flag("cors-allow-origin", _origins, [], "Comma-separated origins allowed by CORS"),
-    Flag("payload-limit", int, 2_000_000, "Largest request body in bytes"),
-    Flag("otlp-endpoint", str, None, "OpenTelemetry collector endpoint"),
-    Flag("json-output", _bool, False, "Log JSON lines"),
-)
+def flag(
+    default: Any,
+    help: str,
+    parse: Callable[[str], Any] = str,
+    choices: Sequence[str] | None = None,
+) -> Any:
+    """A `LauncherConfig` field that is also a flag: `--field-name` and env `FIELD_NAME`."""
+    return field(default=default, metadata={"help": help, "parse": parse, "choices": choices})
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One launcher flag, derived from its `LauncherConfig` field."""
+
+    name: str
+    type: Callable[[str], Any]
+    default: Any
+    help: str
+    choices: Sequence[str] | None = None
 
 
 @dataclass(frozen=True)
 class LauncherConfig:
-    """Validated launcher settings (one field per flag)."""
+    """Validated launcher settings: each field is one flag (TGI's name, `_` as `-`)."""
 
-    model_id: str | None
-    revision: str | None
-    num_shard: int
-    quantize: str | None
-    dtype: str
-    trust_remote_code: bool
-    max_concurrent_requests: int
-    max_best_of: int
-    max_stop_sequences: int
-    max_top_n_tokens: int
-    max_input_tokens: int | None
-    max_total_tokens: int | None
-    max_batch_prefill_tokens: int | None
-    max_batch_total_tokens: int | None
-    max_batch_size: int | None
-    waiting_served_ratio: float
-    max_waiting_tokens: int
-    max_client_batch_size: int
-    block_size: int
-    prefix_caching: bool
-    kv_cache_memory: int
-    target_step_latency_ms: float | None
-    cuda_memory_fraction: float
-    hostname: str
-    port: int
-    shard_uds_path: str
-    master_addr: str
-    master_port: int
-    api_key: str | None
-    cors_allow_origin: list[str]
-    payload_limit: int
-    otlp_endpoint: str | None
-    json_output: bool
+    model_id: str | None = flag(None, "Local model folder or hub id; unset = embedded SmolLM2-135M")
+    revision: str | None = flag(None, "Hub revision (branch, tag or commit) of --model-id")
+    num_shard: int = flag(1, "Number of shards (tensor-parallel ranks), one process each", int)
+    quantize: str | None = flag(None, "Weight quantization method", str, QUANTIZE_METHODS)
+    dtype: str = flag("auto", "Weights dtype", str, ("auto", "float32", "bfloat16", "float16"))
+    trust_remote_code: bool = flag(False, "Allow custom model code from the model folder", _bool)
+    max_concurrent_requests: int = flag(128, "Requests in flight before answering 429", int)
+    max_best_of: int = flag(2, "Largest best_of a request may ask for", int)
+    max_stop_sequences: int = flag(4, "Most stop sequences per request", int)
+    max_top_n_tokens: int = flag(5, "Largest top_n_tokens a request may ask for", int)
+    max_input_tokens: int | None = flag(
+        None, "Longest prompt in tokens (default: max-total-tokens - 1)", int
+    )
+    max_total_tokens: int | None = flag(
+        None, "Longest prompt + generation (default: min(model, 4096))", int
+    )
+    max_batch_prefill_tokens: int | None = flag(
+        None,
+        "Tokens one prefill (paged engine: one step) may compute; "
+        "default max-input-tokens + 50, on CPU 256",
+        int,
+    )
+    max_batch_total_tokens: int | None = flag(
+        None, "Tokens (prompt + generation) a batch may hold", int
+    )
+    max_batch_size: int | None = flag(None, "Most requests in one batch", int)
+    waiting_served_ratio: float = flag(0.3, "Waiting/running ratio that triggers a prefill", float)
+    max_waiting_tokens: int = flag(20, "Decode steps before waiting requests are forced in", int)
+    max_client_batch_size: int = flag(4, "Most inputs in one client request", int)
+    block_size: int = flag(16, "Tokens per KV-cache block (native models)", int)
+    prefix_caching: bool = flag(
+        True, "Reuse the KV of shared prompt prefixes (native models)", _bool
+    )
+    kv_cache_memory: int = flag(1 << 30, "Bytes of KV cache per shard on CPU", int)
+    target_step_latency_ms: float | None = flag(
+        None,
+        "Adapt the per-step token budget to this step latency (native models); unset = fixed",
+        float,
+    )
+    cuda_memory_fraction: float = flag(0.9, "Share of free GPU memory the KV cache may take", float)
+    hostname: str = flag("0.0.0.0", "Address the HTTP server binds")
+    port: int = flag(8080, "Port the HTTP server binds", int)
+    shard_uds_path: str = flag("/tmp/textgate-server", "Prefix of the shards' unix sockets")
+    master_addr: str = flag("127.0.0.1", "torch.distributed rendezvous address")
+    master_port: int = flag(29500, "torch.distributed rendezvous port", int)
+    api_key: str | None = flag(
+        None, "Require `Authorization: Bearer <key>` on the routes that generate"
+    )
+    cors_allow_origin: tuple[str, ...] = flag(
+        (), "Comma-separated origins allowed by CORS", _origins
+    )
+    payload_limit: int = flag(2_000_000, "Largest request body in bytes", int)
+    otlp_endpoint: str | None = flag(None, "OpenTelemetry collector endpoint")
+    json_output: bool = flag(False, "Log JSON lines", _bool)
 
     def __post_init__(self) -> None:
         if self.num_shard < 1:
@@ -160,6 +143,19 @@ class LauncherConfig:
             and self.max_input_tokens >= self.max_total_tokens
         ):
             raise ValueError("--max-input-tokens must be smaller than --max-total-tokens")
+
+
+def _flags() -> tuple[Flag, ...]:
+    flags = []
+    for f in fields(LauncherConfig):
+        meta = f.metadata
+        name = f.name.replace("_", "-")
+        flags.append(Flag(name, meta["parse"], f.default, meta["help"], meta["choices"]))
+    return tuple(flags)
+
+
+FLAGS = _flags()
+"""Every launcher flag, in `LauncherConfig`'s field order."""
 
 
 def parse_args(
@@ -270,28 +266,14 @@ def served_model_id(config: LauncherConfig) -> str:
 
 
 def router_config(model_path: Path, config: LauncherConfig) -> dict[str, Any]:
-    """The router's settings (textgate.router.config.RouterConfig fields)."""
-    names = [
-        "hostname",
-        "port",
-        "shard_uds_path",
-        "max_concurrent_requests",
-        "max_best_of",
-        "max_stop_sequences",
-        "max_top_n_tokens",
-        "max_batch_total_tokens",
-        "max_batch_size",
-        "waiting_served_ratio",
-        "max_waiting_tokens",
-        "max_client_batch_size",
-        "api_key",
-        "cors_allow_origin",
-        "payload_limit",
-        "json_output",
-        "prefix_caching",
-        "target_step_latency_ms",
-    ]
-    settings: dict[str, Any] = {name: getattr(config, name) for name in names}
+    """The router's settings: every `RouterConfig` field the launcher has a flag for, by
+    name, plus the model's limits and where its tokenizer is."""
+    from textgate.router.config import RouterConfig  # no torch: a plain dataclass
+
+    launcher_fields = {f.name for f in fields(LauncherConfig)}
+    settings: dict[str, Any] = {
+        f.name: getattr(config, f.name) for f in fields(RouterConfig) if f.name in launcher_fields
+    }
     settings.update(model_limits(model_path, config))
     settings["model_id"] = served_model_id(config)
     settings["tokenizer_path"] = str(model_path)

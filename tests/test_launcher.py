@@ -29,7 +29,7 @@ def test_tgi_legacy_and_list_flags() -> None:
         ["--max-input-length", "10", "--cors-allow-origin", "http://a, http://b"], env={}
     )
     assert config.max_input_tokens == 10
-    assert config.cors_allow_origin == ["http://a", "http://b"]
+    assert config.cors_allow_origin == ("http://a", "http://b")
 
 
 @pytest.mark.parametrize(
