@@ -1,221 +1,20 @@
-"""The OpenAI routes end to end: uvicorn -> the router app -> batcher -> fake shard.
+"""The OpenAI routes end to end: uvicorn -> the router app -> engine -> fake shard.
 
-The fake chat template joins the messages' contents and adds " w9" as the generation
-prompt, so with the fake model "w5" answers " t10 t11 …" (each token follows the last).
+/v1/completions and /v1/models, and what every route shares: validation errors, shard
+errors, limits, cancellation when the client leaves, and metrics. The chat answers
+themselves are in test_chat_routes.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import re
-from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
 import pytest
 
 from textgate.tests.router.fake_shard import FakeShard, FakeTokenizer
-
-StartRouter = Callable[..., Awaitable[str]]
-
-
-class ChatFakeTokenizer(FakeTokenizer):
-    """The fake tokenizer with a toy chat template and offsets."""
-
-    chat_template = "contents joined by spaces"
-
-    def apply_chat_template(
-        self,
-        conversation: list[dict[str, Any]],
-        *,
-        tokenize: bool,
-        add_generation_prompt: bool,
-        continue_final_message: bool,
-    ) -> str:
-        if any(m["role"] == "bad" for m in conversation):
-            raise ValueError("roles must be user or assistant")
-        text = " ".join(m["content"] for m in conversation)
-        return text + " w9" if add_generation_prompt else text
-
-    def __call__(
-        self, text: str, add_special_tokens: bool, return_offsets_mapping: bool
-    ) -> dict[str, list[Any]]:
-        spans = [m.span() for m in re.finditer(r"\S+", text)]
-        return {"input_ids": self.encode(text), "offset_mapping": spans}
-
-
-@pytest.fixture
-def start_openai(start_router: StartRouter) -> StartRouter:
-    """`await start_openai(tokenizer=None, **config_overrides)`: `start_router` with a
-    tokenizer that has a chat template (ChatFakeTokenizer) by default."""
-
-    async def start(tokenizer: FakeTokenizer | None = None, **overrides: Any) -> str:
-        return await start_router(tokenizer or ChatFakeTokenizer(), **overrides)
-
-    return start
-
-
-@pytest.fixture
-async def client(start_openai: StartRouter) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=await start_openai(), timeout=10) as http:
-        yield http
-
-
-def chat(content: str = "w5", **fields: Any) -> dict[str, Any]:
-    return {"model": "m", "messages": [{"role": "user", "content": content}], **fields}
-
-
-async def sse(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> list[Any]:
-    """POST a streamed request; every `data:` payload, "[DONE]" as the string."""
-    events: list[Any] = []
-    async with client.stream("POST", path, json=body) as response:
-        assert response.status_code == 200, await response.aread()
-        assert response.headers["content-type"].startswith("text/event-stream")
-        async for line in response.aiter_lines():
-            if line.startswith("data: "):
-                data = line.removeprefix("data: ")
-                events.append(data if data == "[DONE]" else json.loads(data))
-    return events
-
-
-async def test_chat_completion_has_openai_shape(client: httpx.AsyncClient) -> None:
-    response = await client.post(
-        "/v1/chat/completions", json=chat(max_tokens=3, temperature=0, user="u")
-    )
-    assert response.status_code == 200, response.text
-    body = response.json()
-    assert body["id"].startswith("chatcmpl-")
-    assert body["object"] == "chat.completion"
-    assert isinstance(body["created"], int)
-    assert body["model"] == "m"
-    assert isinstance(body["system_fingerprint"], str)
-    assert body["choices"] == [
-        {
-            "index": 0,
-            "message": {"role": "assistant", "content": " t10 t11 t12"},
-            "logprobs": None,
-            "finish_reason": "length",
-        }
-    ]
-    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
-
-
-async def test_chat_maps_parameters_onto_the_shard_request(
-    client: httpx.AsyncClient, fake: FakeShard
-) -> None:
-    body = chat(
-        max_completion_tokens=2,
-        max_tokens=50,
-        temperature=0.5,
-        top_p=0.9,
-        seed=7,
-        frequency_penalty=0.5,
-        presence_penalty=-0.25,
-        logit_bias={"7": 5.0, "2": -100},
-        ignore_eos=True,
-        min_tokens=1,
-    )
-    assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
-    (prefill,) = fake.calls_to("Prefill")
-    (request,) = prefill.batch.requests
-    assert list(request.input_ids) == [5, 9]
-    params, stopping = request.parameters, request.stopping_parameters
-    assert params.do_sample and params.seed == 7
-    assert params.temperature == pytest.approx(0.5)
-    assert params.top_p == pytest.approx(0.9)
-    assert params.frequency_penalty == pytest.approx(0.5)
-    assert params.presence_penalty == pytest.approx(-0.25)
-    assert dict(params.logit_bias) == {7: 5.0, 2: -100.0}
-    assert stopping.max_new_tokens == 2
-    assert stopping.ignore_eos_token and stopping.min_new_tokens == 1
-
-
-async def test_temperature_zero_is_greedy_and_unset_samples(
-    client: httpx.AsyncClient, fake: FakeShard
-) -> None:
-    await client.post("/v1/chat/completions", json=chat(max_tokens=1, temperature=0, top_p=0.5))
-    await client.post("/v1/chat/completions", json=chat(max_tokens=1))
-    greedy, default = (p.batch.requests[0].parameters for p in fake.calls_to("Prefill"))
-    assert not greedy.do_sample and greedy.top_p == 1.0
-    assert default.do_sample and default.temperature == 1.0
-
-
-async def test_stop_sequence_is_cut_from_the_answer(client: httpx.AsyncClient) -> None:
-    body = chat(max_tokens=10, stop=" t12")
-    answer = (await client.post("/v1/chat/completions", json=body)).json()
-    assert answer["choices"][0]["message"]["content"] == " t10 t11"
-    assert answer["choices"][0]["finish_reason"] == "stop"
-    assert answer["usage"]["completion_tokens"] == 3
-    body["include_stop_str_in_output"] = True
-    answer = (await client.post("/v1/chat/completions", json=body)).json()
-    assert answer["choices"][0]["message"]["content"] == " t10 t11 t12"
-
-
-async def test_eos_finishes_with_stop(client: httpx.AsyncClient, fake: FakeShard) -> None:
-    fake.eos_after = 2
-    answer = (await client.post("/v1/chat/completions", json=chat(max_tokens=10))).json()
-    assert answer["choices"][0]["message"]["content"] == " t10 t11"
-    assert answer["choices"][0]["finish_reason"] == "stop"
-    assert answer["usage"]["completion_tokens"] == 3
-
-
-async def test_n_gives_independent_choices(client: httpx.AsyncClient, fake: FakeShard) -> None:
-    answer = (
-        await client.post("/v1/chat/completions", json=chat(max_tokens=2, n=2, seed=5))
-    ).json()
-    assert [c["index"] for c in answer["choices"]] == [0, 1]
-    assert answer["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}
-    seeds = sorted(r.parameters.seed for p in fake.calls_to("Prefill") for r in p.batch.requests)
-    assert seeds == [5, 6]
-
-
-async def test_chat_logprobs_have_openai_shape(client: httpx.AsyncClient) -> None:
-    body = chat(max_tokens=2, temperature=0, logprobs=True, top_logprobs=2)
-    choice = (await client.post("/v1/chat/completions", json=body)).json()["choices"][0]
-    first = choice["logprobs"]["content"][0]
-    assert first["token"] == " t10"
-    assert first["logprob"] == -0.5
-    assert first["bytes"] == list(b" t10")
-    assert [t["token"] for t in first["top_logprobs"]] == [" t10", " t11"]
-    assert len(choice["logprobs"]["content"]) == 2
-
-
-async def test_chat_stream_sends_role_content_finish_usage_done(client: httpx.AsyncClient) -> None:
-    body = chat(max_tokens=3, stream=True, stream_options={"include_usage": True})
-    events = await sse(client, "/v1/chat/completions", body)
-    assert events[-1] == "[DONE]"
-    chunks = events[:-1]
-    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
-    assert len({c["id"] for c in chunks}) == 1
-    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    content = [c["choices"][0]["delta"]["content"] for c in chunks[:-1]]
-    assert "".join(content) == " t10 t11 t12"
-    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]][-1] == "length"
-    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-2])
-    assert chunks[-1]["choices"] == []
-    assert chunks[-1]["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
-
-
-async def test_chat_stream_holds_back_stop_sequences(client: httpx.AsyncClient) -> None:
-    events = await sse(
-        client, "/v1/chat/completions", chat(max_tokens=9, stream=True, stop=[" t12"])
-    )
-    content = "".join(e["choices"][0]["delta"]["content"] for e in events[:-1])
-    assert content == " t10 t11"
-    assert events[-2]["choices"][0]["finish_reason"] == "stop"
-    assert "usage" not in events[-2] or events[-2]["usage"] is None
-
-
-async def test_chat_stream_with_n_and_logprobs(client: httpx.AsyncClient) -> None:
-    body = chat(max_tokens=2, stream=True, n=2, logprobs=True)
-    events = await sse(client, "/v1/chat/completions", body)
-    for index in (0, 1):
-        chunks = [e["choices"][0] for e in events[:-1] if e["choices"][0]["index"] == index]
-        assert "".join(c["delta"]["content"] for c in chunks) == " t10 t11"
-        assert chunks[-1]["finish_reason"] == "length"
-        tokens = [t["token"] for c in chunks if c["logprobs"] for t in c["logprobs"]["content"]]
-        assert tokens == [" t10", " t11"]
+from textgate.tests.router.openai.routes_helpers import StartRouter, chat, sse
 
 
 async def test_a_shard_error_ends_the_stream_with_an_error_then_done(
@@ -320,29 +119,6 @@ async def test_models_lists_the_served_model(client: httpx.AsyncClient) -> None:
     assert card["object"] == "model"
     assert card["owned_by"] == "textgate"
     assert isinstance(card["created"], int)
-
-
-async def test_chat_tokenize_has_tgi_shape(client: httpx.AsyncClient) -> None:
-    body = chat("w5 hello")
-    answer = (await client.post("/chat_tokenize", json=body)).json()
-    assert answer == {
-        "templated_text": "w5 hello w9",
-        "tokenize_response": [
-            {"id": 5, "text": "w5", "start": 0, "stop": 2},
-            {"id": 8, "text": "hello", "start": 3, "stop": 8},
-            {"id": 9, "text": "w9", "start": 9, "stop": 11},
-        ],
-    }
-
-
-async def test_continue_final_message_prefills_the_answer(
-    client: httpx.AsyncClient, fake: FakeShard
-) -> None:
-    messages = [{"role": "user", "content": "w5"}, {"role": "assistant", "content": "w30"}]
-    body = {"messages": messages, "max_tokens": 1, "continue_final_message": True}
-    assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
-    (prefill,) = fake.calls_to("Prefill")
-    assert list(prefill.batch.requests[0].input_ids) == [5, 30]
 
 
 INVALID: list[tuple[str, dict[str, Any], str]] = [
@@ -493,11 +269,3 @@ async def test_requests_are_counted_in_tgi_metrics(
     assert "tgi_request_success 2.0" in metrics
     assert 'tgi_request_failure{err="validation"} 1.0' in metrics
     assert 'tgi_request_failure{err="generation"} 1.0' in metrics
-
-
-async def test_explicit_nulls_mean_unset(client: httpx.AsyncClient) -> None:
-    # TGI's text-generation client sends every unset field as null.
-    body = chat(max_tokens=2, temperature=0, n=None, logprobs=None, stream=None, stop=None)
-    response = await client.post("/v1/chat/completions", json=body)
-    assert response.status_code == 200, response.text
-    assert len(response.json()["choices"]) == 1

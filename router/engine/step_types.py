@@ -1,0 +1,131 @@
+"""The scheduler's vocabulary: its config and the data-only input and output of a step.
+
+`SchedulerConfig` is built once by the launcher; every step the `Scheduler` hands a
+`SchedulerOutput` (one `ScheduledRequest` per request computed) to the shards, and
+gets a `ModelStepResult` back. Plain frozen dataclasses: no behaviour beyond checks
+and derived sizes, no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits the scheduler works under; built once by the launcher."""
+
+    num_blocks: int
+    """KV-cache blocks in the pool (the shards size the cache at warmup)."""
+    block_size: int = 16
+    """Tokens per KV-cache block (`InfoResponse.block_size`)."""
+    max_num_batched_tokens: int = 4096
+    """Most tokens computed in one step (TGI's --max-batch-prefill-tokens)."""
+    max_num_seqs: int = 256
+    """Most requests running at once."""
+    num_reserved_tokens: int = 16
+    """Decode tokens allocated beyond the prompt at admission, so decoding starts without growing."""
+    enable_prefix_caching: bool = True
+    """Share computed prompt blocks between requests with the same prefix."""
+    target_step_latency_s: float | None = None
+    """Step latency (inter-token latency) the budget adapts to; None keeps the budget fixed."""
+    min_num_batched_tokens: int | None = None
+    """Smallest budget the adaptation may reach; None means max_num_seqs (every decode fits)."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.num_reserved_tokens < 0:
+            raise ValueError(f"num_reserved_tokens must be >= 0, got {self.num_reserved_tokens}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                f"max_num_seqs ({self.max_num_seqs}) so every running request can decode each step"
+            )
+        if self.target_step_latency_s is not None and self.target_step_latency_s <= 0:
+            raise ValueError(f"target_step_latency_s must be > 0, got {self.target_step_latency_s}")
+        if (
+            not self.max_num_seqs
+            <= self.resolved_min_num_batched_tokens
+            <= self.max_num_batched_tokens
+        ):
+            raise ValueError(
+                f"min_num_batched_tokens ({self.min_num_batched_tokens}) must lie between "
+                f"max_num_seqs ({self.max_num_seqs}) and max_num_batched_tokens "
+                f"({self.max_num_batched_tokens})"
+            )
+
+    @property
+    def resolved_min_num_batched_tokens(self) -> int:
+        """`min_num_batched_tokens`, with its default applied."""
+        if self.min_num_batched_tokens is None:
+            return self.max_num_seqs
+        return self.min_num_batched_tokens
+
+    @property
+    def max_num_cached_tokens(self) -> int:
+        """Tokens the whole KV cache holds."""
+        return self.num_blocks * self.block_size
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step: compute `token_ids` at positions [start, end)."""
+
+    request_id: int
+    token_ids: tuple[int, ...]
+    """The tokens to compute this step (a prompt chunk, or the last sampled token)."""
+    start_position: int
+    """Position of the first token; everything before it is already in the KV cache
+    (on a request's first step: its prefix-cache hit, `Request.cache_len` in the contract)."""
+    block_table: tuple[int, ...]
+    """The request's KV blocks in token order (may extend past this step's tokens)."""
+    slot_mapping: tuple[int, ...]
+    """KV slot of each token in `token_ids`."""
+    produces_token: bool
+    """Whether this step completes the request's tokens, so its next token is sampled."""
+
+    @property
+    def num_new_tokens(self) -> int:
+        """Tokens computed this step: 1 for a decode, up to the budget for a prefill chunk."""
+        return len(self.token_ids)
+
+    @property
+    def end_position(self) -> int:
+        """One past the position of the last token computed this step."""
+        return self.start_position + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """Everything the shards need for one step; data only."""
+
+    scheduled: tuple[ScheduledRequest, ...]
+    """Requests computed this step: running decodes first, then prefill chunks."""
+    new_request_ids: tuple[int, ...]
+    """Requests admitted this step (first step of their prompt, or of their recompute)."""
+    preempted_ids: tuple[int, ...]
+    """Requests whose blocks were taken back; shards drop their state, they recompute later."""
+    finished_ids: tuple[int, ...]
+    """Running requests that finished or were aborted since the last step; shards drop them."""
+    token_budget: int
+    """The token budget this step was planned under."""
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens computed this step (never more than `token_budget`)."""
+        return sum(request.num_new_tokens for request in self.scheduled)
+
+
+@dataclass(frozen=True)
+class ModelStepResult:
+    """What the shards report back after running a `SchedulerOutput`."""
+
+    sampled_token_ids: Mapping[int, Sequence[int]] = field(default_factory=dict)
+    """Request id -> tokens sampled this step, for each request scheduled with produces_token."""
+    finished_ids: frozenset[int] = frozenset()
+    """Requests the shard's stopping criteria ended this step (eos, stop sequence, length)."""
+    step_latency_s: float | None = None
+    """Measured wall time of the step; feeds the budget policy when set."""

@@ -1,0 +1,34 @@
+"""SchedulerConfig: validation of its limits, and that it is frozen."""
+
+from __future__ import annotations
+
+from dataclasses import FrozenInstanceError
+from typing import Any
+
+import pytest
+
+from textgate.tests.router.engine.scheduler_helpers import make_config
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"num_blocks": 0}, "num_blocks must be at least 1"),
+        ({"block_size": 0}, "block_size must be at least 1"),
+        ({"max_num_seqs": 0}, "max_num_seqs must be at least 1"),
+        ({"num_reserved_tokens": -1}, "num_reserved_tokens"),
+        ({"max_num_batched_tokens": 4, "max_num_seqs": 8}, "at least max_num_seqs"),
+        ({"target_step_latency_s": 0.0}, "target_step_latency_s"),
+        ({"min_num_batched_tokens": 4}, "min_num_batched_tokens"),
+        ({"min_num_batched_tokens": 65}, "min_num_batched_tokens"),
+    ],
+)
+def test_config_rejects_bad_values(overrides: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make_config(**overrides)
+
+
+def test_config_is_frozen() -> None:
+    config, name = make_config(), "num_blocks"
+    with pytest.raises(FrozenInstanceError):
+        setattr(config, name, 3)
