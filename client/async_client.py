@@ -257,25 +257,25 @@ class AsyncClient:
 
     async def _post(self, path: str, payload: dict[str, Any], item_type: type[T]) -> T:
         url = self._settings.url(path)
-        async with self._session() as http:
-            with mapped_transport_errors(url, self._settings.timeout):
-                response = await http.post(url, json=payload)
+        async with self._session() as http, mapped_transport_errors(url, self._settings.timeout):
+            response = await http.post(url, json=payload)
         return parse_body(response.status_code, response.content, item_type)
 
     async def _stream(
         self, path: str, payload: dict[str, Any], item_type: type[T], *, until_done: bool
     ) -> AsyncIterator[T]:
         url = self._settings.url(path)
-        async with self._session() as http:
-            with mapped_transport_errors(url, self._settings.timeout):
-                async with http.stream("POST", url, json=payload) as response:
-                    if not is_success(response.status_code):
-                        raise error_from_body(response.status_code, await response.aread())
-                    events = EventStream(
-                        item_type, until_done=until_done, status_code=response.status_code
-                    )
-                    async for chunk in response.aiter_bytes():
-                        for item in events.feed(chunk):
-                            yield item
-                    for item in events.close():
-                        yield item
+        async with (
+            self._session() as http,
+            mapped_transport_errors(url, self._settings.timeout),
+            http.stream("POST", url, json=payload) as response,
+        ):
+            if not is_success(response.status_code):
+                raise error_from_body(response.status_code, await response.aread())
+            events = EventStream(item_type, until_done=until_done, status_code=response.status_code)
+            # codegen: two loop names, so that each loop becomes a `yield from` in client.py.
+            async for chunk in response.aiter_bytes():
+                for item in events.feed(chunk):
+                    yield item
+            for leftover in events.close():
+                yield leftover

@@ -1,3 +1,5 @@
+# Generated from client/async_client.py by `python -m textgate.client.codegen`.
+# Do not edit: change async_client.py (or codegen.py) and rerun the command.
 """`Client`: the synchronous client, a drop-in for `text_generation.Client` (0.7.0)."""
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import functools
 import ssl
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any
 
 import httpx
@@ -72,20 +72,54 @@ def default_ssl_context() -> ssl.SSLContext:
     return httpx.create_ssl_context()
 
 
-@contextmanager
-def mapped_transport_errors(url: str, timeout: httpx.Timeout) -> Iterator[None]:
-    """Re-raise httpx's transport failures as the client's own errors."""
-    try:
-        yield
-    except httpx.TimeoutException as err:
-        raise ClientTimeoutError(
-            f"{type(err).__name__} on {url} (timeout {_describe(timeout)}); "
-            "pass a larger `timeout=` to the client for slow or long generations"
-        ) from err
-    except httpx.ConnectError as err:
-        raise ConnectionFailedError(f"cannot connect to {url}: {err}") from err
-    except (httpx.ReadError, httpx.RemoteProtocolError) as err:
-        raise IncompleteGenerationError(f"connection to {url} lost mid-answer: {err}") from err
+# Named in lower case like `contextlib.suppress`: it reads as a clause of a `with`.
+class mapped_transport_errors:
+    """Re-raise httpx's transport failures as the client's own errors.
+
+    A context manager for both `with` and `async with`: an `async with` statement cannot
+    hold a plain context manager, and the async client (which client.py is generated from)
+    lists this one beside its async ones in a single statement.
+    """
+
+    def __init__(self, url: str, timeout: httpx.Timeout) -> None:
+        self.url = url
+        self.timeout = timeout
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        mapped = self._map(exc)
+        if mapped is not None:
+            raise mapped from exc
+
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.__exit__(exc_type, exc, traceback)
+
+    def _map(self, err: BaseException | None) -> Exception | None:
+        if isinstance(err, httpx.TimeoutException):
+            return ClientTimeoutError(
+                f"{type(err).__name__} on {self.url} (timeout {_describe(self.timeout)}); "
+                "pass a larger `timeout=` to the client for slow or long generations"
+            )
+        if isinstance(err, httpx.ConnectError):
+            return ConnectionFailedError(f"cannot connect to {self.url}: {err}")
+        if isinstance(err, (httpx.ReadError, httpx.RemoteProtocolError)):
+            return IncompleteGenerationError(f"connection to {self.url} lost mid-answer: {err}")
+        return None
 
 
 def _describe(timeout: httpx.Timeout) -> str:

@@ -56,3 +56,11 @@ def test_timeout_message_tells_what_to_do() -> None:
 def test_other_errors_pass_through() -> None:
     with pytest.raises(KeyError), mapped_transport_errors("http://h/x", httpx.Timeout(2)):
         raise KeyError("mine")
+
+
+async def test_transport_errors_are_mapped_under_async_with() -> None:
+    raised = httpx.ReadError("reset")
+    with pytest.raises(IncompleteGenerationError) as caught:
+        async with mapped_transport_errors("http://h/x", httpx.Timeout(2)):
+            raise raised
+    assert caught.value.__cause__ is raised
