@@ -43,8 +43,10 @@ typecheck: setup
 test: setup lint typecheck
 	$(PY) -m pytest
 
+# Generated files, committed; tests fail when they are stale.
 stubs: setup
 	$(PY) -m textgate.proto.codegen
+	$(PY) -m textgate.client.codegen
 
 bench: setup
 	$(PY) -m textgate.bench.sweep

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -30,6 +31,16 @@ BATCH_SIZE_BUCKETS = tuple(float(n) for n in range(1, 1025))
 # TGI's `err` label values; other error types keep their own name.
 FAILURE_LABELS = {"incomplete_generation": "incomplete"}
 PREFILL, DECODE = "prefill", "decode"
+
+
+class ShardTimes(Protocol):
+    """What the answer of every step RPC (Prefill, Decode, Step) reports of its time."""
+
+    @property
+    def forward_ns(self) -> int: ...
+
+    @property
+    def decode_ns(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -121,9 +132,9 @@ class Metrics:
         self,
         method: str,
         duration_s: float,
-        response: pb.PrefillResponse | pb.DecodeResponse | None,
+        response: ShardTimes | None,
     ) -> None:
-        """One Prefill/Decode call (`method`) took `duration_s`; `response` is None if it failed."""
+        """One step call (`method`) took `duration_s`; `response` is None if it failed."""
         self._inference_count.labels(method=method).inc()
         if response is None:
             return

@@ -5,7 +5,7 @@ Info, Health, Warmup with a batch as large as the prefill budget, then uvicorn.
 `engine.factory.make_engine` picks the engine from what Info and Warmup report.
 `Router listening on http://{hostname}:{port}` is logged once connections are
 accepted. On a signal uvicorn stops accepting, lets in-flight requests finish (each
-gets its final event), then the batcher closes and the process exits 0.
+gets its final event), then the engine closes and the process exits 0.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""One request's events, from the batcher to the HTTP handler that answers it.
+"""One request's events, from the engine to the HTTP handler that answers it.
 
-The batcher pushes a `StepEvent` per Generation the shards return for the request;
+The engine pushes a `StepEvent` per Generation the shards return for the request;
 the last event is either a `StepEvent` with `finished` set or an `ErrorEvent`.
 The handler iterates the channel and cancels it when its client goes away.
 """
@@ -133,7 +133,7 @@ class Channel:
         self._events.put_nowait(event)
 
     def cancel(self) -> None:
-        """The client went away: the batcher drops the request at its next step."""
+        """The client went away: the engine drops the request at its next step."""
         if self._closed or self._cancelled:
             return
         self._cancelled = True

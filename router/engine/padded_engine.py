@@ -32,7 +32,7 @@ log = logging.getLogger("textgate.router")
 class PaddedEngine(StepLoop):
     """Owns the waiting queue and the running batch; one task steps the shards."""
 
-    name = "batcher"
+    name = "padded-engine"
 
     def __init__(
         self,

@@ -1,6 +1,6 @@
 """The waiting queue and TGI's rule for which waiting requests join the batch next.
 
-Pure Python, no I/O: the batcher asks `Queue.admit` between steps and prefills what
+Pure Python, no I/O: the padded engine asks `Queue.admit` between steps and prefills what
 it returns. Two budgets bound a new batch: its prompt tokens (what one prefill may
 compute) and its prompt + generation tokens (what the running batch leaves of
 `max_batch_total_tokens`). While a batch runs, new requests only join once enough

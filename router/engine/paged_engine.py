@@ -30,7 +30,7 @@ log = logging.getLogger("textgate.router")
 class PagedEngine(StepLoop):
     """Owns the scheduler; one task steps the shards while requests are in flight."""
 
-    name = "engine"
+    name = "paged-engine"
 
     def __init__(
         self,

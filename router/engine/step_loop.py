@@ -27,7 +27,7 @@ from typing import Protocol, TypeVar
 from textgate.proto import generate_pb2 as pb
 from textgate.router.engine.channel import Channel, ErrorEvent, StepEvent
 from textgate.router.engine.request import ValidRequest
-from textgate.router.metrics import Metrics
+from textgate.router.metrics import Metrics, ShardTimes
 from textgate.router.shard_client import ShardedClient
 
 log = logging.getLogger("textgate.router")
@@ -44,7 +44,7 @@ class OverloadedError(Exception):
         super().__init__("Model is overloaded")
 
 
-class ShardResponse(Protocol):
+class ShardResponse(ShardTimes, Protocol):
     """What every step RPC answers (Prefill, Decode, Step)."""
 
     @property
