@@ -116,7 +116,7 @@ class StoppingCriteriaParameters(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., stop_sequences: _Optional[_Iterable[str]] = ..., ignore_eos_token: _Optional[bool] = ..., min_new_tokens: _Optional[int] = ...) -> None: ...
 
 class Request(_message.Message):
-    __slots__ = ("id", "inputs", "input_ids", "parameters", "stopping_parameters", "prefill_logprobs", "top_n_tokens", "blocks", "slots", "cache_len")
+    __slots__ = ("id", "inputs", "input_ids", "parameters", "stopping_parameters", "prefill_logprobs", "top_n_tokens", "cache_len")
     ID_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -124,8 +124,6 @@ class Request(_message.Message):
     STOPPING_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_N_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    SLOTS_FIELD_NUMBER: _ClassVar[int]
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
     id: int
     inputs: str
@@ -134,10 +132,8 @@ class Request(_message.Message):
     stopping_parameters: StoppingCriteriaParameters
     prefill_logprobs: bool
     top_n_tokens: int
-    blocks: _containers.RepeatedScalarFieldContainer[int]
-    slots: _containers.RepeatedScalarFieldContainer[int]
     cache_len: int
-    def __init__(self, id: _Optional[int] = ..., inputs: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., parameters: _Optional[_Union[NextTokenChooserParameters, _Mapping]] = ..., stopping_parameters: _Optional[_Union[StoppingCriteriaParameters, _Mapping]] = ..., prefill_logprobs: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., cache_len: _Optional[int] = ...) -> None: ...
+    def __init__(self, id: _Optional[int] = ..., inputs: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., parameters: _Optional[_Union[NextTokenChooserParameters, _Mapping]] = ..., stopping_parameters: _Optional[_Union[StoppingCriteriaParameters, _Mapping]] = ..., prefill_logprobs: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., cache_len: _Optional[int] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("id", "requests", "size", "max_tokens")
@@ -215,13 +211,75 @@ class FilterBatchResponse(_message.Message):
     batch: CachedBatch
     def __init__(self, batch: _Optional[_Union[CachedBatch, _Mapping]] = ...) -> None: ...
 
-class PrefillRequest(_message.Message):
-    __slots__ = ("batch", "plan")
+class WarmupRequest(_message.Message):
+    __slots__ = ("batch", "max_input_tokens", "max_prefill_tokens", "max_total_tokens")
     BATCH_FIELD_NUMBER: _ClassVar[int]
-    PLAN_FIELD_NUMBER: _ClassVar[int]
+    MAX_INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     batch: Batch
+    max_input_tokens: int
+    max_prefill_tokens: int
+    max_total_tokens: int
+    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., max_input_tokens: _Optional[int] = ..., max_prefill_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ...) -> None: ...
+
+class WarmupResponse(_message.Message):
+    __slots__ = ("max_supported_total_tokens", "num_blocks")
+    MAX_SUPPORTED_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    max_supported_total_tokens: int
+    num_blocks: int
+    def __init__(self, max_supported_total_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("batch",)
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    batch: Batch
+    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("generations", "batch", "forward_ns", "decode_ns", "total_ns")
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_NS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_NS_FIELD_NUMBER: _ClassVar[int]
+    generations: _containers.RepeatedCompositeFieldContainer[Generation]
+    batch: CachedBatch
+    forward_ns: int
+    decode_ns: int
+    total_ns: int
+    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., forward_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ..., total_ns: _Optional[int] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("batches",)
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    batches: _containers.RepeatedCompositeFieldContainer[CachedBatch]
+    def __init__(self, batches: _Optional[_Iterable[_Union[CachedBatch, _Mapping]]] = ...) -> None: ...
+
+class DecodeResponse(_message.Message):
+    __slots__ = ("generations", "batch", "forward_ns", "decode_ns", "total_ns", "concat_ns")
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_NS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_NS_FIELD_NUMBER: _ClassVar[int]
+    CONCAT_NS_FIELD_NUMBER: _ClassVar[int]
+    generations: _containers.RepeatedCompositeFieldContainer[Generation]
+    batch: CachedBatch
+    forward_ns: int
+    decode_ns: int
+    total_ns: int
+    concat_ns: int
+    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., forward_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., concat_ns: _Optional[int] = ...) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("requests", "plan")
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[Request]
     plan: StepPlan
-    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., plan: _Optional[_Union[StepPlan, _Mapping]] = ...) -> None: ...
+    def __init__(self, requests: _Optional[_Iterable[_Union[Request, _Mapping]]] = ..., plan: _Optional[_Union[StepPlan, _Mapping]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
     __slots__ = ("scheduled", "finished_ids")
@@ -245,60 +303,14 @@ class ScheduledRequest(_message.Message):
     produces_token: bool
     def __init__(self, request_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_position: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., produces_token: _Optional[bool] = ...) -> None: ...
 
-class PrefillResponse(_message.Message):
-    __slots__ = ("generations", "batch", "forward_ns", "decode_ns", "total_ns")
+class StepResponse(_message.Message):
+    __slots__ = ("generations", "forward_ns", "decode_ns", "total_ns")
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
-    BATCH_FIELD_NUMBER: _ClassVar[int]
     FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
     DECODE_NS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_NS_FIELD_NUMBER: _ClassVar[int]
     generations: _containers.RepeatedCompositeFieldContainer[Generation]
-    batch: CachedBatch
     forward_ns: int
     decode_ns: int
     total_ns: int
-    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., forward_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ..., total_ns: _Optional[int] = ...) -> None: ...
-
-class DecodeRequest(_message.Message):
-    __slots__ = ("batches", "plan")
-    BATCHES_FIELD_NUMBER: _ClassVar[int]
-    PLAN_FIELD_NUMBER: _ClassVar[int]
-    batches: _containers.RepeatedCompositeFieldContainer[CachedBatch]
-    plan: StepPlan
-    def __init__(self, batches: _Optional[_Iterable[_Union[CachedBatch, _Mapping]]] = ..., plan: _Optional[_Union[StepPlan, _Mapping]] = ...) -> None: ...
-
-class DecodeResponse(_message.Message):
-    __slots__ = ("generations", "batch", "forward_ns", "decode_ns", "total_ns", "concat_ns")
-    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
-    BATCH_FIELD_NUMBER: _ClassVar[int]
-    FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
-    DECODE_NS_FIELD_NUMBER: _ClassVar[int]
-    TOTAL_NS_FIELD_NUMBER: _ClassVar[int]
-    CONCAT_NS_FIELD_NUMBER: _ClassVar[int]
-    generations: _containers.RepeatedCompositeFieldContainer[Generation]
-    batch: CachedBatch
-    forward_ns: int
-    decode_ns: int
-    total_ns: int
-    concat_ns: int
-    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., forward_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., concat_ns: _Optional[int] = ...) -> None: ...
-
-class WarmupRequest(_message.Message):
-    __slots__ = ("batch", "max_input_tokens", "max_prefill_tokens", "max_total_tokens")
-    BATCH_FIELD_NUMBER: _ClassVar[int]
-    MAX_INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    MAX_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    MAX_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    batch: Batch
-    max_input_tokens: int
-    max_prefill_tokens: int
-    max_total_tokens: int
-    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., max_input_tokens: _Optional[int] = ..., max_prefill_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ...) -> None: ...
-
-class WarmupResponse(_message.Message):
-    __slots__ = ("max_supported_total_tokens", "num_blocks")
-    MAX_SUPPORTED_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    max_supported_total_tokens: int
-    num_blocks: int
-    def __init__(self, max_supported_total_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., forward_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ..., total_ns: _Optional[int] = ...) -> None: ...

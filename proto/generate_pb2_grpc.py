@@ -74,6 +74,11 @@ class TextGenerationServiceStub:
                 request_serializer=generate__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=generate__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.Step = channel.unary_unary(
+                '/textgate.generate.v1.TextGenerationService/Step',
+                request_serializer=generate__pb2.StepRequest.SerializeToString,
+                response_deserializer=generate__pb2.StepResponse.FromString,
+                _registered_method=True)
 
 
 class TextGenerationServiceServicer:
@@ -101,14 +106,14 @@ class TextGenerationServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ClearCache(self, request, context):
-        """Drop one cached batch (or all of them when id is unset) and free its KV cache.
+        """Drop one cached batch (or everything the shard holds when id is unset).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def FilterBatch(self, request, context):
-        """Keep only the listed requests of a cached batch; the others are freed.
+        """Padded shards: keep only the listed requests of a cached batch; the others are freed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -122,14 +127,22 @@ class TextGenerationServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Prefill(self, request, context):
-        """Compute the prompts of a new batch and generate its first token.
+        """Padded shards: compute the prompts of a new batch and generate its first token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Decode(self, request, context):
-        """Generate one token for every request of the given cached batches (merged into one).
+        """Padded shards: generate one token for every request of the given cached batches
+        (merged into one).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Step(self, request, context):
+        """Paged shards: run one step the router planned (prefill chunks and decodes alike).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -177,6 +190,11 @@ def add_TextGenerationServiceServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=generate__pb2.DecodeRequest.FromString,
                     response_serializer=generate__pb2.DecodeResponse.SerializeToString,
+            ),
+            'Step': grpc.unary_unary_rpc_method_handler(
+                    servicer.Step,
+                    request_deserializer=generate__pb2.StepRequest.FromString,
+                    response_serializer=generate__pb2.StepResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -395,6 +413,33 @@ class TextGenerationService:
             '/textgate.generate.v1.TextGenerationService/Decode',
             generate__pb2.DecodeRequest.SerializeToString,
             generate__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Step(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/textgate.generate.v1.TextGenerationService/Step',
+            generate__pb2.StepRequest.SerializeToString,
+            generate__pb2.StepResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -2,6 +2,8 @@
 
 Every shard gets the same call (tensor-parallel ranks step together) and rank 0's
 answer is the one used. Failures surface as `ShardError` carrying the shard's message.
+Padded shards step with `prefill` / `decode` / `filter_batch`, paged shards with `step`
+(see proto/generate.proto); a call of the other protocol fails.
 """
 
 from __future__ import annotations
@@ -73,19 +75,17 @@ class ShardClient:
         return await self._call(self._stub.Warmup, request)
 
     async def prefill(self, batch: pb.Batch) -> pb.PrefillResponse:
+        """Padded shards: prefill a new batch, which the shard then caches by id."""
         return await self._call(self._stub.Prefill, pb.PrefillRequest(batch=batch))
 
     async def decode(self, batches: Sequence[pb.CachedBatch]) -> pb.DecodeResponse:
+        """Padded shards: merge cached batches and generate one token for each request."""
         return await self._call(self._stub.Decode, pb.DecodeRequest(batches=list(batches)))
 
-    async def step(
-        self, requests: Sequence[pb.Request], plan: pb.StepPlan
-    ) -> pb.PrefillResponse | pb.DecodeResponse:
-        """Paged shards: run one planned step (Prefill when it admits new requests)."""
-        if requests:
-            batch = pb.Batch(requests=list(requests), size=len(requests))
-            return await self._call(self._stub.Prefill, pb.PrefillRequest(batch=batch, plan=plan))
-        return await self._call(self._stub.Decode, pb.DecodeRequest(plan=plan))
+    async def step(self, requests: Sequence[pb.Request], plan: pb.StepPlan) -> pb.StepResponse:
+        """Paged shards: run one planned step; `requests` are those it schedules first."""
+        request = pb.StepRequest(requests=list(requests), plan=plan)
+        return await self._call(self._stub.Step, request)
 
     async def _call(self, method: Any, request: Any, timeout_s: float | None = None) -> Any:
         try:
@@ -145,9 +145,7 @@ class ShardedClient:
     async def decode(self, batches: Sequence[pb.CachedBatch]) -> pb.DecodeResponse:
         return await self._all(lambda c: c.decode(batches))
 
-    async def step(
-        self, requests: Sequence[pb.Request], plan: pb.StepPlan
-    ) -> pb.PrefillResponse | pb.DecodeResponse:
+    async def step(self, requests: Sequence[pb.Request], plan: pb.StepPlan) -> pb.StepResponse:
         return await self._all(lambda c: c.step(requests, plan))
 
     async def _all(self, call: Callable[[ShardClient], Awaitable[T]]) -> T:

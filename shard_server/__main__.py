@@ -13,9 +13,9 @@ import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 from textgate.shard_server.loader import load_model
+from textgate.shard_server.model import ShardModel
 from textgate.shard_server.paged_model import CacheConfig
 from textgate.shard_server.server import model_thread, serve
 
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 async def _serve_until_signal(
-    model: Any, uds_path: str, rank: int, world_size: int, executor: ThreadPoolExecutor
+    model: ShardModel, uds_path: str, rank: int, world_size: int, executor: ThreadPoolExecutor
 ) -> None:
     task = asyncio.ensure_future(serve(model, uds_path, rank, world_size, executor))
     loop = asyncio.get_running_loop()

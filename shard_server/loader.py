@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from textgate.shard_server.model import Model
+from textgate.shard_server.model import ShardModel
 from textgate.shard_server.paged_model import CacheConfig, PagedModel
 from textgate.shard_server.sequence import TokenizerInfo
 
@@ -56,7 +56,7 @@ def load_model(
     trust_remote_code: bool = False,
     cache_config: CacheConfig | None = None,
     native: bool = True,
-) -> Model[Any] | PagedModel:
+) -> ShardModel:
     """Load `model_path` for this rank: native and paged when the architecture allows."""
     device = shard_device(rank)
     model_type = json.loads((model_path / "config.json").read_text()).get("model_type")

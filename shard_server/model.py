@@ -1,11 +1,15 @@
-"""The interface every shard model implements, and the shared step post-processing."""
+"""The interface the shard's servicer talks to, its errors, and the shared step post-processing.
+
+A shard serves ONE step protocol of generate.proto. `PaddedModel` (padded_model.py)
+serves Prefill / Decode / FilterBatch over batches it caches by id; `PagedModel`
+(paged_model.py) serves Step over the paged KV cache. Each answers the other
+protocol's calls with `UnsupportedCall`, so the servicer never asks which it has.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -14,52 +18,57 @@ from textgate.shard_server.sampler import Sampler, SamplerOutput, SamplingTensor
 from textgate.shard_server.sequence import Sequence, TokenizerInfo
 
 
-class BatchLike(ABC):
-    """What the server needs of a model's batch type (continuous batching)."""
-
-    batch_id: int
-
-    @abstractmethod
-    def to_pb(self) -> pb.CachedBatch: ...
-
-    @abstractmethod
-    def filter(self, request_ids: Seq[int]) -> Any: ...
+class InvalidCall(Exception):
+    """A call that cannot be served as sent (gRPC INVALID_ARGUMENT); the message says why."""
 
 
-B = TypeVar("B")
+class UnsupportedCall(InvalidCall):
+    """A call of the step protocol this shard does not serve; the message names its own."""
 
 
-@dataclass(frozen=True)
-class StepOutput(Generic[B]):
-    """One step's generations and the batch that keeps running (None if all finished)."""
-
-    generations: list[pb.Generation]
-    batch: B | None
-    forward_ns: int
-    decode_ns: int
+class BatchNotFound(LookupError):
+    """A batch id the shard has not cached (gRPC NOT_FOUND)."""
 
 
-class Model(ABC, Generic[B]):
-    """A loaded model that turns batches into generations, one token per step."""
+PAGED_ONLY = "this shard is paged (block_size > 0): send Step, not {call}"
+PADDED_ONLY = "this shard is padded (block_size 0): send Prefill / Decode / FilterBatch, not Step"
+
+
+class ShardModel(ABC):
+    """A loaded model behind generate.proto: one call at a time, from the model thread.
+
+    Responses leave `total_ns` to the servicer, which times the whole call.
+    """
 
     info: TokenizerInfo
-    sampler: Sampler
 
     @abstractmethod
-    def describe(self) -> pb.InfoResponse: ...
-
-    @abstractmethod
-    def batch_from_pb(self, batch: pb.Batch) -> B: ...
-
-    @abstractmethod
-    def concatenate(self, batches: Seq[B]) -> B: ...
-
-    @abstractmethod
-    def generate_token(self, batch: B) -> StepOutput[B]: ...
+    def describe(self) -> pb.InfoResponse:
+        """Info: the model facts the router validates and tokenizes with."""
 
     @abstractmethod
     def warmup(self, request: pb.WarmupRequest) -> pb.WarmupResponse:
-        """Run the largest batch once; report the token capacity if a cache bounds it."""
+        """Drop all state, run the largest step the limits allow once, report capacity."""
+
+    @abstractmethod
+    def clear(self, batch_id: int | None) -> None:
+        """ClearCache: drop one cached batch, or all state when `batch_id` is None."""
+
+    @abstractmethod
+    def filter(self, batch_id: int, request_ids: Seq[int]) -> pb.CachedBatch:
+        """Padded: keep only `request_ids` of a cached batch (BatchNotFound if unknown)."""
+
+    @abstractmethod
+    def prefill(self, batch: pb.Batch) -> pb.PrefillResponse:
+        """Padded: compute a new batch's prompts, sample its first tokens, cache it."""
+
+    @abstractmethod
+    def decode(self, batches: Seq[pb.CachedBatch]) -> pb.DecodeResponse:
+        """Padded: merge cached batches (first id wins) and sample one token for each."""
+
+    @abstractmethod
+    def step(self, requests: Seq[pb.Request], plan: pb.StepPlan) -> pb.StepResponse:
+        """Paged: admit `requests`, drop `plan.finished_ids`, run the plan, sample."""
 
 
 def sample(

@@ -5,6 +5,9 @@ generator). The router's scheduler decides every step: which tokens of which
 sequences to compute and in which KV blocks (a `StepPlan`). Prefill, chunked prefill,
 prefix-cache hits, decode and recompute after preemption are all the same thing here:
 compute `token_ids` at their positions, and sample where the plan says so.
+
+`PagedModel` serves the Step call of generate.proto; the padded protocol's Prefill /
+Decode / FilterBatch are answered with `UnsupportedCall`.
 """
 
 from __future__ import annotations
@@ -19,7 +22,13 @@ import torch
 from textgate.kernels import AttentionMetadata
 from textgate.proto import generate_pb2 as pb
 from textgate.shard_server.kv_cache import KVCache
-from textgate.shard_server.model import StepOutput, append_tokens, sample
+from textgate.shard_server.model import (
+    PAGED_ONLY,
+    ShardModel,
+    UnsupportedCall,
+    append_tokens,
+    sample,
+)
 from textgate.shard_server.sampler import Sampler, SamplingTensors
 from textgate.shard_server.sequence import Sequence, TokenizerInfo
 
@@ -58,7 +67,7 @@ class StepInputs:
     prefill_rows: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
 
 
-class PagedModel:
+class PagedModel(ShardModel):
     """A native model, its KV cache and the running sequences of one shard."""
 
     def __init__(
@@ -113,7 +122,7 @@ class PagedModel:
 
     def warmup(self, request: pb.WarmupRequest) -> pb.WarmupResponse:
         """Allocate the cache, then run one prefill as large as the router allows."""
-        self.sequences.clear()
+        self.clear(None)
         self.kv_cache = None
         num_blocks = self.num_blocks()
         self.kv_cache = self.model.allocate_kv_cache(num_blocks, self.cache_config.block_size)
@@ -139,9 +148,29 @@ class PagedModel:
             max_supported_total_tokens=num_blocks * block_size, num_blocks=num_blocks
         )
 
+    # -- ClearCache, and the padded protocol's calls (unsupported) -------------------------
+
+    def clear(self, batch_id: int | None) -> None:
+        """Forget every sequence when `batch_id` is None (the KV cache stays allocated).
+
+        A paged shard holds no batches, so a batch id names nothing to drop.
+        """
+        if batch_id is None:
+            self.sequences.clear()
+            self._prompt_logprobs.clear()
+
+    def filter(self, batch_id: int, request_ids: Seq[int]) -> pb.CachedBatch:
+        raise UnsupportedCall(PAGED_ONLY.format(call="FilterBatch"))
+
+    def prefill(self, batch: pb.Batch) -> pb.PrefillResponse:
+        raise UnsupportedCall(PAGED_ONLY.format(call="Prefill"))
+
+    def decode(self, batches: Seq[pb.CachedBatch]) -> pb.DecodeResponse:
+        raise UnsupportedCall(PAGED_ONLY.format(call="Decode"))
+
     # -- one step -----------------------------------------------------------------------
 
-    def step(self, new_requests: Seq[pb.Request], plan: pb.StepPlan) -> StepOutput[None]:
+    def step(self, new_requests: Seq[pb.Request], plan: pb.StepPlan) -> pb.StepResponse:
         """Admit `new_requests`, drop finished ones, run the plan, sample where it says."""
         start = time.perf_counter_ns()
         if self.kv_cache is None:
@@ -151,7 +180,7 @@ class PagedModel:
         for request in new_requests:
             self.sequences[request.id] = Sequence.from_pb(request, self.info, self.device)
         if not plan.scheduled:
-            return StepOutput([], None, 0, 0)
+            return pb.StepResponse()
         inputs = self._inputs(plan.scheduled)
         with torch.inference_mode():
             logits = self.model(
@@ -180,8 +209,10 @@ class PagedModel:
             for seq in inputs.sampled:
                 if seq.id not in still:
                     self._drop(seq.id)
-        return StepOutput(
-            generations, None, forward_done - start, time.perf_counter_ns() - forward_done
+        return pb.StepResponse(
+            generations=generations,
+            forward_ns=forward_done - start,
+            decode_ns=time.perf_counter_ns() - forward_done,
         )
 
     def _drop(self, request_id: int) -> None:
@@ -246,11 +277,6 @@ class PagedModel:
             logprobs = logits[rows[: len(targets)]].log_softmax(-1)  # [n, V]
             index = torch.tensor(targets, device=logits.device)[:, None]
             done.extend(logprobs.gather(1, index).squeeze(1).tolist())
-
-    def reset(self) -> None:
-        """Forget every sequence (ClearCache); the cache tensors stay allocated."""
-        self.sequences.clear()
-        self._prompt_logprobs.clear()
 
     def _attach_prompt_logprobs(
         self, sequences: Seq[Sequence], generations: list[pb.Generation]

@@ -1,46 +1,51 @@
-"""The shard's async gRPC server: a cache of batches and the model that steps them."""
+"""The shard's async gRPC server: generate.proto over one `ShardModel`.
+
+The servicer holds no model state: it runs each call in the model thread (one at a
+time), times the step calls, and maps the model's exceptions to gRPC statuses:
+`UnsupportedCall` / `InvalidCall` -> INVALID_ARGUMENT, `BatchNotFound` -> NOT_FOUND,
+anything else -> INTERNAL with the exception's message.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import grpc
 import torch
 
 from textgate.proto import generate_pb2 as pb
 from textgate.proto import generate_pb2_grpc as pb_grpc
-from textgate.shard_server.model import Model, StepOutput
-from textgate.shard_server.paged_model import PagedModel
+from textgate.shard_server.model import BatchNotFound, InvalidCall, ShardModel
 
 log = logging.getLogger("textgate.shard")
+
+
+class _Timed(Protocol):
+    total_ns: int
+
+
 T = TypeVar("T")
+R = TypeVar("R", bound=_Timed)
 
 
 class ShardServicer(pb_grpc.TextGenerationServiceServicer):
-    """Implements generate.proto over one model; batches live in `cache` between calls."""
+    """Implements generate.proto by forwarding every call to `model`."""
 
     def __init__(
-        self,
-        model: Model[Any] | PagedModel,
-        urls: list[str],
-        executor: ThreadPoolExecutor | None = None,
+        self, model: ShardModel, urls: list[str], executor: ThreadPoolExecutor | None = None
     ) -> None:
         self.model = model
         self.urls = urls
-        self.cache: dict[int, Any] = {}
         # Model calls run one at a time in one thread, so the event loop keeps answering
-        # Health and FilterBatch while a step computes. That thread should be the one
-        # that loaded the model (see `model_thread`).
+        # Health while a step computes. That thread should be the one that loaded the
+        # model (see `model_thread`).
         self._executor = executor or model_thread()
         self._lock = asyncio.Lock()
-
-    async def _run(self, fn: Any, *args: Any) -> Any:
-        async with self._lock:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     async def Info(self, request: pb.InfoRequest, context: Any) -> pb.InfoResponse:
         return self.model.describe()
@@ -56,109 +61,49 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
     async def ClearCache(
         self, request: pb.ClearCacheRequest, context: Any
     ) -> pb.ClearCacheResponse:
-        if request.HasField("id"):
-            self.cache.pop(request.id, None)
-        else:
-            self.cache.clear()
-            if isinstance(self.model, PagedModel):
-                await self._run(self.model.reset)
+        batch_id = request.id if request.HasField("id") else None
+        await self._call(context, self.model.clear, batch_id)
         return pb.ClearCacheResponse()
 
     async def FilterBatch(
         self, request: pb.FilterBatchRequest, context: Any
     ) -> pb.FilterBatchResponse:
-        await self._padded(context)
-        batch = await self._pop(request.batch_id, context)
-        kept = await self._run(batch.filter, list(request.request_ids))
-        if kept is None:
-            return pb.FilterBatchResponse(batch=pb.CachedBatch(id=request.batch_id))
-        self.cache[kept.batch_id] = kept
-        return pb.FilterBatchResponse(batch=kept.to_pb())
+        ids = list(request.request_ids)
+        batch = await self._call(context, self.model.filter, request.batch_id, ids)
+        return pb.FilterBatchResponse(batch=batch)
 
     async def Warmup(self, request: pb.WarmupRequest, context: Any) -> pb.WarmupResponse:
-        self.cache.clear()
-        response: pb.WarmupResponse = await self._guard(
-            context, self._run(self.model.warmup, request)
-        )
-        return response
+        return await self._call(context, self.model.warmup, request)
 
     async def Prefill(self, request: pb.PrefillRequest, context: Any) -> pb.PrefillResponse:
-        start = time.perf_counter_ns()
-        if request.HasField("plan"):
-            out = await self._paged_step(context, list(request.batch.requests), request.plan)
-        else:
-            model = await self._padded(context)
-            batch = await self._guard(context, self._run(model.batch_from_pb, request.batch))
-            out = await self._guard(context, self._run(model.generate_token, batch))
-        response = pb.PrefillResponse(
-            generations=out.generations, forward_ns=out.forward_ns, decode_ns=out.decode_ns
-        )
-        self._keep(out, response)
-        response.total_ns = time.perf_counter_ns() - start
-        return response
+        return await self._timed(context, self.model.prefill, request.batch)
 
     async def Decode(self, request: pb.DecodeRequest, context: Any) -> pb.DecodeResponse:
+        return await self._timed(context, self.model.decode, list(request.batches))
+
+    async def Step(self, request: pb.StepRequest, context: Any) -> pb.StepResponse:
+        return await self._timed(context, self.model.step, list(request.requests), request.plan)
+
+    async def _timed(self, context: Any, call: Callable[..., R], *args: Any) -> R:
+        """`_call`, with the call's whole time in the shard (lock wait included) as total_ns."""
         start = time.perf_counter_ns()
-        if request.HasField("plan"):
-            out = await self._paged_step(context, [], request.plan)
-            concat_ns = 0
-        else:
-            model = await self._padded(context)
-            batches = [await self._pop(b.id, context) for b in request.batches]
-            if not batches:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Decode needs a batch")
-            merged = await self._guard(context, self._run(model.concatenate, batches))
-            concat_ns = time.perf_counter_ns() - start
-            out = await self._guard(context, self._run(model.generate_token, merged))
-        response = pb.DecodeResponse(
-            generations=out.generations,
-            forward_ns=out.forward_ns,
-            decode_ns=out.decode_ns,
-            concat_ns=concat_ns,
-        )
-        self._keep(out, response)
+        response = await self._call(context, call, *args)
         response.total_ns = time.perf_counter_ns() - start
         return response
 
-    async def _paged_step(
-        self, context: Any, requests: list[pb.Request], plan: pb.StepPlan
-    ) -> StepOutput[Any]:
-        if not isinstance(self.model, PagedModel):
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "this shard is not paged: send batches, no plan"
-            )
-        assert isinstance(self.model, PagedModel)
-        out: StepOutput[Any] = await self._guard(
-            context, self._run(self.model.step, requests, plan)
-        )
-        return out
-
-    async def _padded(self, context: Any) -> Model[Any]:
-        if isinstance(self.model, PagedModel):
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "this shard is paged: every step needs a plan"
-            )
-        assert not isinstance(self.model, PagedModel)
-        return self.model
-
-    def _keep(self, out: StepOutput[Any], response: Any) -> None:
-        if out.batch is not None:
-            self.cache[out.batch.batch_id] = out.batch
-            response.batch.CopyFrom(out.batch.to_pb())
-
-    async def _pop(self, batch_id: int, context: Any) -> Any:
-        batch = self.cache.pop(batch_id, None)
-        if batch is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"batch {batch_id} not found")
-        return batch
-
-    async def _guard(self, context: Any, awaitable: Any) -> Any:
-        """Turn a model exception into an INTERNAL status carrying its message."""
+    async def _call(self, context: Any, call: Callable[..., T], *args: Any) -> T:
+        """Run `call` in the model thread, one at a time; its exceptions become statuses."""
         try:
-            return await awaitable
+            async with self._lock:
+                return await asyncio.get_running_loop().run_in_executor(self._executor, call, *args)
+        except InvalidCall as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except BatchNotFound as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         except Exception as exc:
             log.exception("model call failed")
             await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        raise AssertionError("context.abort returned")  # it raises; this tells type checkers
 
 
 def model_thread() -> ThreadPoolExecutor:
@@ -177,7 +122,7 @@ def model_thread() -> ThreadPoolExecutor:
 
 
 async def serve(
-    model: Model[Any] | PagedModel,
+    model: ShardModel,
     uds_path: str,
     rank: int,
     world_size: int,

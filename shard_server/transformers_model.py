@@ -11,13 +11,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from textgate.proto import generate_pb2 as pb
 from textgate.shard_server.causal_lm import CausalLMBatch
-from textgate.shard_server.model import Model, StepOutput, append_tokens, sample
+from textgate.shard_server.model import append_tokens, sample
+from textgate.shard_server.padded_model import PaddedModel, StepOutput
 from textgate.shard_server.sampler import Sampler
 from textgate.shard_server.sequence import TokenizerInfo
 
 
-class TransformersModel(Model[CausalLMBatch]):
-    """AutoModelForCausalLM behind the shard interface; one shard (no tensor parallel)."""
+class TransformersModel(PaddedModel[CausalLMBatch]):
+    """AutoModelForCausalLM behind the padded protocol; one shard (no tensor parallel)."""
 
     def __init__(
         self,
@@ -27,6 +28,7 @@ class TransformersModel(Model[CausalLMBatch]):
         model_id: str,
         trust_remote_code: bool = False,
     ) -> None:
+        super().__init__()
         self.device = device
         self.dtype = dtype
         self.model_id = model_id
@@ -97,10 +99,3 @@ class TransformersModel(Model[CausalLMBatch]):
             logprobs = logits[row, start : width - 1].log_softmax(-1)  # [P-1, V]
             chosen = logprobs.gather(1, ids[:, None]).squeeze(1).tolist()
             generations[row].prefill_tokens.CopyFrom(seq.prefill_tokens(chosen, self.info))
-
-    def warmup(self, request: pb.WarmupRequest) -> pb.WarmupResponse:
-        """One prefill and one decode of the router's largest batch; the batch is dropped."""
-        step = self.generate_token(self.batch_from_pb(request.batch))
-        if step.batch is not None:
-            self.generate_token(step.batch)
-        return pb.WarmupResponse()

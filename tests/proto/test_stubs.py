@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import re
+from itertools import pairwise
 from pathlib import Path
 
 from textgate.proto import codegen
+from textgate.proto import generate_pb2 as pb
+
+_FIELD = re.compile(r"^\s*(?:optional |repeated )?[\w.<>, ]+ (\w+) = \d+;")
+_RPC = re.compile(r"^\s*rpc (\w+)\(")
 
 
 def test_committed_stubs_are_fresh(tmp_path: Path) -> None:
@@ -16,10 +22,30 @@ def test_committed_stubs_are_fresh(tmp_path: Path) -> None:
         )
 
 
-def test_every_message_field_is_documented() -> None:
-    """Each field in generate.proto carries a comment on the line(s) above or is self-evident."""
-    text = (codegen.PROTO_DIR / "generate.proto").read_text()
-    assert "service TextGenerationService" in text
-    for rpc in ("Info", "Health", "ServiceDiscovery", "ClearCache", "FilterBatch", "Warmup"):
-        assert f"rpc {rpc}(" in text
-    assert "rpc Prefill(" in text and "rpc Decode(" in text
+def test_every_rpc_and_message_field_is_documented() -> None:
+    """A comment sits on the line above every rpc and every message field."""
+    lines = (codegen.PROTO_DIR / "generate.proto").read_text().splitlines()
+    undocumented = []
+    for above, line in pairwise(lines):
+        match = _FIELD.match(line) or _RPC.match(line)
+        if match and not above.strip().startswith("//"):
+            undocumented.append(match.group(1))
+    assert not undocumented, f"fields without a comment: {undocumented}"
+
+
+def test_the_contract_has_both_step_protocols() -> None:
+    service = pb.DESCRIPTOR.services_by_name["TextGenerationService"]
+    assert set(service.methods_by_name) == {
+        "Info",
+        "Health",
+        "ServiceDiscovery",
+        "ClearCache",
+        "FilterBatch",
+        "Warmup",
+        "Prefill",
+        "Decode",
+        "Step",
+    }
+    assert "plan" not in pb.PrefillRequest.DESCRIPTOR.fields_by_name
+    assert "plan" not in pb.DecodeRequest.DESCRIPTOR.fields_by_name
+    assert [f.name for f in pb.StepRequest.DESCRIPTOR.fields] == ["requests", "plan"]

@@ -7,7 +7,6 @@ from collections.abc import AsyncIterator
 import pytest
 
 from textgate.proto import generate_pb2 as pb
-from textgate.router.engine.request import SamplingParams, StoppingParams, ValidRequest
 from textgate.router.shard_client import ShardedClient, ShardError
 from textgate.tests.router.fake_shard import FakeShard, fake_shards
 
@@ -21,13 +20,14 @@ async def two(uds_path: str) -> AsyncIterator[tuple[list[FakeShard], ShardedClie
 
 
 def batch(batch_id: int, *prompts: int) -> pb.Batch:
+    """Greedy requests 0, 1, ... of one prompt token each and 3 new tokens."""
     requests = [
-        ValidRequest(
-            inputs="",
-            input_ids=(p,),
-            sampling=SamplingParams(),
-            stopping=StoppingParams(max_new_tokens=3),
-        ).to_pb(i)
+        pb.Request(
+            id=i,
+            input_ids=[p],
+            parameters=pb.NextTokenChooserParameters(temperature=1.0, top_p=1.0, typical_p=1.0),
+            stopping_parameters=pb.StoppingCriteriaParameters(max_new_tokens=3),
+        )
         for i, p in enumerate(prompts)
     ]
     return pb.Batch(
@@ -91,3 +91,27 @@ async def test_connect_gives_up_when_no_shard_listens(
     path = str(tmp_path_factory.mktemp("none") / "s")
     with pytest.raises(ShardError, match="not reachable"):
         await ShardedClient.connect(path, timeout_s=0.2)
+
+
+async def test_step_reaches_every_paged_shard_and_padded_ones_refuse_it(uds_path: str) -> None:
+    request = batch(0, 10).requests[0]
+    plan = pb.StepPlan(
+        scheduled=[
+            pb.ScheduledRequest(request_id=0, token_ids=[10], block_table=[0], produces_token=True)
+        ]
+    )
+    async with fake_shards(uds_path, world_size=2, paged=True) as shards:
+        client = await ShardedClient.connect(uds_path, timeout_s=5)
+        response = await client.step([request], plan)
+        assert isinstance(response, pb.StepResponse)
+        assert [g.tokens.ids[0] for g in response.generations] == [11]
+        for shard in shards:
+            (call,) = shard.calls_to("Step")
+            assert list(call.requests) == [request] and call.plan == plan
+        with pytest.raises(ShardError, match=r"this shard is paged.*send Step, not Prefill"):
+            await client.prefill(batch(1, 5))
+        for shard in shards:
+            shard.paged = False
+        with pytest.raises(ShardError, match=r"this shard is padded.*not Step"):
+            await client.step([], pb.StepPlan())
+        await client.close()
