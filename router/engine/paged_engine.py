@@ -56,7 +56,8 @@ class PagedEngine(StepLoop):
             self._fail([entry], str(exc), "validation")
 
     def _has_work(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        # Requests that left still hold state in the shards until a step drops them.
+        return self.scheduler.has_unfinished_requests() or bool(self._finished_for_shards)
 
     def _num_waiting(self) -> int:
         return self.scheduler.num_waiting
@@ -80,6 +81,9 @@ class PagedEngine(StepLoop):
         self._finished_for_shards.extend(output.finished_ids)
         if not output.scheduled:
             self.scheduler.update(ModelStepResult())
+            await self._drop_finished_in_shards()
+            if not self.scheduler.has_unfinished_requests():
+                return
             self._wakeup.clear()
             # Nothing fits until a request leaves; wait for a cancellation or a new request.
             with contextlib.suppress(asyncio.TimeoutError):
@@ -102,6 +106,19 @@ class PagedEngine(StepLoop):
             )
         )
         self._report_batch()
+
+    async def _drop_finished_in_shards(self) -> None:
+        """An empty step that only drops what the shards hold for requests that left."""
+        if not self._finished_for_shards:
+            return
+        plan = pb.StepPlan(finished_ids=self._finished_for_shards)
+        self._in_shards.difference_update(plan.finished_ids)
+        self._finished_for_shards = []
+        try:
+            await self._shards.step([], plan)
+        except Exception as exc:
+            # Nothing is waiting on them; a shard that lost its way fails the next step.
+            log.error("dropping finished requests from the shards failed: %s", exc)
 
     async def _run(self, output: SchedulerOutput) -> pb.StepResponse:
         plan = pb.StepPlan(

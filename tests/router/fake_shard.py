@@ -72,6 +72,13 @@ class FakeShard(pb_grpc.TextGenerationServiceServicer):
     def calls_to(self, method: str) -> list[Any]:
         return [request for name, request in self.calls if name == method]
 
+    def step_method(self, *, prefill: bool = False) -> str:
+        """The RPC a step of this shard's protocol arrives as: Step when paged, else
+        Prefill (`prefill`) or Decode; for `fail` and `calls_to` in either mode."""
+        if self.paged:
+            return "Step"
+        return "Prefill" if prefill else "Decode"
+
     def received_requests(self) -> list[pb.Request]:
         """Every request the router sent to be generated, in order, in either mode."""
         received: list[pb.Request] = []

@@ -51,8 +51,7 @@ async def test_chat_maps_parameters_onto_the_shard_request(
         min_tokens=1,
     )
     assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
-    (prefill,) = fake.calls_to("Prefill")
-    (request,) = prefill.batch.requests
+    (request,) = fake.received_requests()
     assert list(request.input_ids) == [5, 9]
     params, stopping = request.parameters, request.stopping_parameters
     assert params.do_sample and params.seed == 7
@@ -70,7 +69,7 @@ async def test_temperature_zero_is_greedy_and_unset_samples(
 ) -> None:
     await client.post("/v1/chat/completions", json=chat(max_tokens=1, temperature=0, top_p=0.5))
     await client.post("/v1/chat/completions", json=chat(max_tokens=1))
-    greedy, default = (p.batch.requests[0].parameters for p in fake.calls_to("Prefill"))
+    greedy, default = (r.parameters for r in fake.received_requests())
     assert not greedy.do_sample and greedy.top_p == 1.0
     assert default.do_sample and default.temperature == 1.0
 
@@ -100,7 +99,7 @@ async def test_n_gives_independent_choices(client: httpx.AsyncClient, fake: Fake
     ).json()
     assert [c["index"] for c in answer["choices"]] == [0, 1]
     assert answer["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}
-    seeds = sorted(r.parameters.seed for p in fake.calls_to("Prefill") for r in p.batch.requests)
+    seeds = sorted(r.parameters.seed for r in fake.received_requests())
     assert seeds == [5, 6]
 
 
@@ -171,8 +170,8 @@ async def test_continue_final_message_prefills_the_answer(
     messages = [{"role": "user", "content": "w5"}, {"role": "assistant", "content": "w30"}]
     body = {"messages": messages, "max_tokens": 1, "continue_final_message": True}
     assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
-    (prefill,) = fake.calls_to("Prefill")
-    assert list(prefill.batch.requests[0].input_ids) == [5, 30]
+    (request,) = fake.received_requests()
+    assert list(request.input_ids) == [5, 30]
 
 
 async def test_explicit_nulls_mean_unset(client: httpx.AsyncClient) -> None:

@@ -20,7 +20,7 @@ from textgate.tests.router.openai.routes_helpers import StartRouter, chat, sse
 async def test_a_shard_error_ends_the_stream_with_an_error_then_done(
     client: httpx.AsyncClient, fake: FakeShard
 ) -> None:
-    fake.fail["Decode"] = 1
+    fake.fail[fake.step_method()] = 1
     events = await sse(client, "/v1/chat/completions", chat(max_tokens=5, stream=True))
     assert events[-1] == "[DONE]"
     assert set(events[-2]) == {"error", "error_type"}
@@ -30,7 +30,7 @@ async def test_a_shard_error_ends_the_stream_with_an_error_then_done(
 async def test_a_shard_error_without_stream_is_424(
     client: httpx.AsyncClient, fake: FakeShard
 ) -> None:
-    fake.fail["Decode"] = 1
+    fake.fail[fake.step_method()] = 1
     response = await client.post("/v1/chat/completions", json=chat(max_tokens=5, n=2))
     assert response.status_code == 424
     assert response.json()["error_type"] == "generation"
@@ -54,8 +54,7 @@ async def test_completion_of_token_id_prompts(client: httpx.AsyncClient, fake: F
     # vLLM's (and OpenAI's) token-array prompts, as lm-evaluation-harness sends them.
     body = {"prompt": [[5, 20], [7]], "max_tokens": 1, "echo": True, "temperature": 0}
     answer = (await client.post("/v1/completions", json=body)).json()
-    (prefill,) = fake.calls_to("Prefill")
-    assert [list(r.input_ids) for r in prefill.batch.requests] == [[5, 20], [7]]
+    assert [list(r.input_ids) for r in fake.received_requests()] == [[5, 20], [7]]
     texts = [c["text"] for c in answer["choices"]]
     assert texts[0].startswith("w5 w20") and texts[1].startswith("w7")  # echoed, decoded
     assert answer["usage"]["prompt_tokens"] == 3
@@ -87,7 +86,7 @@ async def test_completion_best_of_keeps_the_likeliest(
     body = {"prompt": "w5", "max_tokens": 1, "best_of": 2, "logprobs": 0}
     choices = (await client.post("/v1/completions", json=body)).json()["choices"]
     assert len(choices) == 1
-    candidates = [r.parameters.seed for p in fake.calls_to("Prefill") for r in p.batch.requests]
+    candidates = [r.parameters.seed for r in fake.received_requests()]
     assert len(candidates) == 2
     best = max(-((seed % 97) + 1) / 100 for seed in candidates)
     assert choices[0]["logprobs"]["token_logprobs"] == [pytest.approx(best)]
@@ -219,9 +218,8 @@ async def test_bodies_over_the_payload_limit_are_413(start_openai: StartRouter) 
 
 
 def dropped_from_shard(fake: FakeShard) -> bool:
-    """The router filtered or cleared a batch, and the shard holds no request any more."""
-    cleared = [c for c in fake.calls_to("ClearCache") if c.HasField("id")]
-    return bool(fake.calls_to("FilterBatch") or cleared) and not any(fake.cache.values())
+    """The shard received requests and holds none of them any more."""
+    return bool(fake.received_requests()) and not fake.held_request_ids()
 
 
 async def test_a_client_leaving_a_stream_cancels_every_choice(
@@ -238,7 +236,7 @@ async def test_a_client_leaving_a_stream_cancels_every_choice(
             break
         await asyncio.sleep(0.01)
     assert dropped_from_shard(fake)
-    assert len(fake.calls_to("Decode")) < 50
+    assert len(fake.calls_to(fake.step_method())) < 50
 
 
 async def test_a_client_leaving_a_completion_cancels_it(
@@ -252,7 +250,7 @@ async def test_a_client_leaving_a_completion_cancels_it(
             break
         await asyncio.sleep(0.01)
     assert dropped_from_shard(fake)
-    assert len(fake.calls_to("Decode")) < 50
+    assert len(fake.calls_to(fake.step_method())) < 50
 
 
 async def test_requests_are_counted_in_tgi_metrics(
@@ -262,7 +260,7 @@ async def test_requests_are_counted_in_tgi_metrics(
         await http.post("/v1/chat/completions", json=chat(max_tokens=2))
         await sse(http, "/v1/completions", {"prompt": "w5", "max_tokens": 2, "stream": True})
         await http.post("/v1/chat/completions", json=chat(temperature=-1))
-        fake.fail["Decode"] = 1
+        fake.fail[fake.step_method()] = 1
         await sse(http, "/v1/chat/completions", chat(max_tokens=3, stream=True))
         metrics = (await http.get("/metrics")).text
     assert "tgi_request_count 4.0" in metrics
