@@ -27,12 +27,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--uds-path", default="/tmp/textgate-server", help="socket path prefix")
     parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
     parser.add_argument("--trust-remote-code", action="store_true")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    # The launcher always passes these; CacheConfig holds their defaults for manual runs.
+    cache = CacheConfig()
     parser.add_argument(
-        "--kv-cache-memory", type=int, default=1 << 30, help="KV cache bytes on CPU"
+        "--block-size", type=int, default=cache.block_size, help="tokens per KV block"
     )
     parser.add_argument(
-        "--cuda-memory-fraction", type=float, default=0.9, help="free GPU memory for the cache"
+        "--kv-cache-memory", type=int, default=cache.kv_cache_memory, help="KV cache bytes on CPU"
+    )
+    parser.add_argument(
+        "--cuda-memory-fraction",
+        type=float,
+        default=cache.cuda_memory_fraction,
+        help="free GPU memory for the cache",
     )
     parser.add_argument(
         "--no-native", action="store_true", help="serve through transformers even if native"
