@@ -5,7 +5,9 @@
   the last one has `generated_text` set; `details.generated_tokens` is the exact count.
 - `openai-completions`: `POST /v1/completions` with `stream: true`; chunks carry text in
   `choices[0].text`, a usage chunk follows when `stream_options.include_usage` is honoured,
-  and the stream ends with `data: [DONE]`.
+  and the stream ends with `data: [DONE]`. As in `vllm bench serve`, a choice's
+  `finish_reason` already marks the generation complete and `[DONE]` is optional:
+  `transformers serve` closes the stream right after the `finish_reason` chunk.
 - `openai-chat`: `POST /v1/chat/completions`, the same with `choices[0].delta.content`.
 
 Requests are greedy and, unless disabled, ask the server to ignore EOS so every request
@@ -115,7 +117,7 @@ class TgiBackend(StreamBackend):
 
 
 class _OpenAiBackend(StreamBackend):
-    """What the two OpenAI routes share: sampling fields, usage, errors, `[DONE]`."""
+    """What the two OpenAI routes share: sampling fields, usage, errors, the end marker."""
 
     def common_fields(self, settings: GenerationSettings) -> dict[str, Any]:
         fields: dict[str, Any] = {
@@ -141,6 +143,8 @@ class _OpenAiBackend(StreamBackend):
         return StreamChunk(
             is_token=is_token,
             text=text,
+            # Servers that skip `[DONE]` (transformers serve) end with the finish_reason chunk.
+            final=any(choice.get("finish_reason") for choice in choices),
             output_tokens=usage.get("completion_tokens"),
             prompt_tokens=usage.get("prompt_tokens"),
         )

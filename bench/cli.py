@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-ignore-eos",
         dest="ignore_eos",
         action="store_false",
-        help="do not ask the server to ignore EOS; count what it produced",
+        help="send no `ignore_eos` field; count what the server produced\n"
+        "(needed for servers that reject unknown fields, e.g. `transformers serve`)",
     )
     load = parser.add_argument_group("load")
     load.add_argument(

@@ -3,8 +3,9 @@
 TTFT is the time from sending the request to the first token-bearing event; every later
 token-bearing event adds one inter-token gap (ITL); E2E latency ends at the last
 token-bearing event (a trailing usage chunk or `[DONE]` does not extend it). A request
-succeeds only when it got at least one token and the server's end-of-stream marker, with
-no error event: a stream cut short is a failed request, not a short one.
+succeeds only when it got at least one token and the server's final event (TGI's
+`generated_text`, an OpenAI `finish_reason` or `[DONE]`), with no error event: a stream
+cut short is a failed request, not a short one.
 """
 
 from __future__ import annotations

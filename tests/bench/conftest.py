@@ -87,11 +87,14 @@ class FakeServer:
     """Streams `max_new_tokens` / `max_tokens` tokens with a small delay between them.
 
     A prompt containing FAIL gets a 422; one containing CUT ends the stream early.
-    Every request body is kept in `bodies`.
+    Every request body is kept in `bodies`. `transformers_serve=True` answers the OpenAI
+    routes like `transformers serve`: a 422 for an `ignore_eos` field, and streams that
+    close right after the `finish_reason` chunk, with no usage chunk and no `[DONE]`.
     """
 
     def __init__(self, token_delay_s: float = 0.002) -> None:
         self.token_delay_s = token_delay_s
+        self.transformers_serve = False
         self.bodies: list[dict[str, Any]] = []
         self.app = Starlette(
             routes=[
@@ -113,10 +116,18 @@ class FakeServer:
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
 
-    def _reject(self, text: str) -> Response | None:
+    def _reject(self, text: str, body: dict[str, Any] | None = None) -> Response | None:
         if "FAIL" in text:
             return JSONResponse({"error": "bad input", "error_type": "validation"}, 422)
+        if self.transformers_serve and body is not None and "ignore_eos" in body:
+            return JSONResponse({"error": "unexpected field ignore_eos"}, 422)
         return None
+
+    async def _openai_tail(self, n: int) -> AsyncIterator[str]:
+        if self.transformers_serve:
+            return
+        yield _sse({"choices": [], "usage": self._usage(n)})
+        yield _sse("[DONE]")
 
     def _stream(self, events: AsyncIterator[str]) -> Response:
         return StreamingResponse(events, media_type="text/event-stream")
@@ -156,7 +167,7 @@ class FakeServer:
         body = await request.json()
         self.bodies.append(body)
         n = body["max_tokens"]
-        if (error := self._reject(body["prompt"])) is not None:
+        if (error := self._reject(body["prompt"], body)) is not None:
             return error
 
         async def events() -> AsyncIterator[str]:
@@ -166,8 +177,8 @@ class FakeServer:
                 yield _sse({"choices": [{"index": 0, "text": f" t{i}", "finish_reason": finish}]})
             if cut:
                 return
-            yield _sse({"choices": [], "usage": self._usage(n)})
-            yield _sse("[DONE]")
+            async for event in self._openai_tail(n):
+                yield event
 
         return self._stream(events())
 
@@ -176,7 +187,7 @@ class FakeServer:
         self.bodies.append(body)
         n = body["max_tokens"]
         text = " ".join(m["content"] for m in body["messages"])
-        if (error := self._reject(text)) is not None:
+        if (error := self._reject(text, body)) is not None:
             return error
 
         async def events() -> AsyncIterator[str]:
@@ -186,8 +197,8 @@ class FakeServer:
             if "CUT" in text:
                 return
             yield _sse({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
-            yield _sse({"choices": [], "usage": self._usage(n)})
-            yield _sse("[DONE]")
+            async for event in self._openai_tail(n):
+                yield event
 
         return self._stream(events())
 

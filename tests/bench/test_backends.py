@@ -28,6 +28,7 @@ def test_ignore_eos_is_left_out_when_disabled() -> None:
     settings = GenerationSettings(output_len=4, ignore_eos=False)
     assert "ignore_eos" not in get_backend("tgi").payload(REQUEST, settings)["parameters"]
     assert "ignore_eos" not in get_backend("openai-completions").payload(REQUEST, settings)
+    assert "ignore_eos" not in get_backend("openai-chat").payload(REQUEST, settings)
 
 
 def test_openai_payloads() -> None:
@@ -85,7 +86,9 @@ def test_completions_events() -> None:
     special = b.parse('{"choices": [{"index": 0, "text": "", "finish_reason": null}]}')
     assert special.is_token
     closing = b.parse('{"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}')
-    assert not closing.is_token
+    assert closing == StreamChunk(final=True)  # complete even if `[DONE]` never follows
+    last = b.parse('{"choices": [{"index": 0, "text": " z", "finish_reason": "length"}]}')
+    assert last == StreamChunk(is_token=True, text=" z", final=True)
     usage = b.parse('{"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 9}}')
     assert usage == StreamChunk(output_tokens=9, prompt_tokens=3)
     assert b.parse("[DONE]") == StreamChunk(final=True)
@@ -100,7 +103,7 @@ def test_chat_events_skip_role_and_closing_deltas() -> None:
     )
     assert tgi_style == StreamChunk(is_token=True, text="Hi")
     closing = b.parse('{"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}')
-    assert not closing.is_token
+    assert closing == StreamChunk(final=True)  # complete even if `[DONE]` never follows
     assert b.parse('{"choices": [{"delta": {"content": "x"}}], "usage": null}').is_token
 
 

@@ -64,6 +64,23 @@ def test_open_loop_and_conversations(fake_server, tiny_tokenizer_dir, tmp_path, 
     assert all(b["messages"][-1]["role"] == "user" for b in fake.bodies)
 
 
+@pytest.mark.parametrize("backend", ["openai-completions", "openai-chat"])
+def test_transformers_serve_needs_no_ignore_eos(
+    fake_server, tiny_tokenizer_dir, tmp_path, backend: str
+) -> None:
+    url, fake = fake_server
+    fake.transformers_serve = True  # no `[DONE]`, and a 422 for `ignore_eos`
+    argv = [
+        *common_args(url, tiny_tokenizer_dir, tmp_path),
+        "--backend", backend,
+        "--concurrency", "2",
+    ]  # fmt: skip
+    assert main(argv) == 1  # every request refused
+    assert main([*argv, "--no-ignore-eos"]) == 0
+    record = json.loads((tmp_path / "runs.jsonl").read_text().splitlines()[-1])
+    assert (record["completed"], record["failed"]) == (4, 0)
+
+
 def test_compare_alternates_and_prints_ratios(
     fake_server, tiny_tokenizer_dir, tmp_path, capsys
 ) -> None:

@@ -114,3 +114,45 @@ async def test_send_request_reports_connection_errors() -> None:
         )
     assert not out.success
     assert "ConnectError" in out.error
+
+
+NO_IGNORE_EOS = GenerationSettings(output_len=6, ignore_eos=False, model="fake-model")
+
+
+@pytest.mark.parametrize("backend", ["openai-completions", "openai-chat"])
+async def test_stream_closed_after_finish_reason_is_complete(fake_server, backend: str) -> None:
+    # `transformers serve` ends the stream after the finish_reason chunk, without `[DONE]`.
+    url, fake = fake_server
+    fake.transformers_serve = True
+    async with httpx.AsyncClient() as client:
+        out = await send_request(
+            client, url, get_backend(backend), BenchRequest("hello", 3), NO_IGNORE_EOS
+        )
+    assert out.success, out.error
+    assert out.output_tokens == 6
+    assert len(out.itl) == 5
+    assert "ignore_eos" not in fake.bodies[-1]
+
+
+@pytest.mark.parametrize("backend", ["openai-completions", "openai-chat"])
+async def test_stream_closed_before_finish_reason_fails(fake_server, backend: str) -> None:
+    url, fake = fake_server
+    fake.transformers_serve = True
+    async with httpx.AsyncClient() as client:
+        out = await send_request(
+            client, url, get_backend(backend), BenchRequest("CUT", 1), NO_IGNORE_EOS
+        )
+    assert not out.success
+    assert "final event" in out.error
+
+
+@pytest.mark.parametrize("backend", ["openai-completions", "openai-chat"])
+async def test_server_refusing_ignore_eos_fails_the_request(fake_server, backend: str) -> None:
+    url, fake = fake_server
+    fake.transformers_serve = True
+    async with httpx.AsyncClient() as client:
+        out = await send_request(
+            client, url, get_backend(backend), BenchRequest("hello", 1), SETTINGS
+        )
+    assert not out.success
+    assert out.error.startswith("HTTP 422")
