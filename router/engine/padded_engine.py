@@ -98,8 +98,7 @@ class PaddedEngine(StepLoop):
 
     async def _recover(self, exc: Exception) -> None:
         """Fail the requests in the shards; waiting ones stay queued for the next step."""
-        in_shards = [self._entries[i] for i in self._in_shards if i in self._entries]
-        self._fail(in_shards, "Request failed during generation")
+        self._fail_ids(self._in_shards, "Request failed during generation")
         self._in_shards.clear()
         self._running = None
         self._report_batch()
@@ -145,8 +144,7 @@ class PaddedEngine(StepLoop):
         except Exception as exc:
             self._running = None
             log.error("shard call failed: %s", exc)
-            failed = [self._entries[i] for i in batch.request_ids if i in self._in_shards]
-            self._fail(failed, f"Request failed during generation: {exc}")
+            self._fail_ids(batch.request_ids, f"Request failed during generation: {exc}")
             await self._clear_cache(batch.id)
 
     async def _prefill(self, entries: list[Entry]) -> pb.CachedBatch | None:

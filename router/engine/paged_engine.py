@@ -111,14 +111,17 @@ class PagedEngine(StepLoop):
         """An empty step that only drops what the shards hold for requests that left."""
         if not self._finished_for_shards:
             return
-        plan = pb.StepPlan(finished_ids=self._finished_for_shards)
-        self._in_shards.difference_update(plan.finished_ids)
-        self._finished_for_shards = []
         try:
-            await self._shards.step([], plan)
+            await self._shards.step([], pb.StepPlan(finished_ids=self._take_finished()))
         except Exception as exc:
             # Nothing is waiting on them; a shard that lost its way fails the next step.
             log.error("dropping finished requests from the shards failed: %s", exc)
+
+    def _take_finished(self) -> list[int]:
+        """The requests the next step tells the shards to drop; they no longer hold them."""
+        finished, self._finished_for_shards = self._finished_for_shards, []
+        self._in_shards.difference_update(finished)
+        return finished
 
     async def _run(self, output: SchedulerOutput) -> pb.StepResponse:
         plan = pb.StepPlan(
@@ -132,16 +135,14 @@ class PagedEngine(StepLoop):
                 )
                 for s in output.scheduled
             ],
-            finished_ids=self._finished_for_shards,
+            finished_ids=self._take_finished(),
         )
-        self._finished_for_shards = []
         new = [i for i in output.new_request_ids if i not in self._in_shards]
         if new:
             self._metrics.next_batch(len(new))
         now = time.monotonic()
         for request_id in new:
             self._entries[request_id].channel.started_at = now
-        self._in_shards.difference_update(plan.finished_ids)
         self._in_shards.update(new)
         requests = [self._entries[i].request.to_pb(i) for i in new]
         return await self._shards.step(requests, plan)
