@@ -212,24 +212,66 @@ class FilterBatchResponse(_message.Message):
     def __init__(self, batch: _Optional[_Union[CachedBatch, _Mapping]] = ...) -> None: ...
 
 class WarmupRequest(_message.Message):
-    __slots__ = ("batch", "max_input_tokens", "max_prefill_tokens", "max_total_tokens")
+    __slots__ = ("batch", "max_input_tokens", "max_prefill_tokens", "max_total_tokens", "max_batch_size")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     MAX_INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     batch: Batch
     max_input_tokens: int
     max_prefill_tokens: int
     max_total_tokens: int
-    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., max_input_tokens: _Optional[int] = ..., max_prefill_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ...) -> None: ...
+    max_batch_size: int
+    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., max_input_tokens: _Optional[int] = ..., max_prefill_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ...) -> None: ...
 
 class WarmupResponse(_message.Message):
-    __slots__ = ("max_supported_total_tokens", "num_blocks")
+    __slots__ = ("max_supported_total_tokens", "num_blocks", "decode_timings", "prefill_tokens_per_s", "prefill_chunk_tokens", "measure_ms", "device_name", "num_threads", "dtype", "dtype_source", "dtype_trials")
     MAX_SUPPORTED_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MEASURE_MS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
+    NUM_THREADS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_TRIALS_FIELD_NUMBER: _ClassVar[int]
     max_supported_total_tokens: int
     num_blocks: int
-    def __init__(self, max_supported_total_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+    decode_timings: _containers.RepeatedCompositeFieldContainer[DecodeTiming]
+    prefill_tokens_per_s: float
+    prefill_chunk_tokens: int
+    measure_ms: float
+    device_name: str
+    num_threads: int
+    dtype: str
+    dtype_source: str
+    dtype_trials: _containers.RepeatedCompositeFieldContainer[DtypeTrial]
+    def __init__(self, max_supported_total_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., decode_timings: _Optional[_Iterable[_Union[DecodeTiming, _Mapping]]] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefill_chunk_tokens: _Optional[int] = ..., measure_ms: _Optional[float] = ..., device_name: _Optional[str] = ..., num_threads: _Optional[int] = ..., dtype: _Optional[str] = ..., dtype_source: _Optional[str] = ..., dtype_trials: _Optional[_Iterable[_Union[DtypeTrial, _Mapping]]] = ...) -> None: ...
+
+class DecodeTiming(_message.Message):
+    __slots__ = ("batch_size", "step_ms")
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    batch_size: int
+    step_ms: float
+    def __init__(self, batch_size: _Optional[int] = ..., step_ms: _Optional[float] = ...) -> None: ...
+
+class DtypeTrial(_message.Message):
+    __slots__ = ("dtype", "decode_timings", "prefill_chunk_ms", "prefill_chunk_tokens", "score_ms")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CHUNK_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SCORE_MS_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    decode_timings: _containers.RepeatedCompositeFieldContainer[DecodeTiming]
+    prefill_chunk_ms: float
+    prefill_chunk_tokens: int
+    score_ms: float
+    def __init__(self, dtype: _Optional[str] = ..., decode_timings: _Optional[_Iterable[_Union[DecodeTiming, _Mapping]]] = ..., prefill_chunk_ms: _Optional[float] = ..., prefill_chunk_tokens: _Optional[int] = ..., score_ms: _Optional[float] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("batch",)
