@@ -14,6 +14,19 @@ from typing import Any
 # at the same throughput as 512 on the default model (docs/benchmarks.md).
 CPU_STEP_TOKENS = 256
 
+# A request without a length generates at most this many tokens. TGI documents 100 for
+# /generate and lets chat run to max_total_tokens; one bounded default on every route
+# keeps a forgotten length from generating thousands of tokens on a CPU, while leaving
+# a chat answer room to finish.
+DEFAULT_MAX_NEW_TOKENS = 256
+
+
+# Tokens a stream may leave unread before its request is cancelled. Kernel and proxy
+# buffers hold more beyond it; this bounds what the router keeps per stuck client
+# (~0.5 KB of Python objects per token) while letting a client that stalls for seconds
+# catch up.
+DEFAULT_MAX_STREAM_BUFFER = 2048
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -41,6 +54,9 @@ class RouterConfig:
     """Longest prompt in tokens (after truncation)."""
     max_total_tokens: int = 4096
     """Longest prompt + max_new_tokens of one request."""
+    default_max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    """Tokens generated when a request gives no max_new_tokens / max_tokens (bounded by
+    what max_total_tokens leaves)."""
     max_batch_prefill_tokens: int | None = None
     """Tokens one prefill (paged shards: one step) may compute; None = `with_prefill_default`."""
     max_batch_total_tokens: int | None = None
@@ -57,8 +73,16 @@ class RouterConfig:
     """Threads that tokenize and validate requests off the event loop."""
     prefix_caching: bool = True
     """Paged shards: share the KV blocks of identical prompt prefixes between requests."""
-    target_step_latency_ms: float | None = None
-    """Paged shards: adapt the per-step token budget to this step latency; None = fixed."""
+    target_itl_ms: float | None = None
+    """Paged shards: inter-token latency the batch controller keeps each step under; None =
+    derived from the machine (`batch_controller` docstring), 0 = fixed budgets."""
+    stream_interval: int = 1
+    """Tokens per SSE write after a stream's first (vLLM's --stream-interval); 1 = each
+    token as soon as the client can take it."""
+    max_stream_rate: float | None = None
+    """Most tokens per second sent to one stream (a steady pace for UIs); None = unpaced."""
+    max_stream_buffer: int = DEFAULT_MAX_STREAM_BUFFER
+    """Tokens a stream may hold unread before its request is cancelled with an error event."""
     api_key: str | None = None
     """When set, every route requires `Authorization: Bearer <api_key>`."""
     cors_allow_origin: tuple[str, ...] = ()
@@ -80,14 +104,15 @@ class RouterConfig:
             "max_best_of",
             "max_input_tokens",
             "max_total_tokens",
+            "default_max_new_tokens",
             "max_client_batch_size",
             "validation_workers",
             "payload_limit",
         ):
             _require_positive(name, getattr(self, name))
-        if self.target_step_latency_ms is not None and self.target_step_latency_ms <= 0:
+        if self.target_itl_ms is not None and not self.target_itl_ms >= 0:
             raise ValueError(
-                f"target_step_latency_ms must be > 0, got {self.target_step_latency_ms}"
+                f"target_itl_ms must be >= 0 (0 = fixed budgets), got {self.target_itl_ms}"
             )
         for name in ("max_stop_sequences", "max_top_n_tokens", "max_waiting_tokens"):
             if getattr(self, name) < 0:
@@ -95,9 +120,20 @@ class RouterConfig:
         for name in ("max_batch_size", "max_batch_prefill_tokens"):
             if getattr(self, name) is not None:
                 _require_positive(name, getattr(self, name))
+        self._check_streaming()
         if self.waiting_served_ratio < 0:
             raise ValueError(f"waiting_served_ratio must be >= 0, got {self.waiting_served_ratio}")
         self._check_token_limits()
+
+    def _check_streaming(self) -> None:
+        _require_positive("stream_interval", self.stream_interval)
+        if self.max_stream_rate is not None and not self.max_stream_rate > 0:
+            raise ValueError(f"max_stream_rate must be > 0, got {self.max_stream_rate}")
+        if self.max_stream_buffer < self.stream_interval:
+            raise ValueError(
+                f"max_stream_buffer ({self.max_stream_buffer}) must be >= "
+                f"stream_interval ({self.stream_interval})"
+            )
 
     def _check_token_limits(self) -> None:
         if self.max_input_tokens >= self.max_total_tokens:

@@ -3,7 +3,8 @@
 Every app owns a `Metrics` with its own `CollectorRegistry` (tests build many apps in
 one process). The HTTP handlers record per-request metrics (`request_*`), the engines
 record per-step ones (`batch_*`, `queue_size`, `running_batch`) and expose their KV
-cache through `watch_kv_cache`, read at scrape time.
+cache and batch controller through `watch_kv_cache` and `watch_batch_controller`, read at
+scrape time.
 
 `render()` writes the Prometheus text format the way TGI's exporter does: counters keep
 their bare name (`tgi_request_count`, not `tgi_request_count_total`) and there are no
@@ -54,6 +55,28 @@ class RequestTimings:
     generated_tokens: int
 
 
+class BatchControllerState(Protocol):
+    """A paged engine's batch controller, read at scrape time (`ControllerState`)."""
+
+    @property
+    def prefill_budget(self) -> int: ...
+
+    @property
+    def batch_limit(self) -> int: ...
+
+    @property
+    def target_itl_s(self) -> float | None: ...
+
+    @property
+    def utilization(self) -> float: ...
+
+    @property
+    def decode_step_latency_s(self) -> float: ...
+
+    @property
+    def mixed_step_latency_s(self) -> float: ...
+
+
 @dataclass(frozen=True)
 class KvCacheStats:
     """A paged engine's KV cache, read at scrape time."""
@@ -76,6 +99,7 @@ class Metrics:
         """Token-count histograms get 100 even buckets up to the given limits (TGI's choice)."""
         self.registry = CollectorRegistry()
         self._kv_cache: _KvCacheCollector | None = None
+        self._batch_controller: _BatchControllerCollector | None = None
         self._define_request_metrics(max_input_tokens, max_total_tokens)
         self._define_batch_metrics()
 
@@ -102,6 +126,11 @@ class Metrics:
         self._inference_duration.observe(inference)
         self._time_per_token.observe(inference / max(timings.generated_tokens, 1))
         self._generated_tokens.observe(timings.generated_tokens)
+
+    def request_cancelled(self, reason: str) -> None:
+        """The router stopped a request before its end: its client left
+        (`client_disconnected`) or read too slowly (`stream_buffer_overflow`)."""
+        self._request_cancelled.labels(reason=reason).inc()
 
     @contextlib.contextmanager
     def count_failures(self) -> Iterator[None]:
@@ -157,6 +186,14 @@ class Metrics:
         else:
             self._kv_cache.stats = stats
 
+    def watch_batch_controller(self, state: Callable[[], BatchControllerState]) -> None:
+        """Export the paged engine's batch controller: `state` is called at every scrape."""
+        if self._batch_controller is None:
+            self._batch_controller = _BatchControllerCollector(state)
+            self.registry.register(self._batch_controller)
+        else:
+            self._batch_controller.state = state
+
     # ---- exposition ----
 
     def render(self) -> bytes:
@@ -171,6 +208,12 @@ class Metrics:
         )
         self._request_failure = Counter(
             "tgi_request_failure", "Failed requests per error kind", ["err"], registry=r
+        )
+        self._request_cancelled = Counter(
+            "textgate_request_cancelled",
+            "Requests stopped before their end, per reason (client gone, stream overflow)",
+            ["reason"],
+            registry=r,
         )
         self._request_duration = _seconds("tgi_request_duration", "End-to-end request time", r)
         self._validation_duration = _seconds(
@@ -286,6 +329,44 @@ class _KvCacheCollector(Collector):
         yield CounterMetricFamily(
             "textgate_preemptions", "Requests preempted to free KV blocks", s.num_preemptions
         )
+
+
+class _BatchControllerCollector(Collector):
+    """The adaptive batch controller's choices and measurements, read at every scrape."""
+
+    def __init__(self, state: Callable[[], BatchControllerState]) -> None:
+        self.state = state
+
+    def collect(self) -> Iterable[Metric]:
+        s = self.state()
+        yield GaugeMetricFamily(
+            "textgate_scheduler_prefill_budget",
+            "Prompt tokens a step may compute beside its decodes",
+            s.prefill_budget,
+        )
+        yield GaugeMetricFamily(
+            "textgate_scheduler_batch_limit",
+            "Most running requests before waiting ones stop joining",
+            s.batch_limit,
+        )
+        yield GaugeMetricFamily(
+            "textgate_scheduler_itl_target_seconds",
+            "Inter-token latency target of the batch controller (0: fixed budgets or not derived yet)",
+            s.target_itl_s or 0.0,
+        )
+        yield GaugeMetricFamily(
+            "textgate_scheduler_utilization",
+            "Busy fraction of the device over the last second (0 when idle)",
+            s.utilization,
+        )
+        latency = GaugeMetricFamily(
+            "textgate_scheduler_step_latency_seconds",
+            "Moving average of step latency: decode-only steps, and steps with prompt tokens",
+            labels=["kind"],
+        )
+        latency.add_metric(["decode"], s.decode_step_latency_s)
+        latency.add_metric(["mixed"], s.mixed_step_latency_s)
+        yield latency
 
 
 def render(registry: CollectorRegistry) -> bytes:

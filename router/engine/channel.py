@@ -2,7 +2,8 @@
 
 The engine pushes a `StepEvent` per Generation the shards return for the request;
 the last event is either a `StepEvent` with `finished` set or an `ErrorEvent`.
-The handler iterates the channel and cancels it when its client goes away.
+The handler takes the events (one at a time, or all that arrived since it last
+looked) and cancels the channel when its client goes away.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from textgate.proto import generate_pb2 as pb
@@ -72,6 +74,18 @@ class StepEvent:
             finished=finished,
         )
 
+    @classmethod
+    def joined(cls, events: Sequence[StepEvent]) -> StepEvent:
+        """One event carrying the steps of `events` in order, ending as the last one does."""
+        if len(events) == 1:
+            return events[0]
+        return cls(
+            tokens=[t for e in events for t in e.tokens],
+            top_tokens=[top for e in events for top in e.top_tokens],
+            prefill=[t for e in events for t in e.prefill],
+            finished=events[-1].finished,
+        )
+
 
 @dataclass(frozen=True)
 class ErrorEvent:
@@ -102,8 +116,24 @@ def tokens_from_pb(tokens: pb.Tokens) -> list[TokenInfo]:
     return result
 
 
+STREAM_BUFFER_OVERFLOW = "stream_buffer_overflow"
+"""The `error_type` of a stream cancelled because its client left too many tokens unread."""
+
+
+def is_final(event: Event) -> bool:
+    """Whether `event` is the last one of its request."""
+    return isinstance(event, ErrorEvent) or event.finished is not None
+
+
 class Channel:
-    """An unbounded event queue for one request, plus its cancellation flag and timings."""
+    """One request's events, its cancellation flag and its timings.
+
+    The engine pushes without ever waiting (`push` is synchronous), so no reader can slow
+    the step loop. The reader takes whatever has arrived in one go (`take`), which is how
+    a stream whose client reads slower than tokens come coalesces them into one write.
+    What waits unread can be bounded (`bound`): past the bound the unread tokens are
+    dropped, the request is cancelled, and an error event is all that is left to read.
+    """
 
     def __init__(self, input_length: int) -> None:
         self.input_length = input_length
@@ -111,7 +141,10 @@ class Channel:
         """When the request was admitted."""
         self.started_at: float | None = None
         """When its first prefill was sent."""
-        self._events: asyncio.Queue[Event] = asyncio.Queue()
+        self._events: deque[Event] = deque()
+        self._num_pending_tokens = 0
+        self._max_pending_tokens: int | None = None
+        self._arrived = asyncio.Event()
         self._cancelled = False
         self._closed = False
         self._on_cancel: Callable[[], None] | None = None
@@ -122,23 +155,87 @@ class Channel:
 
     @property
     def closed(self) -> bool:
-        """A final event was pushed."""
+        """A final event was pushed (or the channel overflowed)."""
         return self._closed
 
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens pushed and not taken yet."""
+        return self._num_pending_tokens
+
+    @property
+    def has_pending(self) -> bool:
+        """Some event waits to be taken."""
+        return bool(self._events)
+
+    @property
+    def final_pending(self) -> bool:
+        """The request's last event waits to be taken."""
+        return bool(self._events) and is_final(self._events[-1])
+
+    def bound(self, max_pending_tokens: int) -> None:
+        """Cancel the request when more than `max_pending_tokens` tokens would wait untaken.
+
+        A final event is always accepted: the request costs nothing more once it ended.
+        """
+        if max_pending_tokens < 1:
+            raise ValueError(f"max_pending_tokens must be at least 1, got {max_pending_tokens}")
+        self._max_pending_tokens = max_pending_tokens
+
+    def listen(self, arrived: asyncio.Event) -> None:
+        """Set `arrived` whenever an event is pushed (one event can watch several channels)."""
+        self._arrived = arrived
+        if self._events:
+            arrived.set()
+
     def push(self, event: Event) -> None:
-        """Deliver an event; finished steps and errors close the channel."""
+        """Deliver an event; finished steps and errors close the channel. Never waits."""
         if self._closed:
             return
-        self._closed = isinstance(event, ErrorEvent) or event.finished is not None
-        self._events.put_nowait(event)
-
-    def cancel(self) -> None:
-        """The client went away: the engine drops the request at its next step."""
-        if self._closed or self._cancelled:
+        final = is_final(event)
+        num_tokens = 0 if isinstance(event, ErrorEvent) else len(event.tokens)
+        limit = self._max_pending_tokens
+        if not final and limit is not None and self._num_pending_tokens + num_tokens > limit:
+            self._overflow(limit)
             return
+        self._closed = final
+        self._events.append(event)
+        self._num_pending_tokens += num_tokens
+        self._arrived.set()
+
+    def take(self, max_tokens: int | None = None) -> list[Event]:
+        """The events waiting, oldest first: all of them, or whole events up to `max_tokens`
+        tokens (at least one event when any waits)."""
+        taken: list[Event] = []
+        num_tokens = 0
+        while self._events:
+            event = self._events[0]
+            size = 0 if isinstance(event, ErrorEvent) else len(event.tokens)
+            if taken and max_tokens is not None and num_tokens + size > max_tokens:
+                break
+            taken.append(self._events.popleft())
+            num_tokens += size
+        self._num_pending_tokens -= num_tokens
+        return taken
+
+    async def wait(self) -> None:
+        """Until some event waits to be taken."""
+        while not self._events:
+            self._arrived.clear()
+            await self._arrived.wait()
+
+    def cancel(self) -> bool:
+        """The client went away: the engine drops the request at its next step.
+
+        Gives whether this cancelled anything (False once the request ended or was
+        already cancelled).
+        """
+        if self._closed or self._cancelled:
+            return False
         self._cancelled = True
         if self._on_cancel is not None:
             self._on_cancel()
+        return True
 
     def on_cancel(self, callback: Callable[[], None]) -> None:
         self._on_cancel = callback
@@ -146,7 +243,22 @@ class Channel:
     async def __aiter__(self) -> AsyncIterator[Event]:
         """Events until (and including) the final one."""
         while True:
-            event = await self._events.get()
-            yield event
-            if isinstance(event, ErrorEvent) or event.finished is not None:
-                return
+            await self.wait()
+            for event in self.take():
+                yield event
+                if is_final(event):
+                    return
+
+    def _overflow(self, limit: int) -> None:
+        """Too much waits unread: drop it, cancel the request, leave only the error to read."""
+        unread = self._num_pending_tokens
+        self._events.clear()
+        self._num_pending_tokens = 0
+        self.cancel()
+        self._closed = True
+        message = (
+            f"Stream buffer overflow: the client left more than {limit} tokens unread, "
+            f"so the request was cancelled ({unread} unread tokens dropped)"
+        )
+        self._events.append(ErrorEvent(message, STREAM_BUFFER_OVERFLOW))
+        self._arrived.set()

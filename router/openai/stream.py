@@ -1,21 +1,21 @@
 """OpenAI streams: SSE chunks for every choice of a request, then `data: [DONE]`.
 
 The choices' channels are read together, so n choices stream interleaved as their
-tokens come. A choice that fails ends the stream with TGI's error event
+tokens come; what is due for a choice when a write goes out becomes one chunk. A choice that fails ends the stream with TGI's error event
 (`{"error", "error_type"}`) and cancels the others; the stream always ends with
 `data: [DONE]`. Leaving the generator early (client gone) cancels every choice.
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from typing import Protocol
 
 from pydantic import BaseModel
 
 from textgate.router.engine.channel import Channel, ErrorEvent, Event, StepEvent
+from textgate.router.http.delivery import StreamPacing, Write, deliveries
 from textgate.router.http.sse import error_frame, sse_frame
 from textgate.router.openai.output import (
     ResponseMeta,
@@ -36,6 +36,7 @@ from textgate.router.openai.schemas import (
 )
 
 DONE_FRAME = b"data: [DONE]\n\n"
+UNPACED = StreamPacing()
 
 OnEnd = Callable[[ErrorEvent | None, int], None]
 """Hears how a stream ended (the failure, or None when every choice finished) and the
@@ -61,61 +62,68 @@ async def openai_frames(
     prompt_tokens: int,
     include_usage: bool,
     on_end: OnEnd | None = None,
+    pacing: StreamPacing = UNPACED,
 ) -> AsyncIterator[bytes]:
-    """The SSE frames of a streamed response whose choice i reads `channels[i]`.
+    """The SSE writes of a streamed response whose choice i reads `channels[i]`.
 
-    `on_end` is not called when the client leaves first.
+    Each write carries what is due (`deliveries`): a choice's steps in it become one
+    chunk, as with vLLM's --stream-interval. `on_end` is not called when the client
+    leaves first.
     """
     completion_tokens = 0
     failure: ErrorEvent | None = None
     try:
-        for index in range(len(channels)):
-            opening = writer.opening(index)
-            if opening is not None:
-                yield sse_frame(opening)
-        async with aclosing(merged(channels)) as events:
-            async for index, event in events:
-                if isinstance(event, ErrorEvent):
-                    failure = event
+        openings = [writer.opening(index) for index in range(len(channels))]
+        opening_frames = [sse_frame(chunk) for chunk in openings if chunk is not None]
+        if opening_frames:
+            yield b"".join(opening_frames)
+        async with aclosing(deliveries(channels, pacing)) as writes:
+            async for write in writes:
+                frames: list[bytes] = []
+                for index, event in per_choice(write):
+                    if isinstance(event, ErrorEvent):
+                        failure = event
+                        break
+                    if event.finished is not None:
+                        completion_tokens += event.finished.generated_tokens
+                    chunk = writer.step(index, event)
+                    if chunk is not None:
+                        frames.append(sse_frame(chunk))
+                if frames:
+                    yield b"".join(frames)
+                if failure is not None:
                     break
-                if event.finished is not None:
-                    completion_tokens += event.finished.generated_tokens
-                chunk = writer.step(index, event)
-                if chunk is not None:
-                    yield sse_frame(chunk)
         if on_end is not None:
             on_end(failure, completion_tokens)
         if failure is not None:
-            yield error_frame(failure.message, failure.error_type)
+            yield error_frame(failure.message, failure.error_type) + DONE_FRAME
         elif include_usage:
-            yield sse_frame(writer.usage(usage(prompt_tokens, completion_tokens)))
-        yield DONE_FRAME
+            yield sse_frame(writer.usage(usage(prompt_tokens, completion_tokens))) + DONE_FRAME
+        else:
+            yield DONE_FRAME
     finally:
         # No-op for finished choices; stops the others (error, client gone, server closing).
         for channel in channels:
             channel.cancel()
 
 
-async def merged(channels: Sequence[Channel]) -> AsyncGenerator[tuple[int, Event], None]:
-    """(index, event) of every channel as events arrive, until each has its final event."""
-    queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
-
-    async def pump(index: int, channel: Channel) -> None:
-        async for event in channel:
-            queue.put_nowait((index, event))
-
-    tasks = [asyncio.create_task(pump(i, c)) for i, c in enumerate(channels)]
-    remaining = len(channels)
-    try:
-        while remaining:
-            index, event = await queue.get()
-            if isinstance(event, ErrorEvent) or event.finished is not None:
-                remaining -= 1
-            yield index, event
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+def per_choice(write: Write) -> list[tuple[int, Event]]:
+    """A write's events with each run of one choice's steps joined into one event."""
+    joined: list[tuple[int, Event]] = []
+    run: list[StepEvent] = []
+    run_index = 0
+    for index, event in write:
+        if run and (index != run_index or not isinstance(event, StepEvent)):
+            joined.append((run_index, StepEvent.joined(run)))
+            run = []
+        if isinstance(event, StepEvent):
+            run.append(event)
+            run_index = index
+        else:
+            joined.append((index, event))
+    if run:
+        joined.append((run_index, StepEvent.joined(run)))
+    return joined
 
 
 class ChatChunks:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TypeAlias
 
 from textgate.router.engine.channel import Channel, ErrorEvent, Finished, TokenInfo
+from textgate.router.http.delivery import StreamPacing, deliveries
 from textgate.router.http.sse import error_frame, sse_frame
 from textgate.router.tgi.schemas import (
     BestOfSequence,
@@ -21,6 +22,7 @@ from textgate.router.tgi.schemas import (
 )
 
 INCOMPLETE = ErrorEvent("Incomplete generation", "incomplete_generation")
+UNPACED = StreamPacing()
 
 StreamEnd: TypeAlias = Finished | ErrorEvent
 """How a stream ended: its request finished, or failed (a client that left is neither)."""
@@ -116,41 +118,44 @@ async def stream_frames(
     *,
     sampled: bool = True,
     on_end: Callable[[StreamEnd], None] | None = None,
+    pacing: StreamPacing = UNPACED,
 ) -> AsyncIterator[bytes]:
-    """SSE frames for /generate_stream: one per token, then an error frame on failure.
+    """SSE writes for /generate_stream: one event per token, the tokens due together in one
+    write (`deliveries`), and an error event on failure.
 
     `sampled` as for `generate_response`; `on_end` hears how the stream ended, before
-    its last frame is sent.
+    its last write is sent.
     """
     prefix = prompt if params.return_full_text else ""
     index = 0
-    end = INCOMPLETE
     try:
-        async for event in channel:
-            if isinstance(event, ErrorEvent):
-                end = event
-                break
-            for i, token in enumerate(event.tokens):
-                index += 1
-                last = i == len(event.tokens) - 1
-                finished = event.finished if last else None
-                if finished is not None and on_end is not None:
-                    on_end(finished)
-                top = event.top_tokens[i] if i < len(event.top_tokens) else []
-                yield sse_frame(
-                    StreamResponse(
-                        index=index,
-                        token=_token(token),
-                        top_tokens=[_token(t) for t in top],
-                        generated_text=None if finished is None else prefix + finished.text,
-                        details=_stream_details(finished, channel, params, sampled),
+        async for write in deliveries([channel], pacing):
+            frames: list[bytes] = []
+            for _, event in write:
+                if isinstance(event, ErrorEvent) or (event.finished and not event.tokens):
+                    end = event if isinstance(event, ErrorEvent) else INCOMPLETE
+                    if on_end is not None:
+                        on_end(end)
+                    frames.append(error_frame(end.message, end.error_type))
+                    break
+                if event.finished is not None and on_end is not None:
+                    on_end(event.finished)
+                for i, token in enumerate(event.tokens):
+                    index += 1
+                    finished = event.finished if i == len(event.tokens) - 1 else None
+                    top = event.top_tokens[i] if i < len(event.top_tokens) else []
+                    frames.append(
+                        sse_frame(
+                            StreamResponse(
+                                index=index,
+                                token=_token(token),
+                                top_tokens=[_token(t) for t in top],
+                                generated_text=None if finished is None else prefix + finished.text,
+                                details=_stream_details(finished, channel, params, sampled),
+                            )
+                        )
                     )
-                )
-            if event.finished is not None and event.tokens:
-                return
-        if on_end is not None:
-            on_end(end)
-        yield error_frame(end.message, end.error_type)
+            yield b"".join(frames)
     finally:
         # No-op once finished; otherwise the client left (or the server is closing).
         channel.cancel()

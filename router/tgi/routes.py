@@ -22,6 +22,12 @@ from textgate.proto import generate_pb2 as pb
 from textgate.router.config import RouterConfig
 from textgate.router.engine.channel import Channel, ErrorEvent
 from textgate.router.engine.request import ValidRequest
+from textgate.router.http.delivery import (
+    CLIENT_DISCONNECTED,
+    StreamPacing,
+    cancel_on_disconnect,
+    record_failure,
+)
 from textgate.router.http.errors import error_response
 from textgate.router.http.request_io import ClientDisconnectedError, read_json, unless_disconnected
 from textgate.router.http.sse import SseResponse
@@ -67,6 +73,7 @@ class TgiHandlers:
         self._info = info_response(state.config, state.shard_info)
         device = self._info.model_device_type
         self._compute_type = f"{'gpu' if device == 'cuda' else device}+optimized"
+        self._pacing = StreamPacing.from_config(state.config)
 
     async def generate(self, request: Request) -> Response:
         """POST /generate: the whole answer as one JSON object."""
@@ -77,7 +84,7 @@ class TgiHandlers:
             return await self._generate(request, body, received, as_list=False)
 
     async def generate_stream(self, request: Request) -> Response:
-        """POST /generate_stream: one SSE event per token."""
+        """POST /generate_stream: one SSE event per token (those due together in one write)."""
         received = time.monotonic()
         self._metrics.request_received()
         with self._metrics.count_failures():
@@ -139,6 +146,8 @@ class TgiHandlers:
         try:
             results = await unless_disconnected(request, _collect_all(channels))
         except ClientDisconnectedError:
+            if any(c.cancelled for c in channels):
+                self._metrics.request_cancelled(CLIENT_DISCONNECTED)
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         best, others = best_of(results)
         answer = generate_response(
@@ -155,7 +164,7 @@ class TgiHandlers:
 
         def on_end(end: StreamEnd) -> None:
             if isinstance(end, ErrorEvent):
-                self._metrics.request_failed(end.error_type)
+                record_failure(self._metrics, end)
                 return
             started = channel.started_at or channel.queued_at
             self._metrics.request_succeeded(
@@ -165,13 +174,19 @@ class TgiHandlers:
             )
 
         frames = stream_frames(
-            channel, body.parameters, body.inputs, sampled=valid.sampling.do_sample, on_end=on_end
+            channel,
+            body.parameters,
+            body.inputs,
+            sampled=valid.sampling.do_sample,
+            on_end=on_end,
+            pacing=self._pacing,
         )
         headers = {
             "x-compute-type": self._compute_type,
             "x-compute-characters": str(len(body.inputs)),
         }
-        return SseResponse(frames, on_disconnect=channel.cancel, headers=headers)
+        on_disconnect = cancel_on_disconnect([channel], self._metrics)
+        return SseResponse(frames, on_disconnect=on_disconnect, headers=headers)
 
 
 def info_response(config: RouterConfig, shard_info: pb.InfoResponse | None) -> Info:

@@ -1,4 +1,5 @@
-"""OpenAI SSE streams from channels, without a server: ordering, errors, usage, cancellation."""
+"""OpenAI SSE streams from channels, without a server: ordering, joined steps, errors, usage,
+cancellation."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from textgate.router.openai.stream import (
     DONE_FRAME,
     ChatChunks,
     CompletionChunks,
-    merged,
     openai_frames,
+    per_choice,
 )
 
 META = ResponseMeta(id="chatcmpl-1", created=1, model="m")
@@ -24,10 +25,11 @@ def step(text: str, finished: str | None = None) -> StepEvent:
     return StepEvent(tokens=[TokenInfo(id=1, text=text, logprob=-0.5)], finished=done)
 
 
-def payloads(frames: list[bytes]) -> list[Any]:
+def payloads(writes: list[bytes]) -> list[Any]:
+    """The events of every write, in order."""
     out: list[Any] = []
-    for frame in frames:
-        data = frame.decode().removeprefix("data: ").strip()
+    for frame in [f for w in writes for f in w.split(b"\n\n")[:-1]]:
+        data = frame.decode().removeprefix("data: ")
         out.append(data if data == "[DONE]" else json.loads(data))
     return out
 
@@ -36,29 +38,52 @@ async def drain(frames: Any) -> list[bytes]:
     return [frame async for frame in frames]
 
 
-async def test_merged_interleaves_channels_until_each_is_final() -> None:
-    first, second = Channel(1), Channel(1)
-    first.push(step("a"))
-    second.push(step("x", "length"))
-    first.push(step("b", "length"))
-    events = [
-        (i, e.tokens[0].text) async for i, e in merged([first, second]) if isinstance(e, StepEvent)
+def test_per_choice_joins_each_run_of_a_choices_steps_in_order() -> None:
+    boom = ErrorEvent("boom")
+    write = [(0, step("a")), (0, step("b", "length")), (1, step("x")), (1, boom)]
+    joined = per_choice(write)
+    assert [(i, e.tokens[0].text if isinstance(e, StepEvent) else e) for i, e in joined] == [
+        (0, "a"),
+        (1, "x"),
+        (1, boom),
     ]
-    assert sorted(events) == [(0, "a"), (0, "b"), (1, "x")]
-    assert [t for i, t in events if i == 0] == ["a", "b"]
+    first = joined[0][1]
+    assert isinstance(first, StepEvent)
+    assert [t.text for t in first.tokens] == ["a", "b"]
+    assert first.finished is not None and first.finished.finish_reason == "length"
 
 
-async def test_chat_frames_with_usage() -> None:
+async def test_chat_frames_one_per_step_for_a_prompt_reader_with_usage() -> None:
     channel = Channel(3)
-    channel.push(step("Hel"))
-    channel.push(step("lo", "eos_token"))
     writer = ChatChunks(META, 1, TextOptions(), logprobs=False)
-    events = payloads(await drain(openai_frames([channel], writer, 3, include_usage=True)))
+    frames = openai_frames([channel], writer, 3, include_usage=True)
+    writes = [await anext(frames)]  # the role chunk
+    channel.push(step("Hel"))
+    writes.append(await anext(frames))
+    channel.push(step("lo", "eos_token"))
+    writes += await drain(frames)
+    events = payloads(writes)
     assert events[-1] == "[DONE]"
     assert [e["choices"][0]["delta"]["content"] for e in events[:3]] == ["", "Hel", "lo"]
     assert events[2]["choices"][0]["finish_reason"] == "stop"
     assert events[3]["choices"] == []
     assert events[3]["usage"] == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+
+
+async def test_steps_waiting_for_a_slow_reader_go_out_as_one_chunk() -> None:
+    channel = Channel(3)
+    for text in ("a", "b", "c"):
+        channel.push(StepEvent([TokenInfo(id=1, text=text, logprob=-0.5)]))
+    channel.push(step("d", "length"))
+    writer = ChatChunks(META, 1, TextOptions(), logprobs=True)
+    writes = await drain(openai_frames([channel], writer, 3, include_usage=True))
+    events = payloads(writes)
+    (choice,) = events[1]["choices"]
+    assert choice["delta"]["content"] == "abcd"
+    assert [t["token"] for t in choice["logprobs"]["content"]] == ["a", "b", "c", "d"]
+    assert choice["finish_reason"] == "length"
+    assert events[2]["usage"]["completion_tokens"] == 1, "the shard's count, not the chunks'"
+    assert len(writes) == 3, "role chunk, then every waiting step in one write, then the end"
 
 
 async def test_an_error_ends_the_stream_and_cancels_the_other_choices() -> None:
@@ -69,7 +94,7 @@ async def test_an_error_ends_the_stream_and_cancels_the_other_choices() -> None:
     frames = await drain(openai_frames([failing, other], writer, 1, include_usage=True))
     events = payloads(frames)
     assert events[-2] == {"error": "boom", "error_type": "generation"}
-    assert frames[-1] == DONE_FRAME
+    assert frames[-1].endswith(DONE_FRAME)
     assert all(e == "[DONE]" or "error" in e or e["choices"] for e in events), "no usage chunk"
     assert other.cancelled
 
@@ -93,7 +118,7 @@ async def test_completion_frames_echo_and_logprob_offsets() -> None:
     channel.push(step(" b", "length"))
     writer = CompletionChunks(META, ["P"], TextOptions(), echo=True, logprobs=True)
     events = payloads(await drain(openai_frames([channel], writer, 1, include_usage=False)))
-    assert [e["choices"][0]["text"] for e in events[:-1]] == ["P", " a", " b"]
-    assert [e["choices"][0]["logprobs"]["text_offset"] for e in events[1:-1]] == [[1], [3]]
+    assert [e["choices"][0]["text"] for e in events[:-1]] == ["P", " a b"]
+    assert events[1]["choices"][0]["logprobs"]["text_offset"] == [1, 3]
     assert events[-2]["choices"][0]["finish_reason"] == "length"
     assert {e["object"] for e in events[:-1]} == {"text_completion"}

@@ -35,8 +35,10 @@ def channel_with(*events: StepEvent | ErrorEvent, input_length: int = 1) -> Chan
 
 
 async def frames_of(channel: Channel, **params: Any) -> list[dict[str, Any]]:
-    frames = [f async for f in stream_frames(channel, GenerateParameters(**params), "prompt")]
-    assert all(f.startswith(b"data: ") and f.endswith(b"\n\n") for f in frames)
+    """The events of every write, in order (a write carries every event that was due)."""
+    writes = [w async for w in stream_frames(channel, GenerateParameters(**params), "prompt")]
+    assert all(w.startswith(b"data: ") and w.endswith(b"\n\n") for w in writes)
+    frames = [f for w in writes for f in w.split(b"\n\n")[:-1]]
     return [json.loads(f[len(b"data: ") :]) for f in frames]
 
 

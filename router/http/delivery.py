@@ -1,0 +1,155 @@
+"""How a stream's events leave for its client: each write carries what is due.
+
+The first token goes out at once. After that a stream follows its reader: while the
+previous write is still being sent (the client reads slower than tokens come), new
+events wait in their channels, and the next write takes all of them together — nothing
+dropped, order kept. Pacing for UIs holds tokens back on purpose: `interval` tokens per
+write (vLLM's `--stream-interval`) and at most `max_rate` tokens per second. What waits
+unread is bounded by `max_buffer` tokens per channel (`Channel.bound`): past it the
+request is cancelled and the stream ends with an error event.
+
+The engine never waits on any of this: it pushes into channels and moves on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass
+
+from textgate.router.config import DEFAULT_MAX_STREAM_BUFFER, RouterConfig
+from textgate.router.engine.channel import (
+    STREAM_BUFFER_OVERFLOW,
+    Channel,
+    ErrorEvent,
+    Event,
+    is_final,
+)
+from textgate.router.metrics import Metrics
+
+CLIENT_DISCONNECTED = "client_disconnected"
+"""The `reason` a request counts as cancelled when its client leaves before its end."""
+
+Write = list[tuple[int, Event]]
+"""One write's events: (index of the channel, event), in order within each channel."""
+
+
+@dataclass(frozen=True)
+class StreamPacing:
+    """How a stream's tokens go out after its first one (checked by `RouterConfig`)."""
+
+    interval: int = 1
+    """Tokens per write (vLLM's --stream-interval); the last write may carry fewer."""
+    max_rate: float | None = None
+    """Most tokens per second per channel; None = as fast as the client reads."""
+    max_buffer: int = DEFAULT_MAX_STREAM_BUFFER
+    """Tokens a channel may hold unread before its request is cancelled."""
+
+    @classmethod
+    def from_config(cls, config: RouterConfig) -> StreamPacing:
+        return cls(config.stream_interval, config.max_stream_rate, config.max_stream_buffer)
+
+
+async def deliveries(
+    channels: Sequence[Channel], pacing: StreamPacing
+) -> AsyncGenerator[Write, None]:
+    """The writes of a stream reading `channels`, until each has given its final event.
+
+    Waits for the next write only when the caller asks for it, i.e. once the previous
+    one was sent: that is what makes a slow client's writes carry several events.
+    """
+    arrived = asyncio.Event()
+    readers = [_Reader(channel, pacing) for channel in channels]
+    for channel in channels:
+        channel.bound(pacing.max_buffer)
+        channel.listen(arrived)
+    open_readers = list(enumerate(readers))
+    while open_readers:
+        arrived.clear()
+        now = time.monotonic()
+        write: Write = []
+        wake_at: float | None = None
+        for index, reader in open_readers:
+            events, retry_at = reader.take(now)
+            write += [(index, event) for event in events]
+            if retry_at is not None:
+                wake_at = retry_at if wake_at is None else min(wake_at, retry_at)
+        if write:
+            open_readers = [(i, r) for i, r in open_readers if not r.done]
+            yield write
+        elif wake_at is None:
+            await arrived.wait()
+        else:
+            await _wait_until(arrived, wake_at)
+
+
+def cancel_on_disconnect(channels: Sequence[Channel], metrics: Metrics) -> Callable[[], None]:
+    """What a stream does when its client leaves: cancel its unfinished channels and count
+    the request as cancelled (once, and not when it had already ended)."""
+
+    def cancel() -> None:
+        if any([channel.cancel() for channel in channels]):
+            metrics.request_cancelled(CLIENT_DISCONNECTED)
+
+    return cancel
+
+
+def record_failure(metrics: Metrics, failure: ErrorEvent) -> None:
+    """Count a stream that ended with `failure`; one that overflowed was also cancelled."""
+    metrics.request_failed(failure.error_type)
+    if failure.error_type == STREAM_BUFFER_OVERFLOW:
+        metrics.request_cancelled(STREAM_BUFFER_OVERFLOW)
+
+
+class _Reader:
+    """Takes one channel's events when they are due under the pacing."""
+
+    def __init__(self, channel: Channel, pacing: StreamPacing) -> None:
+        self._channel = channel
+        self._interval = pacing.interval
+        self._rate = pacing.max_rate
+        self._started = False
+        self._allowance = 0.0
+        """Tokens the rate allows now (a bucket of `interval` tokens, refilled at `rate`)."""
+        self._refilled_at = 0.0
+        self.done = False
+        """The final event was taken."""
+
+    def take(self, now: float) -> tuple[list[Event], float | None]:
+        """The events due now, or none and when to look again (None: when one arrives)."""
+        channel = self._channel
+        if not channel.has_pending:
+            return [], None
+        if not self._started:
+            # The first token goes out at once, whatever the pacing.
+            self._started = True
+            self._refilled_at = now
+            return self._taken(channel.take()), None
+        pending = channel.num_pending_tokens
+        need = min(self._interval, pending) if channel.final_pending else self._interval
+        if pending < need:
+            return [], None
+        if self._rate is None:
+            return self._taken(channel.take()), None
+        self._allowance = min(
+            float(self._interval), self._allowance + (now - self._refilled_at) * self._rate
+        )
+        self._refilled_at = now
+        if self._allowance < need:
+            return [], now + (need - self._allowance) / self._rate
+        events = channel.take(max(math.floor(self._allowance), 1))
+        self._allowance -= sum(0 if isinstance(e, ErrorEvent) else len(e.tokens) for e in events)
+        return self._taken(events), None
+
+    def _taken(self, events: list[Event]) -> list[Event]:
+        self.done = bool(events) and is_final(events[-1])
+        return events
+
+
+async def _wait_until(arrived: asyncio.Event, deadline: float) -> None:
+    """Until an event arrives or `deadline` (monotonic seconds) passes."""
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(arrived.wait(), max(deadline - time.monotonic(), 0.0))
