@@ -26,7 +26,11 @@ from typing import Any
 
 log = logging.getLogger("textgate.launcher")
 
-QUANTIZE_METHODS = ("gptq", "awq", "bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4")
+# TGI's spellings, plus int8 (W8A8 quantized at load). The shards' loader registry
+# (textgate.quantization) serves each one; tests/test_launcher.py keeps the two in step.
+QUANTIZE_METHODS = ("awq", "gptq", "bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4", "int8")
+# TGI's other --quantize values, refused by name.
+TGI_ONLY_QUANTIZE = ("compressed-tensors", "eetq", "exl2", "fp8", "marlin")
 _STDERR_TAIL = 40
 
 
@@ -70,7 +74,11 @@ class LauncherConfig:
     model_id: str | None = flag(None, "Local model folder or hub id; unset = embedded SmolLM2-135M")
     revision: str | None = flag(None, "Hub revision (branch, tag or commit) of --model-id")
     num_shard: int = flag(1, "Number of shards (tensor-parallel ranks), one process each", int)
-    quantize: str | None = flag(None, "Weight quantization method", str, QUANTIZE_METHODS)
+    quantize: str | None = flag(
+        None,
+        "Weight quantization: gptq, awq (checkpoints quantized with them); int8, bitsandbytes, "
+        "bitsandbytes-nf4, bitsandbytes-fp4 (quantized at load); unset = the checkpoint's own",
+    )
     dtype: str = flag("auto", "Weights dtype", str, ("auto", "float32", "bfloat16", "float16"))
     trust_remote_code: bool = flag(False, "Allow custom model code from the model folder", _bool)
     max_concurrent_requests: int = flag(128, "Requests in flight before answering 429", int)
@@ -82,6 +90,9 @@ class LauncherConfig:
     )
     max_total_tokens: int | None = flag(
         None, "Longest prompt + generation (default: min(model, 4096))", int
+    )
+    default_max_new_tokens: int = flag(
+        256, "Tokens generated when a request sets no max_new_tokens/max_tokens", int
     )
     max_batch_prefill_tokens: int | None = flag(
         None,
@@ -101,12 +112,29 @@ class LauncherConfig:
         True, "Reuse the KV of shared prompt prefixes (native models)", _bool
     )
     kv_cache_memory: int = flag(1 << 30, "Bytes of KV cache per shard on CPU", int)
-    target_step_latency_ms: float | None = flag(
+    target_itl_ms: float | None = flag(
         None,
-        "Adapt the per-step token budget to this step latency (native models); unset = fixed",
+        "Inter-token latency the adaptive batch controller keeps each step under (native "
+        "models); unset = 4x the measured batch-1 decode step, at least 20 ms; 0 = fixed budgets",
         float,
     )
+    no_adaptive: bool = flag(
+        False,
+        "Fixed step budgets instead of the adaptive batch controller (= --target-itl-ms 0)",
+        _bool,
+    )
     cuda_memory_fraction: float = flag(0.9, "Share of free GPU memory the KV cache may take", float)
+    stream_interval: int = flag(
+        1, "Tokens per SSE write after a stream's first (vLLM's name); 1 = each as it comes", int
+    )
+    max_stream_rate: float | None = flag(
+        None,
+        "Most tokens per second sent to one stream (a steady pace for UIs); unset = unpaced",
+        float,
+    )
+    max_stream_buffer: int = flag(
+        2048, "Tokens a stream may leave unread before its request is cancelled", int
+    )
     hostname: str = flag("0.0.0.0", "Address the HTTP server binds")
     port: int = flag(8080, "Port the HTTP server binds", int)
     shard_uds_path: str = flag("/tmp/textgate-server", "Prefix of the shards' unix sockets")
@@ -125,12 +153,23 @@ class LauncherConfig:
     def __post_init__(self) -> None:
         if self.num_shard < 1:
             raise ValueError("--num-shard must be at least 1")
-        if self.quantize is not None:
-            raise ValueError(f"--quantize {self.quantize} is not supported yet by this build")
+        if self.quantize is not None and self.quantize not in QUANTIZE_METHODS:
+            known = (
+                "is TGI's, but not supported by textgate"
+                if self.quantize in TGI_ONLY_QUANTIZE
+                else "is unknown"
+            )
+            raise ValueError(
+                f"--quantize {self.quantize} {known}; use one of: {', '.join(QUANTIZE_METHODS)}"
+            )
         if self.otlp_endpoint is not None:
             raise ValueError("--otlp-endpoint is not supported yet by this build")
         if self.block_size < 1:
             raise ValueError("--block-size must be at least 1")
+        if self.target_itl_ms is not None and not self.target_itl_ms >= 0:
+            raise ValueError("--target-itl-ms must be >= 0 (0 = fixed budgets)")
+        if self.no_adaptive and self.target_itl_ms:
+            raise ValueError("--no-adaptive contradicts --target-itl-ms > 0")
         if self.kv_cache_memory < 1:
             raise ValueError("--kv-cache-memory must be a positive number of bytes")
         if not 0 < self.cuda_memory_fraction <= 1:
@@ -251,6 +290,8 @@ def shard_argv(model_path: Path, config: LauncherConfig) -> list[str]:
         str(config.kv_cache_memory),
     ]
     argv += ["--cuda-memory-fraction", str(config.cuda_memory_fraction)]
+    if config.quantize is not None:
+        argv += ["--quantize", config.quantize]
     if config.trust_remote_code:
         argv.append("--trust-remote-code")
     if config.json_output:
@@ -275,6 +316,8 @@ def router_config(model_path: Path, config: LauncherConfig) -> dict[str, Any]:
         f.name: getattr(config, f.name) for f in fields(RouterConfig) if f.name in launcher_fields
     }
     settings.update(model_limits(model_path, config))
+    if config.no_adaptive:
+        settings["target_itl_ms"] = 0.0
     settings["model_id"] = served_model_id(config)
     settings["tokenizer_path"] = str(model_path)
     return settings

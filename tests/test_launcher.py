@@ -38,6 +38,8 @@ def test_tgi_legacy_and_list_flags() -> None:
         (["--num-shard", "0"], "--num-shard must be at least 1"),
         (["--max-input-tokens", "10", "--max-total-tokens", "10"], "must be smaller"),
         (["--quantize", "gptq"], "not supported yet"),
+        (["--no-adaptive", "--target-itl-ms", "50"], "contradicts"),
+        (["--target-itl-ms", "-1"], "--target-itl-ms must be >= 0"),
         (["--dtype", "float8"], "invalid choice"),
     ],
 )
@@ -126,9 +128,11 @@ def test_router_config_round_trips_into_the_router(tiny_model_dir: Path) -> None
 
     from textgate.router.config import RouterConfig
 
-    config = launcher.parse_args(
-        ["--prefix-caching", "false", "--target-step-latency-ms", "80"], env={}
-    )
+    config = launcher.parse_args(["--prefix-caching", "false", "--target-itl-ms", "80"], env={})
     router = RouterConfig.from_json(json.dumps(launcher.router_config(tiny_model_dir, config)))
-    assert router.prefix_caching is False and router.target_step_latency_ms == 80
+    assert router.prefix_caching is False and router.target_itl_ms == 80
+    fixed = launcher.parse_args(["--no-adaptive"], env={})
+    assert launcher.router_config(tiny_model_dir, fixed)["target_itl_ms"] == 0
+    default = launcher.router_config(tiny_model_dir, launcher.parse_args([], env={}))
+    assert default["target_itl_ms"] is None  # derived by the controller
     assert router.max_total_tokens == 512

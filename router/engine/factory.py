@@ -48,16 +48,18 @@ def make_engine(
 
 
 def scheduler_config(config: RouterConfig, block_size: int, num_blocks: int) -> SchedulerConfig:
-    """The paged scheduler's budgets: the router's flags over the shards' KV blocks."""
+    """The paged scheduler's budgets: the router's flags over the shards' KV blocks; the batch
+    controller adapts within them unless `target_itl_ms` is 0."""
     return SchedulerConfig(
         num_blocks=num_blocks,
         block_size=block_size,
         max_num_batched_tokens=config.prefill_tokens,
         max_num_seqs=min(config.max_batch_size or DEFAULT_MAX_NUM_SEQS, config.prefill_tokens),
         enable_prefix_caching=config.prefix_caching,
-        target_step_latency_s=(
-            config.target_step_latency_ms / 1000 if config.target_step_latency_ms else None
-        ),
+        # target_itl_ms: None = the controller derives it, 0 = fixed budgets.
+        adaptive=config.target_itl_ms != 0,
+        target_itl_s=config.target_itl_ms / 1000 if config.target_itl_ms else None,
+        max_waiting_steps=config.max_waiting_tokens,
     )
 
 

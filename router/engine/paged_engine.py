@@ -19,6 +19,8 @@ import logging
 import time
 
 from textgate.proto import generate_pb2 as pb
+from textgate.router.engine.batch_controller import ControllerState
+from textgate.router.engine.busy_meter import BusyMeter
 from textgate.router.engine.scheduler import ModelStepResult, Scheduler, SchedulerOutput
 from textgate.router.engine.step_loop import Entry, ShardCall, StepLoop
 from textgate.router.metrics import DECODE, PREFILL, KvCacheStats, Metrics
@@ -40,13 +42,17 @@ class PagedEngine(StepLoop):
         *,
         metrics: Metrics | None = None,
     ) -> None:
-        """`metrics` gets the step metrics and watches the KV cache (a private one by default)."""
+        """`metrics` gets the step metrics and watches the KV cache and the batch controller
+        (a private one by default)."""
         super().__init__(shards, max_concurrent_requests, metrics)
         self.scheduler = scheduler
+        # Utilization on every device: the share of wall time inside shard steps.
+        self._busy = BusyMeter()
         # Requests the shards hold state for (preempted ones keep theirs: only KV is lost).
         self._in_shards: set[int] = set()
         self._finished_for_shards: list[int] = []
         self._metrics.watch_kv_cache(self._kv_cache_stats)
+        self._metrics.watch_batch_controller(self._controller_state)
 
     def _enqueue(self, entry: Entry) -> None:
         request = entry.request
@@ -70,11 +76,14 @@ class PagedEngine(StepLoop):
     async def _recover(self, exc: Exception) -> None:
         """Fail everything and start afresh: the scheduler's state is not to be trusted."""
         self._fail_all(f"Request failed during generation: {exc}")
-        self.scheduler = Scheduler(self.scheduler.config)
+        # What the controller learned about step costs still holds.
+        self.scheduler = Scheduler(self.scheduler.config, self.scheduler.controller)
+        self._went_idle()
         await self._clear_cache(None)
 
     async def step(self) -> None:
         """Abort cancelled requests, then plan, run and record one step."""
+        started = time.monotonic()
         for entry in [e for e in self._entries.values() if e.channel.cancelled]:
             self._abort(entry)
         output = self.scheduler.schedule()
@@ -82,27 +91,34 @@ class PagedEngine(StepLoop):
         if not output.scheduled:
             self.scheduler.update(ModelStepResult())
             await self._drop_finished_in_shards()
+            self._report_batch()
             if not self.scheduler.has_unfinished_requests():
+                self._went_idle()
                 return
             self._wakeup.clear()
             # Nothing fits until a request leaves; wait for a cancellation or a new request.
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), timeout=0.05)
             return
-        started = time.monotonic()
         # A failed step leaves the scheduler's plan unrun: everything in flight fails.
         call = ShardCall(self._method(output), fail_ids=list(self._entries))
         producing = [s.request_id for s in output.scheduled if s.produces_token]
+        call_started = time.monotonic()
         result = await self._call_shards(call, self._run(output), expected_ids=producing)
+        ended = time.monotonic()
+        self._busy.record(call_started, ended)
         if result is None:
             self.scheduler.update(ModelStepResult())
+            self._report_batch()
             return
         routed = result[1]
         self.scheduler.update(
             ModelStepResult(
                 sampled_token_ids=routed.sampled,
                 finished_ids=frozenset(routed.finished),
-                step_latency_s=time.monotonic() - started,
+                # What a running request waited for its token: planning, the shards, routing.
+                step_latency_s=ended - started,
+                utilization=self._busy.utilization(ended),
             )
         )
         self._report_batch()
@@ -171,6 +187,15 @@ class PagedEngine(StepLoop):
         self._metrics.running_batch(
             self.scheduler.num_running, allocator.num_used_blocks * allocator.block_size
         )
+
+    def _went_idle(self) -> None:
+        """Nothing runs or waits: utilization is 0 from now, and the gauges say so."""
+        self._busy.reset()
+        self.scheduler.controller.on_idle()
+        self._report_batch()
+
+    def _controller_state(self) -> ControllerState:
+        return self.scheduler.controller.state()
 
     def _kv_cache_stats(self) -> KvCacheStats:
         allocator = self.scheduler.allocator

@@ -11,6 +11,11 @@ The engine step reads in three lines::
     result = run_on_shards(output)     # the shards compute and sample
     scheduler.update(result)           # record tokens, finish, free blocks
 
+How much a step computes is the `batch_controller.BatchController`'s call: with
+`SchedulerConfig.adaptive` it chooses the prompt tokens beside each step's decodes and how
+many requests may run from measured step times (fed back through `update`); without, the
+budgets are fixed at their maxima.
+
 The config and the step's input and output types live in `step_types`.
 
 Pure Python: no torch, no I/O, no asyncio. Not thread-safe; one task drives it, and
@@ -20,11 +25,11 @@ Pure Python: no torch, no I/O, no asyncio. Not thread-safe; one task drives it, 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from textgate.router.engine.batch_controller import BatchController, StepSample
 from textgate.router.engine.block_allocator import BlockAllocator
-from textgate.router.engine.budget_policy import BudgetPolicy
 from textgate.router.engine.step_types import (
     ModelStepResult,
     ScheduledRequest,
@@ -78,35 +83,35 @@ class Scheduler:
     shards' result before the next `schedule()`.
     """
 
-    def __init__(self, config: SchedulerConfig):
+    def __init__(self, config: SchedulerConfig, controller: BatchController | None = None):
+        """`controller` carries a learned one over (a scheduler rebuilt after a failure)."""
         self.config = config
         self.allocator = BlockAllocator(
             config.num_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.budget_policy: BudgetPolicy | None = None
-        if config.target_step_latency_s is not None:
-            self.budget_policy = BudgetPolicy(
-                min_budget=config.resolved_min_num_batched_tokens,
-                max_budget=config.max_num_batched_tokens,
-                target_step_latency_s=config.target_step_latency_s,
-            )
+        self.controller = controller or BatchController(config.controller_config())
         self._requests: dict[int, _Request] = {}
         self._waiting: deque[_Request] = deque()
         # Admission order: the last one is the first to be preempted.
         self._running: list[_Request] = []
         self._finished_ids: list[int] = []
         self._in_flight: tuple[ScheduledRequest, ...] | None = None
-        self._in_flight_has_decodes = False
+        # (decodes, prompt tokens) of the step in flight, for the controller.
+        self._in_flight_counts = (0, 0)
+        self._num_steps_without_join = 0
         self.num_preemptions = 0
 
     # ---- queries ----
 
     @property
     def token_budget(self) -> int:
-        """Tokens the next step may compute."""
-        if self.budget_policy is None:
-            return self.config.max_num_batched_tokens
-        return self.budget_policy.budget
+        """Tokens the next step may compute (its decodes, then the prefill share)."""
+        return self._step_budget(self._num_decoding(), self.controller.prefill_budget)
+
+    @property
+    def batch_limit(self) -> int:
+        """Most running requests before waiting ones stop joining (the controller's limit)."""
+        return min(self.controller.batch_limit, self.config.max_num_seqs)
 
     @property
     def num_waiting(self) -> int:
@@ -181,23 +186,29 @@ class Scheduler:
         """
         if self._in_flight:
             raise RuntimeError("schedule() called again before update() of the previous step")
-        draft = _StepDraft(budget=self.token_budget)
+        if not self._requests:
+            self.controller.on_idle()
+        budget = self._step_budget(self._num_decoding(), self.controller.plan_prefill)
+        draft = _StepDraft(budget=budget)
         self._schedule_running(draft)
         # Admitting while running requests are short of blocks would only preempt more.
         if not draft.preempted_ids:
             self._schedule_waiting(draft)
+        if draft.new_request_ids or not self._waiting:
+            self._num_steps_without_join = 0
+        else:
+            self._num_steps_without_join += 1
         output = SchedulerOutput(
             scheduled=tuple(draft.scheduled.values()),
             new_request_ids=tuple(draft.new_request_ids),
             preempted_ids=tuple(draft.preempted_ids),
             finished_ids=tuple(self._finished_ids),
-            token_budget=self.token_budget,
+            token_budget=budget,
         )
         self._finished_ids.clear()
         self._in_flight = output.scheduled
-        self._in_flight_has_decodes = any(
-            self._requests[s.request_id].is_decoding for s in output.scheduled
-        )
+        num_decodes = sum(1 for s in output.scheduled if self._requests[s.request_id].is_decoding)
+        self._in_flight_counts = (num_decodes, output.num_scheduled_tokens - num_decodes)
         return output
 
     def update(self, result: ModelStepResult) -> tuple[int, ...]:
@@ -216,13 +227,33 @@ class Scheduler:
         num_finished_before = len(self._finished_ids)
         for step in live:
             self._advance(self._requests[step.request_id], step, result)
-        if self.budget_policy is not None and result.step_latency_s is not None:
-            self.budget_policy.next_budget(
-                result.step_latency_s, self.allocator.usage, self._in_flight_has_decodes
+        if result.step_latency_s is not None:
+            num_decodes, num_prefill_tokens = self._in_flight_counts
+            self.controller.observe(
+                StepSample(
+                    num_decodes=num_decodes,
+                    num_prefill_tokens=num_prefill_tokens,
+                    latency_s=result.step_latency_s,
+                    num_running=len(self._running),
+                    num_waiting=len(self._waiting),
+                    kv_usage=self.allocator.usage,
+                    utilization=result.utilization,
+                )
             )
         return tuple(self._finished_ids[num_finished_before:])
 
     # ---- internals ----
+
+    def _num_decoding(self) -> int:
+        return sum(1 for request in self._running if request.is_decoding)
+
+    def _step_budget(self, num_decodes: int, prefill_budget: Callable[[int], int]) -> int:
+        """Fixed: max_num_batched_tokens. Adaptive: every decode, plus the controller's
+        prefill share beside them, within max_num_batched_tokens."""
+        ceiling = self.config.max_num_batched_tokens
+        if not self.config.adaptive:
+            return ceiling
+        return min(ceiling, num_decodes + prefill_budget(num_decodes))
 
     def _schedule_running(self, draft: _StepDraft) -> None:
         """Give every running request its next tokens, oldest first.
@@ -230,8 +261,8 @@ class Scheduler:
         Admission order is decode-first order: a request starts its prefill only with
         the budget left after all older requests were served, and a chunk is cut short
         only when it uses up the budget, so at most one running request is still in its
-        prefill and it is the newest. The budget never drops below max_num_seqs, so
-        every decode fits.
+        prefill and it is the newest. Every decode fits: a fixed budget is at least
+        max_num_seqs, an adaptive one is the step's decodes plus the prefill share.
         """
         index = 0
         # Preemption pops from the end, so the list shrinks under the loop.
@@ -269,8 +300,17 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _schedule_waiting(self, draft: _StepDraft) -> None:
+        """Admit from the head of the queue while budget, blocks and the batch limit allow.
+
+        The max-waiting rule: once nobody joined for max_waiting_steps steps, the head
+        joins past the batch limit (one request; max_num_seqs and blocks still hold).
+        """
         reserve = self.config.num_reserved_tokens
+        overdue = self._num_steps_without_join >= self.config.max_waiting_steps
         while self._waiting and draft.budget > 0 and len(self._running) < self.config.max_num_seqs:
+            if len(self._running) >= self.batch_limit and not overdue:
+                return
+            overdue = False
             request = self._waiting[0]
             num_tokens = min(request.num_tokens + reserve, request.max_total_tokens)
             num_cached = self.allocator.allocate(request.request_id, request.token_ids, num_tokens)

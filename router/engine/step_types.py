@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from textgate.router.engine.batch_controller import ControllerConfig
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -28,10 +30,17 @@ class SchedulerConfig:
     """Decode tokens allocated beyond the prompt at admission, so decoding starts without growing."""
     enable_prefix_caching: bool = True
     """Share computed prompt blocks between requests with the same prefix."""
-    target_step_latency_s: float | None = None
-    """Step latency (inter-token latency) the budget adapts to; None keeps the budget fixed."""
-    min_num_batched_tokens: int | None = None
-    """Smallest budget the adaptation may reach; None means max_num_seqs (every decode fits)."""
+    adaptive: bool = False
+    """Let the batch controller pick each step's prefill share and the batch limit from
+    measured step times (the router turns it on by default); False = fixed budgets."""
+    target_itl_s: float | None = None
+    """Adaptive: inter-token latency each step aims at; None = derived from measured steps."""
+    min_prefill_tokens: int = 32
+    """Adaptive: the least prompt tokens a step may run while prompts wait (capped at
+    max_num_batched_tokens)."""
+    max_waiting_steps: int = 20
+    """Adaptive: once no request joined for this many steps, the head of the queue joins past
+    the batch limit (TGI's --max-waiting-tokens), so queue time stays bounded."""
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs"):
@@ -44,25 +53,24 @@ class SchedulerConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
                 f"max_num_seqs ({self.max_num_seqs}) so every running request can decode each step"
             )
-        if self.target_step_latency_s is not None and self.target_step_latency_s <= 0:
-            raise ValueError(f"target_step_latency_s must be > 0, got {self.target_step_latency_s}")
-        if (
-            not self.max_num_seqs
-            <= self.resolved_min_num_batched_tokens
-            <= self.max_num_batched_tokens
-        ):
+        if self.target_itl_s is not None and self.target_itl_s <= 0:
+            raise ValueError(f"target_itl_s must be > 0, got {self.target_itl_s}")
+        if self.min_prefill_tokens < 1:
             raise ValueError(
-                f"min_num_batched_tokens ({self.min_num_batched_tokens}) must lie between "
-                f"max_num_seqs ({self.max_num_seqs}) and max_num_batched_tokens "
-                f"({self.max_num_batched_tokens})"
+                f"min_prefill_tokens must be at least 1, got {self.min_prefill_tokens}"
             )
+        if self.max_waiting_steps < 0:
+            raise ValueError(f"max_waiting_steps must be >= 0, got {self.max_waiting_steps}")
 
-    @property
-    def resolved_min_num_batched_tokens(self) -> int:
-        """`min_num_batched_tokens`, with its default applied."""
-        if self.min_num_batched_tokens is None:
-            return self.max_num_seqs
-        return self.min_num_batched_tokens
+    def controller_config(self) -> ControllerConfig:
+        """The batch controller's bounds: the step's token ceiling and max_num_seqs."""
+        return ControllerConfig(
+            max_prefill_tokens=self.max_num_batched_tokens,
+            max_batch_size=self.max_num_seqs,
+            adaptive=self.adaptive,
+            target_itl_s=self.target_itl_s,
+            min_prefill_tokens=min(self.min_prefill_tokens, self.max_num_batched_tokens),
+        )
 
     @property
     def max_num_cached_tokens(self) -> int:
@@ -128,4 +136,6 @@ class ModelStepResult:
     finished_ids: frozenset[int] = frozenset()
     """Requests the shard's stopping criteria ended this step (eos, stop sequence, length)."""
     step_latency_s: float | None = None
-    """Measured wall time of the step; feeds the budget policy when set."""
+    """Measured wall time of the step; feeds the batch controller when set."""
+    utilization: float = 0.0
+    """Busy fraction of the device over the recent past, reported with the latency."""

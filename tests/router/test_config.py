@@ -56,6 +56,7 @@ def test_bad_json_is_a_value_error(text: str, message: str) -> None:
         ({"max_batch_size": 0}, "max_batch_size"),
         ({"waiting_served_ratio": -1.0}, "waiting_served_ratio"),
         ({"port": 70000}, "port"),
+        ({"target_itl_ms": -1.0}, "target_itl_ms"),
     ],
 )
 def test_inconsistent_limits_are_refused(overrides: dict[str, object], message: str) -> None:

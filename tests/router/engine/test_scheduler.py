@@ -302,35 +302,3 @@ def test_update_rejects_results_that_do_not_match_the_step() -> None:
     scheduler.update(model.run(output))
     scheduler.check_invariants()
     assert scheduler.output_token_ids(1) == (next_token(1, 3),)
-
-
-# ---- budget adaptation ----
-
-
-def test_scheduler_feeds_step_latency_to_the_budget() -> None:
-    scheduler, model = make(
-        num_blocks=64, target_step_latency_s=0.05, max_num_seqs=4, max_num_batched_tokens=64
-    )
-    add(scheduler, model, 1, list(range(40)), max_new=20)
-    step(scheduler, model, latency=0.5)  # a prefill-only step: no decode was slowed
-    assert scheduler.token_budget == 64
-    step(scheduler, model, latency=0.5)
-    assert scheduler.token_budget == 32
-    step(scheduler, model, latency=None)  # unmeasured steps change nothing
-    assert scheduler.token_budget == 32
-    add(scheduler, model, 2, list(range(100, 140)), max_new=20)
-    output = step(scheduler, model, latency=0.5)
-    assert output.token_budget == 32
-    assert output.num_scheduled_tokens == 32  # 1 decode + a 31-token chunk
-    assert scheduler.token_budget == 16
-    step(scheduler, model, latency=0.001)
-    assert scheduler.token_budget == 23  # + (64 - 4) // 8
-
-
-def test_without_a_latency_target_the_budget_is_fixed() -> None:
-    scheduler, model = make()
-    add(scheduler, model, 1, [1, 2, 3])
-    step(scheduler, model, latency=10.0)
-    step(scheduler, model, latency=10.0)
-    assert scheduler.budget_policy is None
-    assert scheduler.token_budget == 64

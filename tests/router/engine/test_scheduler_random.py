@@ -27,7 +27,10 @@ def configs(draw: st.DrawFn) -> SchedulerConfig:
         max_num_seqs=draw(st.integers(2, min(6, budget))),
         num_reserved_tokens=draw(st.integers(0, 2)),
         enable_prefix_caching=draw(st.booleans()),
-        target_step_latency_s=draw(st.sampled_from([None, 0.01])),
+        adaptive=draw(st.booleans()),
+        target_itl_s=draw(st.sampled_from([None, 0.01])),
+        min_prefill_tokens=draw(st.integers(1, 8)),
+        max_waiting_steps=draw(st.integers(0, 4)),
     )
 
 

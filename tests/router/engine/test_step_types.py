@@ -18,9 +18,9 @@ from textgate.tests.router.engine.scheduler_helpers import make_config
         ({"max_num_seqs": 0}, "max_num_seqs must be at least 1"),
         ({"num_reserved_tokens": -1}, "num_reserved_tokens"),
         ({"max_num_batched_tokens": 4, "max_num_seqs": 8}, "at least max_num_seqs"),
-        ({"target_step_latency_s": 0.0}, "target_step_latency_s"),
-        ({"min_num_batched_tokens": 4}, "min_num_batched_tokens"),
-        ({"min_num_batched_tokens": 65}, "min_num_batched_tokens"),
+        ({"target_itl_s": 0.0}, "target_itl_s"),
+        ({"min_prefill_tokens": 0}, "min_prefill_tokens"),
+        ({"max_waiting_steps": -1}, "max_waiting_steps"),
     ],
 )
 def test_config_rejects_bad_values(overrides: dict[str, Any], message: str) -> None:
@@ -32,3 +32,10 @@ def test_config_is_frozen() -> None:
     config, name = make_config(), "num_blocks"
     with pytest.raises(FrozenInstanceError):
         setattr(config, name, 3)
+
+
+def test_controller_config_keeps_the_prefill_floor_within_the_step() -> None:
+    config = make_config(max_num_batched_tokens=24, min_prefill_tokens=32, adaptive=True)
+    controller = config.controller_config()
+    assert controller.min_prefill_tokens == 24 and controller.max_prefill_tokens == 24
+    assert controller.max_batch_size == config.max_num_seqs and controller.adaptive

@@ -1,0 +1,309 @@
+"""The batch controller: each step's prefill share and batch limit, from measured steps.
+
+Every step the scheduler asks it two things and tells it one:
+
+    budget = controller.plan_prefill(num_decodes)   # prompt tokens beside the decodes
+    limit = controller.batch_limit                  # most running requests (joins stop there)
+    controller.observe(StepSample(...))             # what the step cost, and the queue after it
+
+It fits what a step costs (`step_cost.StepCostModel`: overhead + per decode + per prompt
+token) to the measured steps and keeps every step under an inter-token-latency target:
+
+- prefill share: the prompt tokens that still fit beside this step's decodes, never below
+  `min_prefill_tokens` (waiting prompts always progress) nor above the step ceiling; a step
+  without decodes delays nobody's next token, so it gets the ceiling;
+- batch limit: grows while requests wait and the limit is what holds them back, up to the
+  largest batch whose step, with the smallest prefill share beside it, is predicted to meet
+  the target. It grows by a quarter per step, doubling while the device is under-used
+  (utilization below `low_utilization`); it never grows while the KV cache is nearly full
+  (admission is then limited by blocks, and more requests only bring preemptions sooner).
+  It shrinks to that largest batch once its own step is predicted over the target by more
+  than the dead band. A prediction that would break the target thus cuts the prefill share
+  first (every mixed step), then the batch.
+
+Between growing (at the target) and shrinking (past target × (1 + dead_band)) it holds, so a
+steady load settles on one limit instead of oscillating. Queue age is the scheduler's: a
+request that waited `max_waiting_steps` joins past the limit (bounded queue time).
+
+Without a target (`target_itl_s=None`) it derives one from its first steps: the batch limit
+starts at `initial_batch_size` and doubles while requests wait (small batches first, so the
+batch-1 step is measured, not guessed); after `num_calibration_steps` steps with decodes the
+target is `derive_factor` × the fitted batch-1 decode step, at least `min_derived_target_s`.
+With `adaptive=False` the limits stay at their maxima (the scheduler's fixed budgets) and the
+controller only measures. Pure Python: no I/O beyond its DEBUG log lines, no clock.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from textgate.router.engine.step_cost import StepCostModel
+
+log = logging.getLogger("textgate.router")
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    """The controller's bounds and tuning; built by the scheduler from its config."""
+
+    max_prefill_tokens: int
+    """Ceiling of the prefill share (the step's token ceiling, --max-batch-prefill-tokens)."""
+    max_batch_size: int
+    """Ceiling of the batch limit (the scheduler's max_num_seqs)."""
+    adaptive: bool = True
+    """False: prefill share and batch limit stay at their ceilings (fixed budgets)."""
+    target_itl_s: float | None = None
+    """Inter-token latency each step aims at; None = derived from the first measured steps."""
+    min_prefill_tokens: int = 32
+    """Floor of the prefill share whenever prompts wait, so they always progress."""
+    initial_batch_size: int = 4
+    """The batch limit before any step was measured."""
+    dead_band: float = 0.1
+    """The limit shrinks only once a step is predicted over target × (1 + dead_band)."""
+    derive_factor: float = 4.0
+    """A derived target is this many batch-1 decode steps."""
+    min_derived_target_s: float = 0.02
+    """The least target derivation may give."""
+    num_calibration_steps: int = 16
+    """Measured steps with decodes before a target is derived."""
+    high_kv_usage: float = 0.9
+    """KV-cache usage above which the batch limit does not grow."""
+    low_utilization: float = 0.5
+    """Below this utilization the batch limit grows twice as fast (the device idles)."""
+    prefill_granularity: int = 16
+    """The prefill share is a multiple of this above its floor (fewer, clearer changes)."""
+    smoothing: float = 0.2
+    """Weight of the newest step in the step-latency averages shown by /metrics."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_prefill_tokens",
+            "max_batch_size",
+            "min_prefill_tokens",
+            "initial_batch_size",
+            "num_calibration_steps",
+            "prefill_granularity",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.min_prefill_tokens > self.max_prefill_tokens:
+            raise ValueError(
+                f"min_prefill_tokens ({self.min_prefill_tokens}) must be <= "
+                f"max_prefill_tokens ({self.max_prefill_tokens})"
+            )
+        if self.target_itl_s is not None and self.target_itl_s <= 0:
+            raise ValueError(f"target_itl_s must be > 0, got {self.target_itl_s}")
+        for name in ("dead_band", "min_derived_target_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.derive_factor < 1:
+            raise ValueError(f"derive_factor must be >= 1, got {self.derive_factor}")
+        for name in ("high_kv_usage", "low_utilization", "smoothing"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One measured step, and the scheduler's state right after it."""
+
+    num_decodes: int
+    """Requests that computed their one next token in the step."""
+    num_prefill_tokens: int
+    """Prompt tokens computed in the step (new prompts, chunks, recomputes)."""
+    latency_s: float
+    """Wall time of the step, as a request's next token waits for it."""
+    num_running: int
+    """Requests holding KV blocks after the step."""
+    num_waiting: int
+    """Requests waiting to join after the step."""
+    kv_usage: float
+    """Fraction of the KV blocks in use after the step."""
+    utilization: float = 0.0
+    """Busy fraction of the device over the recent past (NVML, or the engine's busy time)."""
+
+
+@dataclass(frozen=True)
+class ControllerState:
+    """What /metrics shows; every field is at its idle value while nothing runs."""
+
+    prefill_budget: int
+    """Prompt tokens the last planned step could take (the ceiling when idle)."""
+    batch_limit: int
+    """Most running requests before joins stop."""
+    target_itl_s: float | None
+    """The target in force; None with fixed budgets or before it is derived."""
+    utilization: float
+    """Utilization reported with the last step (0 when idle)."""
+    decode_step_latency_s: float
+    """Moving average of decode-only steps' latency (0 when idle)."""
+    mixed_step_latency_s: float
+    """Moving average of the latency of steps with prompt tokens (0 when idle)."""
+
+
+class BatchController:
+    """Chooses each step's prefill share and the batch limit; see the module docstring."""
+
+    def __init__(self, config: ControllerConfig, cost: StepCostModel | None = None) -> None:
+        self.config = config
+        self.cost = cost or StepCostModel()
+        self._target = config.target_itl_s if config.adaptive else None
+        self._limit = (
+            min(config.initial_batch_size, config.max_batch_size)
+            if config.adaptive
+            else config.max_batch_size
+        )
+        self._prefill_budget = config.max_prefill_tokens
+        self._num_decode_samples = 0
+        self._utilization = 0.0
+        self._decode_latency = 0.0
+        self._mixed_latency = 0.0
+        self.num_limit_changes = 0
+        """How often the batch limit changed (a steady load should rarely change it)."""
+
+    @property
+    def target_itl_s(self) -> float | None:
+        """The inter-token latency target in force (None: fixed budgets, or not derived yet)."""
+        return self._target
+
+    @property
+    def batch_limit(self) -> int:
+        """Most running requests; waiting ones join only below it."""
+        return self._limit
+
+    def prefill_budget(self, num_decodes: int) -> int:
+        """Prompt tokens a step with `num_decodes` decodes may compute beside them."""
+        config = self.config
+        if self._target is None or not self.cost.is_ready or num_decodes == 0:
+            return config.max_prefill_tokens
+        fit = self.cost.prefill_tokens_within(self._target, num_decodes, config.max_prefill_tokens)
+        fit -= fit % config.prefill_granularity
+        return max(config.min_prefill_tokens, fit)
+
+    def plan_prefill(self, num_decodes: int) -> int:
+        """`prefill_budget` for the step being planned; remembered for /metrics."""
+        budget = self.prefill_budget(num_decodes)
+        if budget != self._prefill_budget:
+            log.debug(
+                "prefill budget %d -> %d tokens beside %d decodes (predicted decode step "
+                "%.1f ms, target %s)",
+                self._prefill_budget,
+                budget,
+                num_decodes,
+                self.cost.predict(num_decodes) * 1e3,
+                _ms(self._target),
+            )
+            self._prefill_budget = budget
+        return budget
+
+    def observe(self, sample: StepSample) -> None:
+        """Learn from one measured step, then move the batch limit if the step calls for it."""
+        self._utilization = sample.utilization
+        self._record_latency(sample)
+        self.cost.add(sample.num_decodes, sample.num_prefill_tokens, sample.latency_s)
+        if not self.config.adaptive:
+            return
+        if sample.num_decodes > 0:
+            self._num_decode_samples += 1
+        if self._target is None:
+            self._derive_target()
+        self._set_limit(self._next_limit(sample), sample)
+
+    def on_idle(self) -> None:
+        """Nothing runs or waits: measured signals drop to their idle values. The cost fit,
+        the target and the batch limit are kept: they describe the machine, not the load."""
+        self._utilization = 0.0
+        self._decode_latency = 0.0
+        self._mixed_latency = 0.0
+        self._prefill_budget = self.config.max_prefill_tokens
+
+    def state(self) -> ControllerState:
+        """The controller's current choices and measurements, for /metrics."""
+        return ControllerState(
+            prefill_budget=self._prefill_budget,
+            batch_limit=self._limit,
+            target_itl_s=self._target,
+            utilization=self._utilization,
+            decode_step_latency_s=self._decode_latency,
+            mixed_step_latency_s=self._mixed_latency,
+        )
+
+    # ---- internals ----
+
+    def _record_latency(self, sample: StepSample) -> None:
+        alpha = self.config.smoothing
+        if sample.num_prefill_tokens > 0:
+            previous = self._mixed_latency or sample.latency_s
+            self._mixed_latency = previous + alpha * (sample.latency_s - previous)
+        elif sample.num_decodes > 0:
+            previous = self._decode_latency or sample.latency_s
+            self._decode_latency = previous + alpha * (sample.latency_s - previous)
+
+    def _derive_target(self) -> None:
+        config = self.config
+        if self._num_decode_samples < config.num_calibration_steps or not self.cost.is_ready:
+            return
+        batch_one = self.cost.predict(1)
+        self._target = max(config.min_derived_target_s, config.derive_factor * batch_one)
+        log.info(
+            "Inter-token latency target %.1f ms (%.1f x the measured batch-1 decode step "
+            "of %.1f ms, at least %.1f ms)",
+            self._target * 1e3,
+            config.derive_factor,
+            batch_one * 1e3,
+            config.min_derived_target_s * 1e3,
+        )
+
+    def _wants_more(self, sample: StepSample) -> bool:
+        """Requests wait, and the batch limit (not blocks) is what keeps them waiting."""
+        return (
+            sample.num_waiting > 0
+            and sample.num_running >= self._limit
+            and sample.kv_usage < self.config.high_kv_usage
+        )
+
+    def _next_limit(self, sample: StepSample) -> int:
+        config, limit = self.config, self._limit
+        if self._target is None:  # calibrating: small batches first, doubling on demand
+            return min(config.max_batch_size, 2 * limit) if self._wants_more(sample) else limit
+        if not self.cost.is_ready:
+            largest = config.max_batch_size
+        else:
+            largest = max(
+                1,
+                self.cost.largest_batch(
+                    self._target, config.min_prefill_tokens, config.max_batch_size
+                ),
+            )
+            predicted = self.cost.predict(limit, config.min_prefill_tokens)
+            if predicted > self._target * (1 + config.dead_band):
+                return min(limit, largest)
+        if self._wants_more(sample) and largest > limit:
+            under_used = sample.utilization < config.low_utilization
+            return min(largest, limit + (limit if under_used else max(1, limit // 4)))
+        return limit
+
+    def _set_limit(self, limit: int, sample: StepSample) -> None:
+        if limit == self._limit:
+            return
+        log.debug(
+            "batch limit %d -> %d (predicted step %.1f ms at %d decodes + %d prompt tokens, "
+            "target %s, %d running, %d waiting, utilization %.2f, KV usage %.2f)",
+            self._limit,
+            limit,
+            self.cost.predict(limit, self.config.min_prefill_tokens) * 1e3,
+            limit,
+            self.config.min_prefill_tokens,
+            _ms(self._target),
+            sample.num_running,
+            sample.num_waiting,
+            sample.utilization,
+            sample.kv_usage,
+        )
+        self._limit = limit
+        self.num_limit_changes += 1
+
+
+def _ms(seconds: float | None) -> str:
+    return "none" if seconds is None else f"{seconds * 1e3:.1f} ms"
