@@ -254,11 +254,20 @@ def pack_awq(intweight: Tensor, scales: Tensor, zeros: Tensor) -> dict[str, Tens
     }
 
 
+def unpack_awq_weight(qweight: Tensor) -> Tensor:
+    """qweight int32 [in, out / 8] -> codes int32 [out, in]."""
+    return _unpack_dim0(qweight.T.contiguous(), AWQ_BITS, AWQ_PACK_ORDER).contiguous()
+
+
+def unpack_awq_zeros(qzeros: Tensor) -> Tensor:
+    """qzeros int32 [groups, out / 8] -> zero points int32 [groups, out]."""
+    return _unpack_dim0(qzeros.T.contiguous(), AWQ_BITS, AWQ_PACK_ORDER).T.contiguous()
+
+
 def unpack_awq(qweight: Tensor, qzeros: Tensor, scales: Tensor) -> UnpackedWeight:
     """The inverse of `pack_awq`; g_idx is the contiguous one its groups imply."""
-    # qweight [in, out / 8] -> [out, in]; qzeros [groups, out / 8] -> [groups, out]
-    intweight = _unpack_dim0(qweight.T.contiguous(), AWQ_BITS, AWQ_PACK_ORDER).contiguous()
-    zeros = _unpack_dim0(qzeros.T.contiguous(), AWQ_BITS, AWQ_PACK_ORDER).T.contiguous()
+    intweight = unpack_awq_weight(qweight)
+    zeros = unpack_awq_zeros(qzeros)
     _check_group_shapes(intweight, scales, zeros)
     g_idx = _default_g_idx(intweight.shape[1], scales.shape[0])
     return UnpackedWeight(intweight, scales, zeros, g_idx)

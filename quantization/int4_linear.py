@@ -1,0 +1,127 @@
+"""The linear layer a GPTQ or AWQ weight becomes: int4 kept packed on CPU, else dequantized.
+
+At load, once, every quantized weight is turned into the fastest CPU form measured
+(`python -m textgate.bench.int4_linear`, 2-core AVX512-VNNI/BF16 Xeon, 2 threads, random
+4-bit g128 weights; time as a ratio to the fp32 FastLinear of the dequantized weight,
+lower is faster, all cells in one run):
+
+    MEASUREMENT_TABLE
+
+- `Int4PackedLinear` (chosen for 4-bit and 2-bit weights): `aten._weight_int4pack_mm_for_cpu`, the
+  groupwise int4 kernel behind torchao's CPU int4 weight-only path. It computes
+  `(q - 8) * scale + zero` per group, so GPTQ/AWQ's `scale * (q - z)` maps onto it exactly
+  with `zero = scale * (8 - z)`. Act-order (desc_act) weights are permuted at load so each
+  group's inputs are contiguous, and the activation is gathered with the same permutation
+  (`x[..., perm]`) at run time. The kernel's groups are equal and of 32/64/128/256 inputs:
+  a checkpoint group whose size is a multiple of one of them (-1 included, and the last
+  group of 64 that g128 leaves on the default model's 576 inputs) becomes several kernel
+  groups repeating its scale and zero. 1/4 of bf16's weight bytes.
+- Otherwise (8 bits, out_features not a multiple of 16, unequal groups, non-CPU
+  devices, or `TEXTGATE_CPU_KERNELS=0`): the weight is dequantized once to the model's
+  dtype and served by `FastLinear` (oneDNN prepacked) — the reference, exact to the
+  float rounding of the dequantized weight.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor, nn
+
+from textgate.kernels.linear import FastLinear
+from textgate.quantization.packing import UnpackedWeight, dequantize
+
+INT4_GROUP_SIZES = (256, 128, 64, 32)  # what the CPU int4 kernel accepts, largest first
+
+
+class Int4PackedLinear(nn.Module):
+    """`x @ W.T + bias` with W kept as int4 in the CPU kernel's packed layout.
+
+    Build it with `Int4PackedLinear.from_unpacked` (None where the kernel cannot serve
+    the weight). Runs in float32, bfloat16 or float16 (the dtype of the scales given).
+    """
+
+    def __init__(
+        self,
+        packed: Tensor,
+        scales_and_zeros: Tensor,
+        group_size: int,
+        perm: Tensor | None,
+        bias: Tensor | None,
+    ) -> None:
+        super().__init__()
+        self.register_buffer("packed", packed)  # uint8 [out, in / 2]
+        self.register_buffer("scales_and_zeros", scales_and_zeros)  # [in / group, out, 2]
+        self.register_buffer("perm", perm)  # int64 [in], the input order the kernel expects
+        self.group_size = group_size
+        self.out_features = packed.shape[0]
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def from_unpacked(
+        cls, unpacked: UnpackedWeight, dtype: torch.dtype, bias: Tensor | None = None
+    ) -> Int4PackedLinear | None:
+        """The packed layer for 4-bit codes, or None where the kernel cannot take them."""
+        if not _int4_kernel_available(unpacked, dtype):
+            return None
+        g_idx = unpacked.g_idx.long()
+        in_features = g_idx.numel()
+        counts = torch.bincount(g_idx, minlength=unpacked.scales.shape[0])  # inputs per group
+        # The kernel's groups are contiguous and equal: each checkpoint group (128 inputs,
+        # or a last one of 64 where in_features % 128 == 64) becomes counts[g] / kernel_group
+        # kernel groups sharing its scale and zero.
+        kernel_group = next((g for g in INT4_GROUP_SIZES if bool((counts % g == 0).all())), None)
+        if kernel_group is None:
+            return None
+        repeats = counts // kernel_group
+        perm = torch.argsort(g_idx, stable=True)  # groups contiguous, in group order
+        intweight = unpacked.intweight[:, perm]  # [out, in], groups contiguous
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(intweight.contiguous(), 1)
+        scales = unpacked.scales.to(torch.float32)  # [groups, out]
+        zeros = scales * (8 - unpacked.zeros.to(torch.float32))  # (q-8)*s + zero == s*(q-z)
+        scales_and_zeros = torch.stack([scales, zeros], dim=-1)  # [groups, out, 2]
+        scales_and_zeros = scales_and_zeros.repeat_interleave(repeats, dim=0).to(dtype)
+        identity = torch.equal(perm, torch.arange(in_features))
+        return cls(
+            packed, scales_and_zeros.contiguous(), kernel_group, None if identity else perm, bias
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
+        lead = x.shape[:-1]
+        x2d = x.reshape(-1, x.shape[-1]).to(self.scales_and_zeros.dtype).contiguous()  # [M, in]
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x2d, self.packed, self.group_size, self.scales_and_zeros
+        )  # [M, out]
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*lead, self.out_features)
+
+
+def _int4_kernel_available(unpacked: UnpackedWeight, dtype: torch.dtype) -> bool:
+    if os.environ.get("TEXTGATE_CPU_KERNELS", "1") == "0":
+        return False
+    if unpacked.intweight.device.type != "cpu" or dtype not in _KERNEL_DTYPES:
+        return False
+    out_features, in_features = unpacked.intweight.shape
+    return out_features % 16 == 0 and in_features % 32 == 0
+
+
+_KERNEL_DTYPES = (torch.bfloat16,)  # float32 and float16 inputs take slow paths (measured)
+
+
+def build_quantized_linear(
+    unpacked: UnpackedWeight, bits: int, dtype: torch.dtype, bias: Tensor | None = None
+) -> nn.Module:
+    """The layer computing `x @ W.T + bias` for integer codes of `bits` bits.
+
+    2- and 4-bit weights the CPU kernel can take stay packed (`Int4PackedLinear`); anything
+    else is dequantized once to `dtype` and served by `FastLinear`.
+    """
+    if bits <= 4:  # 2-bit codes are 4-bit codes that happen to be small
+        packed = Int4PackedLinear.from_unpacked(unpacked, dtype, bias)
+        if packed is not None:
+            return packed
+    return FastLinear(dequantize(unpacked, dtype), bias)
