@@ -12,6 +12,7 @@ import hmac
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -25,7 +26,12 @@ import textgate
 from textgate.proto import generate_pb2 as pb
 from textgate.router.config import RouterConfig
 from textgate.router.engine.step_loop import OverloadedError
-from textgate.router.http.errors import PayloadTooLargeError, error_response
+from textgate.router.http.errors import (
+    ModelNotFoundError,
+    PayloadTooLargeError,
+    error_response,
+    is_openai_path,
+)
 from textgate.router.http.openapi import DOCS_PATH, SPEC_PATH, docs_routes
 from textgate.router.http.sagemaker import sagemaker_route
 from textgate.router.http.state import Engine, RouterState
@@ -52,14 +58,18 @@ def build_app(
     engine: Engine,
     metrics: Metrics,
     shard_info: pb.InfoResponse | None = None,
+    autoconfig: dict[str, Any] | None = None,
 ) -> Starlette:
     """The router's Starlette app over `engine` (`engine.factory.make_engine` picks it).
 
     `metrics` must be the engine's own, so that its step metrics show at /metrics;
-    `shard_info` (rank 0's Info) fills /info. The app closes the engine on shutdown.
+    `shard_info` (rank 0's Info) and `autoconfig` (the startup report) fill /info. The app
+    closes the engine on shutdown.
     """
     validator = Validator(config, tokenizer)
-    state = RouterState(config, shards, tokenizer, validator, engine, shard_info, metrics)
+    state = RouterState(
+        config, shards, tokenizer, validator, engine, shard_info, metrics, autoconfig
+    )
     routes = [*tgi_routes(state), *openai_routes(state)]
     routes.append(sagemaker_route(routes, config.payload_limit))
     routes += docs_routes(routes, textgate.__version__)
@@ -75,6 +85,7 @@ def build_app(
         middleware=_middleware(config),
         exception_handlers={
             ValidationError: _typed_error,
+            ModelNotFoundError: _typed_error,
             OverloadedError: _typed_error,
             GenerationError: _typed_error,
             PayloadTooLargeError: _typed_error,
@@ -89,20 +100,24 @@ def build_app(
 
 
 async def _typed_error(request: Request, exc: Exception) -> Response:
-    return error_response(str(exc), getattr(exc, "error_type", "generation"))
+    error_type = getattr(exc, "error_type", "generation")
+    return error_response(str(exc), error_type, openai=is_openai_path(request.url.path))
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     error_type = exc.detail.lower().replace(" ", "_")
-    response = error_response(exc.detail, error_type, exc.status_code)
+    openai = is_openai_path(request.url.path)
+    response = error_response(exc.detail, error_type, exc.status_code, openai=openai)
     response.headers.update(exc.headers or {})
     return response
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
     log.error("%s %s failed: %r", request.method, request.url.path, exc)
-    return error_response("Internal server error", "internal", 500)
+    return error_response(
+        "Internal server error", "internal", 500, openai=is_openai_path(request.url.path)
+    )
 
 
 def _middleware(config: RouterConfig) -> list[Middleware]:
@@ -131,7 +146,8 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and _guarded(scope) and not self._authorized(scope):
-            response = error_response("Unauthorized", "unauthorized", 401)
+            openai = is_openai_path(scope.get("path", ""))
+            response = error_response("Unauthorized", "unauthorized", 401, openai=openai)
             await response(scope, receive, send)
             return
         await self._app(scope, receive, send)

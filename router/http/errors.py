@@ -1,9 +1,17 @@
-"""TGI's error bodies and the HTTP status of each `error_type`."""
+"""Error bodies: TGI's on TGI's routes, OpenAI's on the OpenAI routes (`/v1/...`).
+
+TGI's clients read `{"error": "<message>", "error_type": "<type>"}`. The `openai` SDK
+reads `error.message` from `{"error": {"message", "type", "param", "code"}}` and shows
+only "Error code: 422" for anything else. The OpenAI body keeps TGI's `error_type`
+beside it, so TGI's `text-generation` client still maps the status to its exception
+class, and `huggingface_hub` still shows the message.
+"""
 
 from __future__ import annotations
 
 from starlette.responses import JSONResponse
 
+from textgate.router.openai.schemas import OpenAIError, OpenAIErrorResponse
 from textgate.router.tgi.schemas import ErrorResponse
 
 STATUS_BY_ERROR_TYPE = {
@@ -14,7 +22,22 @@ STATUS_BY_ERROR_TYPE = {
     "healthcheck": 503,
     "payload_too_large": 413,
     "unauthorized": 401,
+    "model_not_found": 404,
 }
+
+# OpenAI's `type` for TGI's error types it has a name for; the others keep TGI's.
+OPENAI_TYPE_BY_ERROR_TYPE = {
+    "validation": "invalid_request_error",
+    "payload_too_large": "invalid_request_error",
+    "model_not_found": "invalid_request_error",
+    "unauthorized": "authentication_error",
+    "overloaded": "rate_limit_error",
+    "generation": "server_error",
+    "incomplete_generation": "server_error",
+    "internal": "server_error",
+}
+
+OPENAI_PATH_PREFIX = "/v1/"
 
 
 class PayloadTooLargeError(Exception):
@@ -26,8 +49,39 @@ class PayloadTooLargeError(Exception):
         super().__init__(f"Payload too large: the body exceeds {limit} bytes")
 
 
-def error_response(message: str, error_type: str, status_code: int | None = None) -> JSONResponse:
-    """`{"error": message, "error_type": error_type}` with the status TGI uses for the type."""
+class ModelNotFoundError(Exception):
+    """An OpenAI request named a model this server does not serve (OpenAI's 404)."""
+
+    error_type = "model_not_found"
+
+
+def is_openai_path(path: str) -> bool:
+    """Whether errors on `path` are answered in OpenAI's shape."""
+    return path.startswith(OPENAI_PATH_PREFIX)
+
+
+def error_response(
+    message: str, error_type: str, status_code: int | None = None, *, openai: bool = False
+) -> JSONResponse:
+    """The error body for `error_type` (TGI's, or OpenAI's when `openai`) with TGI's status."""
     status = status_code or STATUS_BY_ERROR_TYPE.get(error_type, 500)
-    body = ErrorResponse(error=message, error_type=error_type)
+    body = (
+        openai_error(message, error_type)
+        if openai
+        else ErrorResponse(error=message, error_type=error_type)
+    )
     return JSONResponse(body.model_dump(mode="json"), status_code=status)
+
+
+def openai_error(message: str, error_type: str) -> OpenAIErrorResponse:
+    """OpenAI's error body; `code` names what failed where OpenAI has a code for it."""
+    code = error_type if error_type in ("model_not_found", "unauthorized") else None
+    if error_type == "unauthorized":
+        code = "invalid_api_key"
+    detail = OpenAIError(
+        message=message,
+        type=OPENAI_TYPE_BY_ERROR_TYPE.get(error_type, error_type),
+        param=None,
+        code=code,
+    )
+    return OpenAIErrorResponse(error=detail, error_type=error_type)

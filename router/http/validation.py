@@ -11,6 +11,7 @@ import asyncio
 import secrets
 from collections.abc import Sequence, Sized
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 from textgate.router.config import RouterConfig
@@ -18,6 +19,20 @@ from textgate.router.engine.request import SamplingParams, StoppingParams, Valid
 from textgate.router.tgi.schemas import GenerateParameters, GenerateRequest, SimpleToken
 
 MAX_SEED = 2**64
+
+
+@dataclass(frozen=True)
+class Wording:
+    """How a route names the prompt and the length limit in its error messages."""
+
+    prompt: str = "inputs"
+    max_new_tokens: str = "max_new_tokens"
+    truncate: str = "truncate"
+    templated: bool = False
+    """The prompt went through the chat template, whose tokens count too."""
+
+
+TGI_WORDING = Wording()
 
 
 class ValidationError(Exception):
@@ -50,11 +65,13 @@ class Validator:
         *,
         stream: bool = False,
         input_ids: Sequence[int] | None = None,
+        wording: Wording = TGI_WORDING,
     ) -> ValidRequest:
         """The validated request, or ValidationError with TGI's message.
 
         `input_ids`: the prompt as token ids (OpenAI completions), used instead of
-        tokenizing `request.inputs` (then only its text for echoing)."""
+        tokenizing `request.inputs` (then only its text for echoing). `wording` names
+        the route's own fields in the length errors."""
         params = request.parameters
         _check_unsupported(params)
         _check_stream(params, stream)
@@ -72,7 +89,7 @@ class Validator:
             ids = await self._tokenize(request.inputs, request.add_special_tokens)
         if truncate is not None:
             ids = ids[-truncate:]
-        max_new_tokens = self._check_lengths(len(ids), params.max_new_tokens)
+        max_new_tokens = self._check_lengths(len(ids), params.max_new_tokens, wording)
         return ValidRequest(
             inputs=request.inputs,
             input_ids=tuple(ids),
@@ -142,20 +159,35 @@ class Validator:
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def _check_lengths(self, input_length: int, max_new_tokens: int | None) -> int:
-        """The request's max_new_tokens (defaulting to what max_total_tokens leaves)."""
-        max_total = self._config.max_total_tokens
-        if max_new_tokens is None:
-            max_new_tokens = max(max_total - input_length, 0)
-        if input_length + max_new_tokens > max_total:
-            raise ValidationError(
-                f"`inputs` tokens + `max_new_tokens` must be <= {max_total}. "
-                f"Given: {input_length} `inputs` tokens and {max_new_tokens} `max_new_tokens`"
+    def _check_lengths(
+        self, input_length: int, max_new_tokens: int | None, wording: Wording
+    ) -> int:
+        """The request's max_new_tokens: as given, else `default_max_new_tokens` (bounded by
+        what max_total_tokens leaves).
+
+        The prompt is checked first, so a prompt that is too long is reported as such
+        whatever the length asked for; a defaulted length never fails.
+        """
+        config = self._config
+        if input_length > config.max_input_tokens:
+            templated = (
+                " (after the chat template, whose tokens count too)" if wording.templated else ""
             )
-        if input_length > self._config.max_input_tokens:
             raise ValidationError(
-                f"`inputs` must have less than {self._config.max_input_tokens} tokens. "
-                f"Given: {input_length}"
+                f"`{wording.prompt}` must have less than {config.max_input_tokens} tokens. "
+                f"Given: {input_length}{templated}. Shorten it, or set `{wording.truncate}` to keep "
+                f"only its last {config.max_input_tokens} tokens; the server's limit is "
+                "`--max-input-tokens`."
+            )
+        room = config.max_total_tokens - input_length
+        if max_new_tokens is None:
+            return min(config.default_max_new_tokens, room)
+        if max_new_tokens > room:
+            raise ValidationError(
+                f"`{wording.prompt}` tokens + `{wording.max_new_tokens}` must be <= "
+                f"{config.max_total_tokens}. Given: {input_length} `{wording.prompt}` tokens "
+                f"and {max_new_tokens} `{wording.max_new_tokens}`; at most {room} new tokens "
+                f"fit after this prompt (the server's `--max-total-tokens`)."
             )
         return max_new_tokens
 

@@ -14,6 +14,7 @@ from typing import Any, cast
 
 from textgate.router.config import RouterConfig
 from textgate.router.engine.request import ValidRequest
+from textgate.router.http.errors import ModelNotFoundError
 from textgate.router.http.validation import MAX_SEED, ValidationError
 from textgate.router.openai.schemas import (
     ChatCompletionRequest,
@@ -88,6 +89,25 @@ def prompt_list(body: CompletionRequest) -> list[str | list[int]]:
     return prompts
 
 
+# Names every client may send for the one served model: TGI's README and clients use
+# "tgi"; an empty or absent `model` is accepted as OpenAI-style servers do.
+MODEL_ALIASES = frozenset({"", "tgi"})
+
+
+def served_model(requested: str, model_id: str) -> str:
+    """The served model's name for a request's `model`; ModelNotFoundError for any other.
+
+    A path-like id (`HuggingFaceTB/SmolLM2-135M-Instruct`, a local folder) is also
+    accepted by its last part, as `/v1/models` clients often shorten it.
+    """
+    if requested in MODEL_ALIASES or requested in (model_id, model_id.rstrip("/").split("/")[-1]):
+        return model_id
+    raise ModelNotFoundError(
+        f"The model `{requested}` does not exist: this server serves `{model_id}` "
+        "(also accepted: `tgi`, or no `model`)"
+    )
+
+
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as chat templates read them: content as one string."""
     return [{**m.model_dump(exclude_none=True), "content": _text_content(m)} for m in messages]
@@ -138,6 +158,7 @@ def _parameters(
         decoder_input_details=prompt_logprobs,
         ignore_eos=body.ignore_eos,
         min_new_tokens=body.min_tokens,
+        truncate=body.truncate_prompt_tokens,
     )
 
 

@@ -2,8 +2,9 @@
 
 Every request becomes TGI `GenerateRequest`s (one per prompt) that the validator
 checks and tokenizes; `n`/`best_of` copies get their own seeds and go to the engine
-together (all admitted or 429). Errors keep TGI's `{"error", "error_type"}` bodies
-and statuses, so these routes answer like the TGI ones next to them.
+together (all admitted or 429). Errors on `/v1/...` have OpenAI's body
+(`{"error": {"message", "type", "param", "code"}}`, TGI's `error_type` beside it) and
+TGI's statuses; `/chat_tokenize` is TGI's route and answers in TGI's shape.
 
     POST /v1/chat/completions   messages -> chat template -> generation
     POST /v1/completions        prompt(s) -> generation
@@ -25,11 +26,22 @@ from starlette.routing import BaseRoute, Route
 from textgate.router.engine.channel import Channel, ErrorEvent
 from textgate.router.engine.request import ValidRequest
 from textgate.router.engine.step_loop import OverloadedError
-from textgate.router.http.errors import PayloadTooLargeError, error_response
+from textgate.router.http.delivery import (
+    CLIENT_DISCONNECTED,
+    StreamPacing,
+    cancel_on_disconnect,
+    record_failure,
+)
+from textgate.router.http.errors import (
+    ModelNotFoundError,
+    PayloadTooLargeError,
+    error_response,
+    is_openai_path,
+)
 from textgate.router.http.request_io import ClientDisconnectedError, read_json, unless_disconnected
 from textgate.router.http.sse import SseResponse
 from textgate.router.http.state import RouterState
-from textgate.router.http.validation import ValidationError
+from textgate.router.http.validation import ValidationError, Wording
 from textgate.router.metrics import RequestTimings
 from textgate.router.openai.chat_template import render_chat
 from textgate.router.openai.output import (
@@ -46,6 +58,7 @@ from textgate.router.openai.params import (
     completion_fanout,
     completion_parameters,
     prompt_list,
+    served_model,
     stop_sequences,
     template_messages,
 )
@@ -68,6 +81,8 @@ from textgate.router.tgi.output import Generated, GenerationError, collect
 from textgate.router.tgi.schemas import GenerateRequest
 
 Handler = Callable[[Request], Awaitable[Response]]
+OPENAI_TRUNCATE = "truncate_prompt_tokens"
+COMPLETION_WORDING = Wording("prompt", "max_tokens", OPENAI_TRUNCATE)
 # A client that left before its (non-streamed) answer was ready (nginx's code).
 CLIENT_CLOSED_REQUEST = 499
 
@@ -120,14 +135,17 @@ class _OpenAIHandlers:
 
     async def _chat(self, request: Request, received: float) -> Response:
         body = await read_json(request, ChatCompletionRequest, self._config.payload_limit)
+        model = served_model(body.model, self._config.model_id)
         params = chat_parameters(body, self._config)
         fanout = chat_fanout(body, self._config)
         prompt = await self._render(body)
         # The template already holds the special tokens the model expects (BOS, markers).
         inputs = GenerateRequest(inputs=prompt, parameters=params, add_special_tokens=False)
-        valid = await self._validate(inputs, body.stream)
+        length_field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        wording = Wording("messages", length_field, OPENAI_TRUNCATE, templated=True)
+        valid = await self._validate(inputs, body.stream, wording=wording)
         channels = self._state.engine.submit(candidates(valid, body.seed, fanout.num_candidates))
-        meta = ResponseMeta.new("chatcmpl", body.model or self._config.model_id)
+        meta = ResponseMeta.new("chatcmpl", model)
         options = _text_options(body)
         if body.stream:
             writer = ChatChunks(meta, len(channels), options, logprobs=body.logprobs)
@@ -140,6 +158,7 @@ class _OpenAIHandlers:
 
     async def _complete(self, request: Request, received: float) -> Response:
         body = await read_json(request, CompletionRequest, self._config.payload_limit)
+        model = served_model(body.model, self._config.model_id)
         given = prompt_list(body)
         params = completion_parameters(body, self._config)
         fanout = completion_fanout(body, self._config)
@@ -152,6 +171,7 @@ class _OpenAIHandlers:
                     GenerateRequest(inputs=text, parameters=params),
                     body.stream,
                     input_ids=None if isinstance(p, str) else p,
+                    wording=COMPLETION_WORDING,
                 )
                 for text, p in zip(prompts, given, strict=True)
             )
@@ -159,7 +179,7 @@ class _OpenAIHandlers:
         requests = [r for v in valids for r in candidates(v, body.seed, fanout.num_candidates)]
         channels = self._state.engine.submit(requests)
         prompt_tokens = sum(v.input_length for v in valids)
-        meta = ResponseMeta.new("cmpl", body.model or self._config.model_id)
+        meta = ResponseMeta.new("cmpl", model)
         options = _text_options(body)
         logprobs = body.logprobs is not None
         if body.stream:
@@ -198,9 +218,16 @@ class _OpenAIHandlers:
         )
 
     async def _validate(
-        self, inputs: GenerateRequest, stream: bool, input_ids: Sequence[int] | None = None
+        self,
+        inputs: GenerateRequest,
+        stream: bool,
+        input_ids: Sequence[int] | None = None,
+        *,
+        wording: Wording,
     ) -> ValidRequest:
-        valid = await self._state.validator.validate(inputs, stream=stream, input_ids=input_ids)
+        valid = await self._state.validator.validate(
+            inputs, stream=stream, input_ids=input_ids, wording=wording
+        )
         self._metrics.request_validated(valid.input_length, valid.max_new_tokens)
         return valid
 
@@ -211,6 +238,8 @@ class _OpenAIHandlers:
         try:
             results = await unless_disconnected(request, _collect_all(channels))
         except ClientDisconnectedError:
+            if any(c.cancelled for c in channels):
+                self._metrics.request_cancelled(CLIENT_DISCONNECTED)
             return None
         self._metrics.request_succeeded(
             RequestTimings(
@@ -232,15 +261,15 @@ class _OpenAIHandlers:
         received: float,
     ) -> Response:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        frames = openai_frames(
-            channels, writer, prompt_tokens, include_usage, self._on_stream_end(channels, received)
-        )
-        return SseResponse(frames, on_disconnect=lambda: _cancel_all(channels))
+        on_end = self._on_stream_end(channels, received)
+        pacing = StreamPacing.from_config(self._config)
+        frames = openai_frames(channels, writer, prompt_tokens, include_usage, on_end, pacing)
+        return SseResponse(frames, on_disconnect=cancel_on_disconnect(channels, self._metrics))
 
     def _on_stream_end(self, channels: Sequence[Channel], received: float) -> OnEnd:
         def on_end(failure: ErrorEvent | None, generated_tokens: int) -> None:
             if failure is not None:
-                self._metrics.request_failed(failure.error_type)
+                record_failure(self._metrics, failure)
                 return
             queued = min(c.queued_at for c in channels)
             started = min(c.started_at or c.queued_at for c in channels)
@@ -273,16 +302,22 @@ async def _collect_all(channels: Sequence[Channel]) -> list[Generated]:
 
 
 def _typed_errors(handler: Handler) -> Handler:
-    """`handler`, answering the pipeline's typed errors with TGI's body and status.
-
-    The app answers them the same way; this keeps the routes whole in any app.
+    """`handler`, answering the pipeline's typed errors with TGI's status (and OpenAI's
+    body on `/v1/...`). The app answers them the same way; this keeps the routes whole
+    in any app.
     """
 
     @functools.wraps(handler)
     async def answer(request: Request) -> Response:
         try:
             return await handler(request)
-        except (ValidationError, OverloadedError, GenerationError, PayloadTooLargeError) as exc:
-            return error_response(str(exc), exc.error_type)
+        except (
+            ValidationError,
+            ModelNotFoundError,
+            OverloadedError,
+            GenerationError,
+            PayloadTooLargeError,
+        ) as exc:
+            return error_response(str(exc), exc.error_type, openai=is_openai_path(request.url.path))
 
     return answer

@@ -36,7 +36,7 @@ class SamplingRequest(BaseModel):
         return data
 
     model: str = ""
-    """Accepted and echoed; this server serves one model."""
+    """The served model's name, `tgi` or empty (`params.served_model`); others get 404."""
     max_tokens: int | None = None
     """Most tokens to generate."""
     temperature: float | None = None
@@ -69,6 +69,8 @@ class SamplingRequest(BaseModel):
     """vLLM extra: suppress end-of-sequence until this many tokens were generated."""
     include_stop_str_in_output: bool = False
     """vLLM extra: keep the matched stop sequence at the end of the text."""
+    truncate_prompt_tokens: int | None = None
+    """vLLM extra (TGI's `truncate`): keep only the prompt's last this many tokens."""
 
 
 class ContentPart(BaseModel):
@@ -265,3 +267,22 @@ class ChatTokenizeResponse(BaseModel):
 
     tokenize_response: list[SimpleToken]
     templated_text: str
+
+
+class OpenAIError(BaseModel):
+    """The `error` object of OpenAI's error body; the SDK shows `message`."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class OpenAIErrorResponse(BaseModel):
+    """Every error of the OpenAI routes, and the last event of a stream that failed.
+
+    `error_type` is TGI's, kept so TGI's client still picks its exception class.
+    """
+
+    error: OpenAIError
+    error_type: str

@@ -6,11 +6,14 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from openai import OpenAI
+from openai import NotFoundError, OpenAI, UnprocessableEntityError
 from openai.types.chat import ChatCompletionMessageParam
 
 pytestmark = pytest.mark.e2e
 
+# TGI's README spells the model "tgi"; answers name the served model.
+MODEL = "tgi"
+SERVED = "HuggingFaceTB/SmolLM2-135M-Instruct"
 QUESTION: list[ChatCompletionMessageParam] = [
     {"role": "user", "content": "Name the capital of France."}
 ]
@@ -24,13 +27,13 @@ def client(live_server: str) -> Iterator[OpenAI]:
 
 def test_models_list_names_the_served_model(client: OpenAI) -> None:
     (model,) = client.models.list().data
-    assert model.id
+    assert model.id == SERVED
     assert model.object == "model"
 
 
 def test_chat_completion_answers_paris(client: OpenAI) -> None:
     answer = client.chat.completions.create(
-        model="textgate",
+        model=MODEL,
         messages=QUESTION,
         temperature=0,
         max_tokens=20,
@@ -41,12 +44,12 @@ def test_chat_completion_answers_paris(client: OpenAI) -> None:
     assert choice.finish_reason in ("stop", "length")
     assert answer.usage is not None
     assert answer.usage.total_tokens == answer.usage.prompt_tokens + answer.usage.completion_tokens
-    assert answer.model == "textgate"
+    assert answer.model == SERVED
 
 
 def test_chat_completion_stream_answers_paris_with_usage(client: OpenAI) -> None:
     stream = client.chat.completions.create(
-        model="textgate",
+        model=MODEL,
         messages=QUESTION,
         temperature=0,
         max_tokens=20,
@@ -64,7 +67,7 @@ def test_chat_completion_stream_answers_paris_with_usage(client: OpenAI) -> None
 
 def test_completion_continues_a_prompt(client: OpenAI) -> None:
     answer = client.completions.create(
-        model="textgate", prompt="The capital of France is", temperature=0, max_tokens=5
+        model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=5
     )
     assert answer.choices[0].text
     assert answer.choices[0].finish_reason in ("stop", "length")
@@ -74,7 +77,7 @@ def test_completion_continues_a_prompt(client: OpenAI) -> None:
 def test_presence_penalty_steers_away_from_tokens_already_used(client: OpenAI) -> None:
     def complete(presence_penalty: float) -> str:
         answer = client.completions.create(
-            model="textgate",
+            model=MODEL,
             prompt="red red red red red red red red",
             temperature=0,
             max_tokens=12,
@@ -98,7 +101,7 @@ def test_logit_bias_bans_and_forces_tokens(client: OpenAI, live_server: str) -> 
 
     def first_text(bias: dict[str, int]) -> str:
         answer = client.completions.create(
-            model="textgate", prompt=prompt, temperature=0, max_tokens=2, logit_bias=bias
+            model=MODEL, prompt=prompt, temperature=0, max_tokens=2, logit_bias=bias
         )
         return answer.choices[0].text
 
@@ -113,8 +116,29 @@ def test_a_token_id_prompt_completes_like_its_text(client: OpenAI, live_server: 
 
     def complete(prompt: str | list[int]) -> str:
         answer = client.completions.create(
-            model="textgate", prompt=prompt, temperature=0, max_tokens=6, echo=True
+            model=MODEL, prompt=prompt, temperature=0, max_tokens=6, echo=True
         )
         return answer.choices[0].text
 
     assert complete(ids) == complete(text)
+
+
+@pytest.mark.parametrize("name", [SERVED, "SmolLM2-135M-Instruct", "tgi"])
+def test_the_served_name_and_tgi_are_accepted(client: OpenAI, name: str) -> None:
+    answer = client.completions.create(model=name, prompt="Hi", temperature=0, max_tokens=1)
+    assert answer.model == SERVED
+
+
+def test_another_model_name_is_openais_404(client: OpenAI) -> None:
+    with pytest.raises(NotFoundError) as caught:
+        client.chat.completions.create(model="gpt-4o", messages=QUESTION, max_tokens=1)
+    assert "`gpt-4o` does not exist" in str(caught.value)
+    assert SERVED in str(caught.value)
+    assert caught.value.code == "model_not_found"
+
+
+def test_the_sdk_error_carries_the_servers_reason(client: OpenAI) -> None:
+    with pytest.raises(UnprocessableEntityError) as caught:
+        client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=10**6)
+    assert "max_tokens" in str(caught.value) or "max_new_tokens" in str(caught.value)
+    assert caught.value.type == "invalid_request_error"

@@ -46,13 +46,21 @@ RULES: list[tuple[dict[str, Any], str, bool, str]] = [
         {"max_new_tokens": 10},
         LONG_PROMPT,
         False,
-        "`inputs` must have less than 64 tokens. Given: 65",
+        "`inputs` must have less than 64 tokens. Given: 65. Shorten it, or set `truncate` "
+        "to keep only its last 64 tokens; the server's limit is `--max-input-tokens`.",
+    ),
+    (
+        {"max_new_tokens": 1000},
+        LONG_PROMPT,
+        False,
+        "`inputs` must have less than 64 tokens. Given: 65.",
     ),
     (
         {"max_new_tokens": 100},
         "w5 w6 w7 w8 w9 w10 w11 w12 w13 w14 w15 w16 w17 w18 w19 w20 w21 w22 w23 w24 w25 w26 w27 w28 w29 w30 w31 w32 w33",
         False,
-        "`inputs` tokens + `max_new_tokens` must be <= 128. Given: 29 `inputs` tokens and 100 `max_new_tokens`",
+        "`inputs` tokens + `max_new_tokens` must be <= 128. Given: 29 `inputs` tokens and 100 "
+        "`max_new_tokens`; at most 99 new tokens fit after this prompt",
     ),
     (
         {"stop": ["a", "b", "c", "d", "e"]},
@@ -146,7 +154,7 @@ async def test_every_rule_is_422_over_http_and_the_server_keeps_serving(
 async def test_defaults_are_tgis(validator: Validator) -> None:
     valid = await validator.validate(generate_request("w5 w6"))
     assert valid.input_ids == (5, 6)
-    assert valid.max_new_tokens == 128 - 2, "unset max_new_tokens fills max_total_tokens"
+    assert valid.max_new_tokens == 128 - 2, "the default is bounded by what max_total leaves"
     sampling = valid.sampling
     assert (sampling.temperature, sampling.top_k, sampling.top_p, sampling.typical_p) == (
         1.0,
@@ -160,6 +168,20 @@ async def test_defaults_are_tgis(validator: Validator) -> None:
     assert 0 <= sampling.seed < 2**64
     assert valid.top_n_tokens == 0 and valid.best_of == 1
     assert valid.stopping.stop_sequences == () and not valid.stopping.ignore_eos_token
+
+
+@pytest.mark.parametrize(("default", "expected"), [(20, 20), (256, 126)])
+async def test_an_unset_length_is_the_default_max_new_tokens(
+    make_config: Callable[..., RouterConfig], default: int, expected: int
+) -> None:
+    validator = Validator(make_config(default_max_new_tokens=default), FakeTokenizer())
+    try:
+        valid = await validator.validate(generate_request("w5 w6"))
+        assert valid.max_new_tokens == expected
+        long_prompt = await validator.validate(generate_request(" ".join(["w5"] * 64)))
+        assert long_prompt.max_new_tokens == min(default, 128 - 64)
+    finally:
+        validator.close()
 
 
 async def test_seeds_are_random_unless_given(validator: Validator) -> None:

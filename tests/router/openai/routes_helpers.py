@@ -46,7 +46,7 @@ class ChatFakeTokenizer(FakeTokenizer):
 
 def chat(content: str = "w5", **fields: Any) -> dict[str, Any]:
     """A /v1/chat/completions body with one user message, plus `fields`."""
-    return {"model": "m", "messages": [{"role": "user", "content": content}], **fields}
+    return {"model": "tgi", "messages": [{"role": "user", "content": content}], **fields}
 
 
 async def sse(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> list[Any]:

@@ -22,7 +22,7 @@ async def test_chat_completion_has_openai_shape(client: httpx.AsyncClient) -> No
     assert body["id"].startswith("chatcmpl-")
     assert body["object"] == "chat.completion"
     assert isinstance(body["created"], int)
-    assert body["model"] == "m"
+    assert body["model"] == "fake-model"
     assert isinstance(body["system_fingerprint"], str)
     assert body["choices"] == [
         {

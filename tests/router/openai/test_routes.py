@@ -37,7 +37,13 @@ async def test_a_shard_error_without_stream_is_424(
 
 
 async def test_completion_with_prompts_n_and_usage(client: httpx.AsyncClient) -> None:
-    body = {"model": "m", "prompt": ["w5", "w20 w21"], "max_tokens": 2, "n": 2, "temperature": 0}
+    body = {
+        "model": "fake-model",
+        "prompt": ["w5", "w20 w21"],
+        "max_tokens": 2,
+        "n": 2,
+        "temperature": 0,
+    }
     answer = (await client.post("/v1/completions", json=body)).json()
     assert answer["id"].startswith("cmpl-")
     assert answer["object"] == "text_completion"
@@ -137,8 +143,20 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("/v1/chat/completions", chat(stop=["a", "b", "c", "d", "e"]), "up to 4 stop"),
     ("/v1/chat/completions", chat(seed=-1), "`seed` must be"),
     ("/v1/chat/completions", chat(frequency_penalty=3), "`frequency_penalty` must"),
-    ("/v1/chat/completions", chat(" ".join(["w5"] * 70)), "`inputs` must have less than"),
-    ("/v1/chat/completions", chat(max_tokens=127), "must be <= 128"),
+    (
+        "/v1/chat/completions",
+        chat(" ".join(["w5"] * 70)),
+        "`messages` must have less than 64 tokens. Given: 7",
+    ),
+    ("/v1/chat/completions", chat(" ".join(["w5"] * 70)), "`truncate_prompt_tokens`"),
+    ("/v1/chat/completions", chat(" ".join(["w5"] * 70)), "after the chat template"),
+    ("/v1/completions", {"prompt": "w5 " * 70}, "`prompt` must have less than 64 tokens"),
+    ("/v1/chat/completions", chat(max_tokens=127), "`max_tokens` must be <= 128"),
+    (
+        "/v1/chat/completions",
+        chat(max_completion_tokens=127),
+        "`messages` tokens + `max_completion_tokens` must be <= 128",
+    ),
     ("/v1/chat/completions", {"messages": []}, "`messages` cannot be empty"),
     ("/v1/chat/completions", {"model": "m"}, "messages: Field required"),
     ("/v1/chat/completions", {"messages": [{"role": "bad"}]}, "template"),
@@ -180,10 +198,21 @@ async def test_invalid_requests_are_422(client: httpx.AsyncClient) -> None:
         if (
             response.status_code != 422
             or error.get("error_type") != "validation"
-            or message not in error.get("error", "")
+            or message not in error_message(path, error)
         ):
             failures.append((path, body, response.status_code, response.text[:200]))
     assert not failures
+
+
+def error_message(path: str, body: dict[str, Any]) -> str:
+    """The message of an error body: OpenAI's shape on /v1/..., TGI's elsewhere."""
+    error = body.get("error")
+    if path.startswith("/v1/"):
+        assert isinstance(error, dict), body
+        assert set(error) == {"message", "type", "param", "code"}, body
+        return str(error["message"])
+    assert isinstance(error, str), body
+    return error
 
 
 async def test_malformed_json_is_422(client: httpx.AsyncClient) -> None:
@@ -196,7 +225,7 @@ async def test_a_model_without_chat_template_is_422(start_openai: StartRouter) -
     async with httpx.AsyncClient(base_url=await start_openai(FakeTokenizer())) as http:
         response = await http.post("/v1/chat/completions", json=chat())
         assert response.status_code == 422
-        assert "no chat template" in response.json()["error"]
+        assert "no chat template" in response.json()["error"]["message"]
         completion = await http.post("/v1/completions", json={"prompt": "w5", "max_tokens": 1})
         assert completion.status_code == 200
 
@@ -205,7 +234,15 @@ async def test_over_max_concurrent_requests_is_429(start_openai: StartRouter) ->
     async with httpx.AsyncClient(base_url=await start_openai(max_concurrent_requests=1)) as http:
         response = await http.post("/v1/chat/completions", json=chat(n=2, max_tokens=1))
         assert response.status_code == 429
-        assert response.json() == {"error": "Model is overloaded", "error_type": "overloaded"}
+        assert response.json() == {
+            "error": {
+                "message": "Model is overloaded",
+                "type": "rate_limit_error",
+                "param": None,
+                "code": None,
+            },
+            "error_type": "overloaded",
+        }
         stream = await http.post("/v1/completions", json={"prompt": ["w5", "w6"], "stream": True})
         assert stream.status_code == 429
 
@@ -267,3 +304,27 @@ async def test_requests_are_counted_in_tgi_metrics(
     assert "tgi_request_success 2.0" in metrics
     assert 'tgi_request_failure{err="validation"} 1.0' in metrics
     assert 'tgi_request_failure{err="generation"} 1.0' in metrics
+
+
+async def test_truncate_prompt_tokens_keeps_the_last_tokens(client: httpx.AsyncClient) -> None:
+    long = chat(" ".join(["w5"] * 70), max_tokens=2, temperature=0)
+    assert (await client.post("/v1/chat/completions", json=long)).status_code == 422
+    response = await client.post(
+        "/v1/chat/completions", json={**long, "truncate_prompt_tokens": 10}
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens"] == 10
+
+
+async def test_an_unknown_model_is_openais_404(client: httpx.AsyncClient) -> None:
+    response = await client.post("/v1/chat/completions", json={**chat(), "model": "gpt-4o"})
+    assert response.status_code == 404
+    error = response.json()["error"]
+    assert error["code"] == "model_not_found" and error["type"] == "invalid_request_error"
+    assert "`gpt-4o` does not exist" in error["message"] and "fake-model" in error["message"]
+    for name in ("fake-model", "tgi", ""):
+        answer = await client.post(
+            "/v1/completions", json={"model": name, "prompt": "w5", "max_tokens": 1}
+        )
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["model"] == "fake-model"
