@@ -32,7 +32,7 @@ from textgate.router.http.errors import (
     error_response,
     is_openai_path,
 )
-from textgate.router.http.openapi import DOCS_PATH, SPEC_PATH, docs_routes
+from textgate.router.http.openapi import DOCS_ASSETS_PATH, DOCS_PATH, SPEC_PATH, docs_routes
 from textgate.router.http.sagemaker import sagemaker_route
 from textgate.router.http.state import Engine, RouterState
 from textgate.router.http.validation import Tokenizer, ValidationError, Validator
@@ -160,7 +160,7 @@ class ApiKeyMiddleware:
 
 def _guarded(scope: Scope) -> bool:
     path = scope.get("path", "")
-    if path in OPEN_PATHS:
+    if path in OPEN_PATHS or path.startswith(f"{DOCS_ASSETS_PATH}/"):
         return False
     # `GET /` is TGI's health check; `POST /` generates.
     return not (path == "/" and scope.get("method") in ("GET", "HEAD"))

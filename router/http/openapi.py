@@ -1,9 +1,11 @@
-"""The OpenAPI spec at /api-doc/openapi.json (TGI's path) and a self-contained /docs page.
+"""The OpenAPI spec at /api-doc/openapi.json (TGI's path) and an interactive /docs page.
 
-Schemas come from the pydantic models in `schemas.py`, so the spec cannot drift from
-what the handlers parse and send. Routes mounted by other modules (the OpenAI ones)
-are listed too, with their methods and a summary from their endpoint's docstring.
-The /docs page is plain HTML rendered here: no JavaScript, nothing loaded from a CDN.
+Schemas come from the pydantic models of the TGI and OpenAI bodies, so the spec cannot
+drift from what the handlers parse and send. Routes mounted by other modules are listed
+too, with their methods and a summary from their endpoint's docstring.
+/docs is Swagger UI, as TGI serves: its assets come from the `swagger-ui-bundle` package
+and are served by this server under /docs/assets, so the page works offline (no CDN).
+Without JavaScript the page still lists every route.
 """
 
 from __future__ import annotations
@@ -18,8 +20,18 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
-from starlette.routing import BaseRoute, Route
+from starlette.routing import BaseRoute, Mount, Route
+from starlette.staticfiles import StaticFiles
+from swagger_ui_bundle import swagger_ui_path
 
+from textgate.router.openai.schemas import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    ModelList,
+    OpenAIErrorResponse,
+)
 from textgate.router.tgi.schemas import (
     ErrorResponse,
     GenerateRequest,
@@ -31,6 +43,7 @@ from textgate.router.tgi.schemas import (
 
 SPEC_PATH = "/api-doc/openapi.json"
 DOCS_PATH = "/docs"
+DOCS_ASSETS_PATH = "/docs/assets"
 SCHEMA_MODELS: tuple[type[BaseModel], ...] = (
     GenerateRequest,
     GenerateResponse,
@@ -38,6 +51,12 @@ SCHEMA_MODELS: tuple[type[BaseModel], ...] = (
     SimpleToken,
     Info,
     ErrorResponse,
+    ChatCompletionRequest,
+    ChatCompletion,
+    CompletionRequest,
+    Completion,
+    ModelList,
+    OpenAIErrorResponse,
 )
 _GENERATE_ERRORS = {
     "422": "Input validation error",
@@ -57,7 +76,9 @@ class _Operation:
     content: dict[str, Any] = field(default_factory=dict)
     """Media type -> schema of the 200 answer."""
     errors: dict[str, str] = field(default_factory=dict)
-    """Status -> description; every error body is an ErrorResponse."""
+    """Status -> description of the error answers."""
+    error_schema: str = "ErrorResponse"
+    """Schema of the error bodies (TGI's, or OpenAI's on /v1/...)."""
 
 
 def _ref(name: str) -> dict[str, Any]:
@@ -121,6 +142,26 @@ _OPERATIONS: tuple[_Operation, ...] = (
     _Operation("get", "/metrics", "Prometheus metrics", content={"text/plain": {"type": "string"}}),
     _Operation("get", SPEC_PATH, "This OpenAPI spec", content={_JSON: {"type": "object"}}),
     _Operation("get", DOCS_PATH, "The API documentation page", content={"text/html": {}}),
+    _Operation(
+        "post",
+        "/v1/chat/completions",
+        "OpenAI chat completion (messages through the model's chat template);"
+        " stream: true gives SSE chunks ending in data: [DONE]",
+        "ChatCompletionRequest",
+        {_JSON: _ref("ChatCompletion"), _SSE: {"type": "string"}},
+        _GENERATE_ERRORS,
+        error_schema="OpenAIErrorResponse",
+    ),
+    _Operation(
+        "post",
+        "/v1/completions",
+        "OpenAI text completion of one or more prompts",
+        "CompletionRequest",
+        {_JSON: _ref("Completion"), _SSE: {"type": "string"}},
+        _GENERATE_ERRORS,
+        error_schema="OpenAIErrorResponse",
+    ),
+    _Operation("get", "/v1/models", "The served model", content={_JSON: _ref("ModelList")}),
 )
 
 
@@ -145,12 +186,17 @@ def openapi_spec(routes: Sequence[BaseRoute], version: str) -> dict[str, Any]:
             "license": {"name": "Apache 2.0"},
         },
         "paths": paths,
-        "components": {"schemas": schemas.get("$defs", {})},
+        "components": {
+            "schemas": schemas.get("$defs", {}),
+            # --api-key: Swagger UI's "Authorize" sends it on the routes that generate.
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+        "security": [{}, {"bearer": []}],
     }
 
 
 def docs_routes(routes: Sequence[BaseRoute], version: str) -> list[BaseRoute]:
-    """GET /api-doc/openapi.json and GET /docs, describing `routes` (and themselves)."""
+    """GET /api-doc/openapi.json, GET /docs and its assets, describing `routes`."""
     spec = openapi_spec(routes, version)
     page = docs_page(spec)
 
@@ -163,11 +209,12 @@ def docs_routes(routes: Sequence[BaseRoute], version: str) -> list[BaseRoute]:
     return [
         Route(SPEC_PATH, openapi_json, methods=["GET"]),
         Route(DOCS_PATH, docs, methods=["GET"]),
+        Mount(DOCS_ASSETS_PATH, StaticFiles(directory=str(swagger_ui_path)), name="docs-assets"),
     ]
 
 
 def docs_page(spec: dict[str, Any]) -> str:
-    """A small HTML page: every operation, and a link to the full spec."""
+    """Swagger UI over the spec, from this server's own assets; a route table without JS."""
     rows = []
     for path, operations in spec["paths"].items():
         for method, operation in operations.items():
@@ -176,15 +223,30 @@ def docs_page(spec: dict[str, Any]) -> str:
                 f"</td><td>{html.escape(operation.get('summary', ''))}</td></tr>"
             )
     title = html.escape(f"{spec['info']['title']} {spec['info']['version']}")
-    return (
-        "<!doctype html>\n<html><head><meta charset='utf-8'>"
-        f"<title>{title} API</title></head><body>"
-        f"<h1>{title} API</h1>"
-        f"<p>The full OpenAPI spec, with every request and response schema: "
-        f"<a href='{SPEC_PATH}'>{SPEC_PATH}</a>.</p>"
-        "<table><thead><tr><th>Method</th><th>Path</th><th>What it does</th></tr></thead>"
-        f"<tbody>{''.join(rows)}</tbody></table></body></html>\n"
-    )
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{title} API</title>
+<link rel="stylesheet" href="{DOCS_ASSETS_PATH}/swagger-ui.css">
+<link rel="icon" type="image/png" href="{DOCS_ASSETS_PATH}/favicon-32x32.png">
+</head><body>
+<div id="swagger-ui"></div>
+<noscript><h1>{title} API</h1>
+<p>The full OpenAPI spec, with every request and response schema:
+<a href="{SPEC_PATH}">{SPEC_PATH}</a>.</p>
+<table><thead><tr><th>Method</th><th>Path</th><th>What it does</th></tr></thead>
+<tbody>{"".join(rows)}</tbody></table></noscript>
+<script src="{DOCS_ASSETS_PATH}/swagger-ui-bundle.js"></script>
+<script>
+window.ui = SwaggerUIBundle({{
+  url: "{SPEC_PATH}",
+  dom_id: "#swagger-ui",
+  deepLinking: true,
+  presets: [SwaggerUIBundle.presets.apis],
+}});
+</script>
+</body></html>
+"""
 
 
 def _operation_spec(operation: _Operation) -> dict[str, Any]:
@@ -197,9 +259,14 @@ def _operation_spec(operation: _Operation) -> dict[str, Any]:
     for status, description in operation.errors.items():
         responses[status] = {
             "description": description,
-            "content": {_JSON: {"schema": _ref("ErrorResponse")}},
+            "content": {_JSON: {"schema": _ref(operation.error_schema)}},
         }
-    spec: dict[str, Any] = {"summary": operation.summary, "responses": responses}
+    # Summaries are plain text in Swagger UI; descriptions are markdown.
+    spec: dict[str, Any] = {
+        "summary": operation.summary.replace("`", ""),
+        "description": operation.summary,
+        "responses": responses,
+    }
     if operation.request is not None:
         spec["requestBody"] = {
             "required": True,
