@@ -214,7 +214,7 @@ def dequantize(unpacked: UnpackedWeight, dtype: torch.dtype = torch.float32) -> 
     g = unpacked.g_idx.long()
     scales = unpacked.scales.to(torch.float32)[g].T  # [out, in]
     zeros = unpacked.zeros[g].T  # [out, in]
-    return (scales * (unpacked.intweight - zeros).to(torch.float32)).to(dtype)
+    return (scales * (unpacked.intweight - zeros).to(torch.float32)).to(dtype).contiguous()
 
 
 def dequantize_gptq(
