@@ -71,8 +71,6 @@ class ControllerConfig:
     """KV-cache usage above which the batch limit does not grow."""
     low_utilization: float = 0.5
     """Below this utilization the batch limit grows twice as fast (the device idles)."""
-    prefill_granularity: int = 16
-    """The prefill share is a multiple of this above its floor (fewer, clearer changes)."""
     smoothing: float = 0.2
     """Weight of the newest step in the step-latency averages shown by /metrics."""
 
@@ -83,7 +81,6 @@ class ControllerConfig:
             "min_prefill_tokens",
             "initial_batch_size",
             "num_calibration_steps",
-            "prefill_granularity",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -178,8 +175,7 @@ class BatchController:
         if self._target is None or not self.cost.is_ready or num_decodes == 0:
             return config.max_prefill_tokens
         fit = self.cost.prefill_tokens_within(self._target, num_decodes, config.max_prefill_tokens)
-        fit -= fit % config.prefill_granularity
-        return max(config.min_prefill_tokens, fit)
+        return max(config.min_prefill_tokens, _round_down(fit))
 
     def plan_prefill(self, num_decodes: int) -> int:
         """`prefill_budget` for the step being planned; remembered for /metrics."""
@@ -303,6 +299,15 @@ class BatchController:
         )
         self._limit = limit
         self.num_limit_changes += 1
+
+
+def _round_down(tokens: int) -> int:
+    """`tokens` to 3 significant bits (at most an eighth less): small moves of the fit do
+    not change the prefill share every step."""
+    if tokens < 8:
+        return tokens
+    grid = 1 << (tokens.bit_length() - 4)
+    return tokens - tokens % grid
 
 
 def _ms(seconds: float | None) -> str:

@@ -90,10 +90,10 @@ class PagedEngine(StepLoop):
         self._finished_for_shards.extend(output.finished_ids)
         if not output.scheduled:
             self.scheduler.update(ModelStepResult())
+            # The gauges turn first: the scheduler is already what they describe.
+            self._report_step()
             await self._drop_finished_in_shards()
-            self._report_batch()
             if not self.scheduler.has_unfinished_requests():
-                self._went_idle()
                 return
             self._wakeup.clear()
             # Nothing fits until a request leaves; wait for a cancellation or a new request.
@@ -109,7 +109,7 @@ class PagedEngine(StepLoop):
         self._busy.record(call_started, ended)
         if result is None:
             self.scheduler.update(ModelStepResult())
-            self._report_batch()
+            self._report_step()
             return
         routed = result[1]
         self.scheduler.update(
@@ -121,7 +121,7 @@ class PagedEngine(StepLoop):
                 utilization=self._busy.utilization(ended),
             )
         )
-        self._report_batch()
+        self._report_step()
 
     async def _drop_finished_in_shards(self) -> None:
         """An empty step that only drops what the shards hold for requests that left."""
@@ -187,6 +187,13 @@ class PagedEngine(StepLoop):
         self._metrics.running_batch(
             self.scheduler.num_running, allocator.num_used_blocks * allocator.block_size
         )
+
+    def _report_step(self) -> None:
+        """After a step: the batch gauges, and the idle values once nothing is left."""
+        if self.scheduler.has_unfinished_requests():
+            self._report_batch()
+        else:
+            self._went_idle()
 
     def _went_idle(self) -> None:
         """Nothing runs or waits: utilization is 0 from now, and the gauges say so."""

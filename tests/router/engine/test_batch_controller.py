@@ -1,0 +1,326 @@
+"""BatchController under synthetic step-time curves, driven through the real scheduler.
+
+The fake model plays the shards; every step's latency comes from a curve of its token
+counts (overhead + per decode + per prompt token, with seeded noise), so the controller
+sees what it would see from real shards without any of them.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from textgate.router.engine.batch_controller import BatchController, ControllerConfig, StepSample
+from textgate.router.engine.scheduler import Scheduler
+from textgate.router.engine.step_cost import StepCostModel
+from textgate.router.engine.step_types import ModelStepResult, SchedulerConfig
+from textgate.tests.router.engine.scheduler_helpers import FakeModel
+
+TARGET_S = 0.040
+MIN_PREFILL = 16
+BAND = 1.1  # the controller's default dead band: it shrinks only past target * 1.1
+SLACK_S = 0.001  # ~3 sigma of the curves' noise
+
+
+@dataclass(frozen=True)
+class Curve:
+    """Step latency = overhead + per_decode * decodes + per_prefill * prompt tokens (+ noise)."""
+
+    overhead_s: float
+    per_decode_s: float
+    per_prefill_s: float
+    noise_s: float = 0.0003
+
+    def latency(self, num_decodes: int, num_prefill: int, rng: random.Random) -> float:
+        exact = self.overhead_s + self.per_decode_s * num_decodes + self.per_prefill_s * num_prefill
+        return max(0.0, exact + rng.gauss(0.0, self.noise_s))
+
+    def largest_batch(self, target_s: float) -> int:
+        """The most decodes whose step with the smallest prefill share meets the target."""
+        room = target_s - self.overhead_s - self.per_prefill_s * MIN_PREFILL
+        return int(room // self.per_decode_s)
+
+
+BASE = Curve(overhead_s=0.005, per_decode_s=0.0008, per_prefill_s=0.0004)
+
+
+@dataclass
+class Simulation:
+    """A closed loop of `num_clients` clients: each sends its next request when one ends,
+    so the queue never empties while the controller holds the batch below them."""
+
+    scheduler: Scheduler
+    curve: Curve
+    num_clients: int = 100
+    prompt_len: int = 24
+    max_new: int = 40
+    rng: random.Random = field(default_factory=lambda: random.Random(7))
+    model: FakeModel = field(init=False)
+    next_id: int = 0
+    added_at: dict[int, int] = field(default_factory=dict)
+    waits: list[int] = field(default_factory=list)
+    """Steps each request waited before its first scheduled step."""
+    latencies: list[tuple[int, int, float]] = field(default_factory=list)
+    """(decodes, prompt tokens, latency) of every step."""
+    num_steps: int = 0
+
+    def __post_init__(self) -> None:
+        self.model = FakeModel(self.scheduler.config.block_size)
+        for _ in range(self.num_clients):
+            self.add()
+
+    def add(self) -> None:
+        rid, self.next_id = self.next_id, self.next_id + 1
+        prompt = [self.rng.randrange(50) for _ in range(self.prompt_len)]
+        self.scheduler.add_request(rid, prompt, self.max_new)
+        self.model.add(rid, prompt)
+        self.added_at[rid] = self.num_steps
+
+    def step(self) -> None:
+        output = self.scheduler.schedule()
+        assert output.num_scheduled_tokens <= output.token_budget
+        for rid in output.new_request_ids:
+            if rid in self.added_at:
+                self.waits.append(self.num_steps - self.added_at.pop(rid))
+        result = self.model.run(output)
+        num_decodes = sum(
+            1
+            for s in output.scheduled
+            if s.num_new_tokens == 1 and s.start_position >= self.prompt_len
+        )
+        num_prefill = output.num_scheduled_tokens - num_decodes
+        latency = self.curve.latency(num_decodes, num_prefill, self.rng)
+        self.latencies.append((num_decodes, num_prefill, latency))
+        finished = self.scheduler.update(
+            ModelStepResult(result.sampled_token_ids, result.finished_ids, latency, 0.95)
+        )
+        self.num_steps += 1
+        for _ in finished:
+            self.add()
+
+    def run(self, num_steps: int, on_step: Callable[[], None] | None = None) -> None:
+        for _ in range(num_steps):
+            self.step()
+            if on_step is not None:
+                on_step()
+
+
+def adaptive_scheduler(**overrides: Any) -> Scheduler:
+    values: dict[str, Any] = {
+        "num_blocks": 4096,
+        "block_size": 16,
+        "max_num_batched_tokens": 256,
+        "max_num_seqs": 128,
+        "num_reserved_tokens": 0,
+        "adaptive": True,
+        "target_itl_s": TARGET_S,
+        "min_prefill_tokens": MIN_PREFILL,
+    }
+    values.update(overrides)
+    return Scheduler(SchedulerConfig(**values))
+
+
+def test_converges_to_the_largest_batch_meeting_the_target() -> None:
+    sim = Simulation(adaptive_scheduler(), BASE)
+    running: list[int] = []
+    sim.run(300, on_step=lambda: running.append(sim.scheduler.num_running))
+    best = BASE.largest_batch(TARGET_S)  # 35
+    assert best - 1 <= sim.scheduler.batch_limit <= best + 1
+    assert sum(running[-100:]) / 100 >= best - 3  # the limit is what runs
+    # The fit knows the curve where the batch runs (steady batches pin down the sum of
+    # overhead and slope there, not each one alone).
+    cost = sim.scheduler.controller.cost
+    for num_decodes, num_prefill in ((25, 16), (35, 16), (30, 40)):
+        exact = Curve(BASE.overhead_s, BASE.per_decode_s, BASE.per_prefill_s, noise_s=0.0)
+        expected = exact.latency(num_decodes, num_prefill, random.Random(0))
+        assert cost.predict(num_decodes, num_prefill) == pytest.approx(expected, rel=0.05)
+    # Steps keep to the target: decode-only ones under it, mixed ones within the band.
+    recent = sim.latencies[-200:]
+    assert max(t for d, p, t in recent if p == 0) <= TARGET_S
+    assert max(t for d, p, t in recent) <= TARGET_S + SLACK_S
+
+
+def test_holds_steady_on_a_steady_load() -> None:
+    sim = Simulation(adaptive_scheduler(), BASE)
+    sim.run(200)
+    controller = sim.scheduler.controller
+    changes_before, limits = controller.num_limit_changes, set()
+    sim.run(500, on_step=lambda: limits.add(controller.batch_limit))
+    assert controller.num_limit_changes - changes_before <= 2
+    assert max(limits) - min(limits) <= 2
+
+
+def test_backs_off_when_steps_get_slower() -> None:
+    sim = Simulation(adaptive_scheduler(), BASE)
+    sim.run(300)
+    slow = Curve(overhead_s=0.010, per_decode_s=0.0016, per_prefill_s=0.0008)
+    sim.curve = slow
+    sim.run(60)
+    # Coming from above it stops at the edge of the dead band (hysteresis), not below.
+    best, edge = slow.largest_batch(TARGET_S), slow.largest_batch(TARGET_S * BAND)  # 10, 13
+    assert best - 1 <= sim.scheduler.batch_limit <= edge
+    sim.run(240)  # the running batch drains to the new limit
+    assert best - 1 <= sim.scheduler.batch_limit <= edge
+    assert max(t for d, p, t in sim.latencies[-100:]) <= TARGET_S * BAND + SLACK_S
+
+
+def test_grows_back_when_steps_get_faster() -> None:
+    slow = Curve(overhead_s=0.010, per_decode_s=0.0016, per_prefill_s=0.0008)
+    sim = Simulation(adaptive_scheduler(), slow)
+    sim.run(200)
+    sim.curve = BASE
+    sim.run(300)
+    best = BASE.largest_batch(TARGET_S)
+    assert best - 1 <= sim.scheduler.batch_limit <= best + 1
+
+
+def test_prefill_share_shrinks_before_the_batch() -> None:
+    sim = Simulation(adaptive_scheduler(), BASE)
+    sim.run(300)
+    controller = sim.scheduler.controller
+    # Beside few decodes most of the step's room is left for prompts; beside the full
+    # batch only the floor.
+    assert controller.prefill_budget(0) == 256  # a step without decodes delays nobody
+    for num_decodes in (4, 20, 30):
+        room = TARGET_S - BASE.overhead_s - BASE.per_decode_s * num_decodes
+        fit = room / BASE.per_prefill_s  # 79, 47, 27 tokens
+        assert fit * 0.8 <= controller.prefill_budget(num_decodes) <= fit * 1.05
+    assert controller.prefill_budget(sim.scheduler.batch_limit) == MIN_PREFILL
+    assert controller.prefill_budget(100) == MIN_PREFILL  # prompts always progress
+
+
+def test_queue_time_is_bounded_under_overload() -> None:
+    sim = Simulation(adaptive_scheduler(), BASE, num_clients=60)
+    sim.run(600)
+    # Requests join in arrival order about as fast as others finish: with ~35 running
+    # requests of ~44 steps each, nobody waits much longer than the queue is deep.
+    assert sim.waits and max(sim.waits) <= 2 * 60
+
+
+def test_the_head_of_the_queue_joins_past_the_limit_after_max_waiting_steps() -> None:
+    # Long requests and a target 4 of them meet (a controller that knows the curve): nobody
+    # finishes for a long time, so the batch limit alone would hold the fifth back for good.
+    cost = StepCostModel()
+    for n in range(1, 40):
+        cost.add(n, 10 * (n % 3), BASE.latency(n, 10 * (n % 3), random.Random(n)))
+    target = BASE.overhead_s + 4.5 * BASE.per_decode_s + MIN_PREFILL * BASE.per_prefill_s
+    config = adaptive_scheduler(target_itl_s=target, max_waiting_steps=10).config
+    scheduler = Scheduler(config, BatchController(config.controller_config(), cost))
+    sim = Simulation(scheduler, BASE, num_clients=0, max_new=500)
+    for _ in range(4):
+        sim.add()
+    sim.run(5)
+    assert scheduler.batch_limit == 4
+    sim.add()
+    steps = 0
+    while scheduler.num_waiting:
+        sim.run(1)
+        steps += 1
+        assert steps <= 11
+    assert steps == 11 and scheduler.num_running == 5
+
+
+def test_derives_a_target_from_the_first_steps() -> None:
+    sim = Simulation(adaptive_scheduler(target_itl_s=None), BASE, num_clients=40)
+    controller = sim.scheduler.controller
+    assert controller.target_itl_s is None
+    assert controller.batch_limit == 4  # small batches first: batch 1 is measured, not guessed
+    sim.run(60)
+    assert controller.target_itl_s == pytest.approx(
+        4 * (BASE.overhead_s + BASE.per_decode_s), rel=0.2
+    )
+
+
+def test_fixed_budgets_never_move() -> None:
+    sim = Simulation(adaptive_scheduler(adaptive=False), BASE, num_clients=40)
+    sim.run(100)
+    controller = sim.scheduler.controller
+    assert controller.batch_limit == 128 and controller.num_limit_changes == 0
+    assert controller.target_itl_s is None
+    assert sim.scheduler.token_budget == 256
+    state = controller.state()
+    assert state.decode_step_latency_s > 0 and state.prefill_budget == 256
+
+
+# ---- the controller alone ----
+
+
+def sample(**overrides: Any) -> StepSample:
+    values: dict[str, Any] = {
+        "num_decodes": 4,
+        "num_prefill_tokens": 0,
+        "latency_s": 0.010,
+        "num_running": 4,
+        "num_waiting": 10,
+        "kv_usage": 0.1,
+        "utilization": 0.9,
+    }
+    values.update(overrides)
+    return StepSample(**values)
+
+
+def test_limit_doubles_while_the_device_idles_and_grows_by_a_quarter_when_busy() -> None:
+    config = ControllerConfig(max_prefill_tokens=256, max_batch_size=64, target_itl_s=1.0)
+    busy, idle = BatchController(config), BatchController(config)
+    for _ in range(3):
+        busy.observe(sample(num_running=busy.batch_limit, utilization=0.9))
+        idle.observe(sample(num_running=idle.batch_limit, utilization=0.1))
+    assert busy.batch_limit == 7  # 4 -> 5 -> 6 -> 7
+    assert idle.batch_limit == 32  # 4 -> 8 -> 16 -> 32
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"num_waiting": 0},  # nobody waits
+        {"num_running": 2},  # the limit is not what holds them back
+        {"kv_usage": 0.95},  # blocks are
+    ],
+)
+def test_limit_grows_only_when_it_holds_requests_back(overrides: dict[str, Any]) -> None:
+    controller = BatchController(
+        ControllerConfig(max_prefill_tokens=256, max_batch_size=64, target_itl_s=1.0)
+    )
+    for _ in range(3):
+        controller.observe(sample(**overrides))
+    assert controller.batch_limit == 4 and controller.num_limit_changes == 0
+
+
+def test_idle_resets_the_measured_signals_and_keeps_what_was_learned() -> None:
+    controller = BatchController(
+        ControllerConfig(max_prefill_tokens=256, max_batch_size=64, target_itl_s=0.02)
+    )
+    for n in range(1, 20):
+        controller.observe(sample(num_decodes=n, num_running=n, latency_s=0.005 + 0.001 * n))
+        controller.observe(sample(num_decodes=n, num_prefill_tokens=50, latency_s=0.03))
+    controller.plan_prefill(10)
+    busy = controller.state()
+    assert busy.utilization == 0.9 and busy.decode_step_latency_s > 0
+    assert busy.mixed_step_latency_s > 0 and busy.prefill_budget < 256
+    controller.on_idle()
+    idle = controller.state()
+    assert (idle.utilization, idle.decode_step_latency_s, idle.mixed_step_latency_s) == (0, 0, 0)
+    assert idle.prefill_budget == 256
+    assert idle.batch_limit == busy.batch_limit and idle.target_itl_s == 0.02
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"max_prefill_tokens": 0}, "max_prefill_tokens"),
+        ({"min_prefill_tokens": 300}, "min_prefill_tokens"),
+        ({"target_itl_s": 0.0}, "target_itl_s"),
+        ({"derive_factor": 0.5}, "derive_factor"),
+        ({"low_utilization": 0.0}, "low_utilization"),
+        ({"dead_band": -0.1}, "dead_band"),
+    ],
+)
+def test_config_rejects_bad_values(overrides: dict[str, Any], message: str) -> None:
+    values: dict[str, Any] = {"max_prefill_tokens": 256, "max_batch_size": 64}
+    values.update(overrides)
+    with pytest.raises(ValueError, match=message):
+        ControllerConfig(**values)

@@ -1,0 +1,78 @@
+"""StepCostModel: the online least-squares fit of step latency to the step's token counts."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from textgate.router.engine.step_cost import StepCostModel
+
+
+def curve(num_decodes: int, num_prefill: int) -> float:
+    return 0.005 + 0.0008 * num_decodes + 0.0004 * num_prefill
+
+
+def test_fit_recovers_the_curve_from_noisy_varied_steps() -> None:
+    model, rng = StepCostModel(), random.Random(0)
+    for _ in range(200):
+        n, p = rng.randint(1, 40), rng.choice([0, 0, rng.randint(1, 200)])
+        model.add(n, p, curve(n, p) + rng.gauss(0, 0.0005))
+    overhead, per_decode, per_prefill = model.coefficients
+    assert overhead == pytest.approx(0.005, rel=0.1)
+    assert per_decode == pytest.approx(0.0008, rel=0.05)
+    assert per_prefill == pytest.approx(0.0004, rel=0.05)
+    assert model.largest_batch(0.030, 0, limit=256) == 31  # 5 + 0.8 * 31 = 29.8 ms
+    assert model.largest_batch(0.030, 16, limit=256) == 23  # with 6.4 ms of prompt
+    assert model.largest_batch(0.030, 0, limit=10) == 10
+    assert model.largest_batch(0.004, 0, limit=256) == 0
+    assert model.prefill_tokens_within(0.030, 20, limit=512) in range(21, 24)  # 9 ms / 0.4
+    assert model.prefill_tokens_within(0.030, 40, limit=512) == 0
+
+
+def test_a_steady_batch_keeps_the_slopes_it_learned() -> None:
+    model, rng = StepCostModel(), random.Random(1)
+    for _ in range(100):
+        n = rng.randint(1, 40)
+        model.add(n, 0, curve(n, 0))
+    # 500 steps at one batch size tell overhead and slope nothing apart.
+    for _ in range(500):
+        model.add(31, 0, curve(31, 0) + rng.gauss(0, 0.0005))
+    assert model.coefficients[1] == pytest.approx(0.0008, rel=0.05)
+    assert model.predict(10) == pytest.approx(curve(10, 0), rel=0.05)
+
+
+def test_fit_follows_a_machine_that_gets_slower() -> None:
+    model = StepCostModel()
+    for n in range(1, 41):
+        model.add(n, 0, curve(n, 0))
+    for n in list(range(1, 41)) * 2:
+        model.add(n, 0, 2 * curve(n, 0))
+    assert model.predict(20) == pytest.approx(2 * curve(20, 0), rel=0.05)
+
+
+def test_unmeasured_model_is_not_ready_and_predicts_nothing_costs() -> None:
+    model = StepCostModel(min_samples=3)
+    assert not model.is_ready and model.predict(10, 10) == 0
+    assert model.largest_batch(0.01, 0, limit=7) == 7
+    for _ in range(3):
+        model.add(1, 0, 0.01)
+    assert model.is_ready
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [((-1, 0, 0.01), "token counts"), ((1, 0, float("nan")), "finite"), ((1, 0, -1.0), ">= 0")],
+)
+def test_bad_samples_are_refused(args: tuple[int, int, float], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        StepCostModel().add(*args)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"forgetting": 0.0}, "forgetting"), ({"ridge": 0.0}, "ridge"), ({"min_samples": 0}, "min")],
+)
+def test_bad_settings_are_refused(kwargs: dict[str, float], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        StepCostModel(**kwargs)  # type: ignore[arg-type]
