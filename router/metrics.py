@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from textgate.proto import generate_pb2 as pb
+from textgate.router.logs import current_request
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 DURATION_BUCKETS = tuple(0.0001 * 1.5**k for k in range(1, 36))
@@ -110,15 +111,22 @@ class Metrics:
         self._request_count.inc()
 
     def request_validated(self, input_length: int, max_new_tokens: int) -> None:
+        _note(input_tokens=input_length, max_new_tokens=max_new_tokens)
         self._input_length.observe(input_length)
         self._max_new_tokens.observe(max_new_tokens)
 
     def request_failed(self, error_type: str) -> None:
         """`error_type` is the one sent to the client (validation, overloaded, generation, ...)."""
+        _note(error_type=error_type)
         self._request_failure.labels(err=FAILURE_LABELS.get(error_type, error_type)).inc()
 
     def request_succeeded(self, timings: RequestTimings) -> None:
         inference = max(timings.ended_at - timings.started_at, 0.0)
+        _note(
+            generated_tokens=timings.generated_tokens,
+            queue_s=round(max(timings.started_at - timings.queued_at, 0.0), 4),
+            inference_s=round(inference, 4),
+        )
         self._request_success.inc()
         self._request_duration.observe(max(timings.ended_at - timings.received_at, 0.0))
         self._validation_duration.observe(max(timings.queued_at - timings.received_at, 0.0))
@@ -130,6 +138,7 @@ class Metrics:
     def request_cancelled(self, reason: str) -> None:
         """The router stopped a request before its end: its client left
         (`client_disconnected`) or read too slowly (`stream_buffer_overflow`)."""
+        _note(cancelled=reason)
         self._request_cancelled.labels(reason=reason).inc()
 
     @contextlib.contextmanager
@@ -397,3 +406,11 @@ def _escape_label(value: str) -> str:
 
 def _escape_help(text: str) -> str:
     return text.replace("\\", r"\\").replace("\n", r"\n")
+
+
+def _note(**facts: Any) -> None:
+    """Put what a request did into its access-log record (`router.logs`), when it has one."""
+    record = current_request()
+    if record is not None:
+        for name, value in facts.items():
+            setattr(record, name, value)

@@ -26,6 +26,7 @@ import textgate
 from textgate.proto import generate_pb2 as pb
 from textgate.router.config import RouterConfig
 from textgate.router.engine.step_loop import OverloadedError
+from textgate.router.http.access_log import AccessLogMiddleware
 from textgate.router.http.errors import (
     ModelNotFoundError,
     PayloadTooLargeError,
@@ -121,7 +122,8 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 
 
 def _middleware(config: RouterConfig) -> list[Middleware]:
-    middleware = []
+    # Outermost: every answer is logged, a 401 or a CORS preflight included.
+    middleware = [Middleware(AccessLogMiddleware)]
     if config.cors_allow_origin:
         # Outside the key check: browsers send preflights without credentials.
         middleware.append(
