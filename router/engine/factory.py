@@ -7,6 +7,8 @@ transformers fallback) get a `PaddedEngine` under TGI's batch budgets.
 
 from __future__ import annotations
 
+import logging
+
 from textgate.proto import generate_pb2 as pb
 from textgate.router.config import RouterConfig
 from textgate.router.engine.padded_engine import PaddedEngine
@@ -16,6 +18,8 @@ from textgate.router.engine.scheduler import Scheduler, SchedulerConfig
 from textgate.router.engine.step_loop import StepLoop
 from textgate.router.metrics import Metrics
 from textgate.router.shard_client import ShardedClient
+
+log = logging.getLogger("textgate.router")
 
 DEFAULT_MAX_NUM_SEQS = 256
 """Running requests of a paged engine when max_batch_size is unset."""
@@ -44,6 +48,7 @@ def make_engine(
     if warmup.num_blocks == 0:
         raise RuntimeError("the paged shards reported no KV-cache blocks at warmup")
     scheduler = Scheduler(scheduler_config(config, info.block_size, warmup.num_blocks))
+    log.info("Batch controller: %s", describe_controller(scheduler.config))
     return PagedEngine(shards, scheduler, config.max_concurrent_requests, metrics=metrics)
 
 
@@ -60,6 +65,22 @@ def scheduler_config(config: RouterConfig, block_size: int, num_blocks: int) -> 
         adaptive=config.target_itl_ms != 0,
         target_itl_s=config.target_itl_ms / 1000 if config.target_itl_ms else None,
         max_waiting_steps=config.max_waiting_tokens,
+    )
+
+
+def describe_controller(config: SchedulerConfig) -> str:
+    """One line for the startup log: how step budgets are chosen."""
+    if not config.adaptive:
+        return f"fixed budgets ({config.max_num_batched_tokens} tokens, {config.max_num_seqs} requests per step)"
+    target = (
+        "derived from the first steps"
+        if config.target_itl_s is None
+        else f"{config.target_itl_s * 1e3:.1f} ms"
+    )
+    return (
+        f"adaptive, inter-token latency target {target}, prefill share "
+        f"{config.controller_config().min_prefill_tokens}-{config.max_num_batched_tokens} "
+        f"tokens, batch limit up to {config.max_num_seqs}"
     )
 
 
