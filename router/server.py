@@ -1,7 +1,8 @@
 """The router process: reach the shards, warm them up, serve HTTP until SIGTERM/SIGINT.
 
 Startup order: connect to rank 0 (ServiceDiscovery gives the others), ClearCache,
-Info, Health, Warmup with a batch as large as the prefill budget, then uvicorn.
+Info, Health, Warmup with a batch as large as the prefill budget (paged shards also
+time their step then: `autoconfig` derives the budgets left unset from it), then uvicorn.
 `engine.factory.make_engine` picks the engine from what Info and Warmup report.
 `Router listening on http://{hostname}:{port}` is logged once connections are
 accepted. On a signal uvicorn stops accepting, lets in-flight requests finish (each
@@ -20,6 +21,8 @@ import uvicorn
 from starlette.applications import Starlette
 
 from textgate.proto import generate_pb2 as pb
+from textgate.router import autoconfig
+from textgate.router.autoconfig import Measurements
 from textgate.router.config import RouterConfig
 from textgate.router.engine.factory import make_engine
 from textgate.router.engine.request import SamplingParams, StoppingParams
@@ -56,19 +59,33 @@ async def build_router(
     """
     await shards.clear_cache()
     info = await shards.info()
-    config = config.with_prefill_default(paged=info.block_size > 0, device_type=info.device_type)
-    log.info("Max batch prefill tokens: %d", config.prefill_tokens)
     await shards.health()
     log.info("Warming up the model")
-    warmup = await shards.warmup(warmup_request(config))
+    # Until the shards have measured their step, the static default budget sizes warmup.
+    probe = config.with_prefill_default(paged=info.block_size > 0, device_type=info.device_type)
+    warmup = await shards.warmup(warmup_request(probe))
     supported = (
         warmup.max_supported_total_tokens if warmup.HasField("max_supported_total_tokens") else None
     )
-    config = resolve_config(config, info, supported)
+    measured = Measurements.from_warmup(warmup)
+    requested, config = config, resolve_config(config, info, supported, measured)
+    autoconfig_report = None
+    if measured is not None:
+        autoconfig_report = autoconfig.report(requested, config, measured)
+        autoconfig.log_report(autoconfig_report)
+    log.info("Max batch prefill tokens: %d", config.prefill_tokens)
     log.info("Max batch total tokens: %d", config.batch_total_tokens)
     metrics = Metrics(config.max_input_tokens, config.max_total_tokens)
     engine = make_engine(config, shards, info, warmup, metrics=metrics)
-    return build_app(config, shards, tokenizer, engine=engine, metrics=metrics, shard_info=info)
+    return build_app(
+        config,
+        shards,
+        tokenizer,
+        engine=engine,
+        metrics=metrics,
+        shard_info=info,
+        autoconfig=autoconfig_report,
+    )
 
 
 def load_tokenizer(path: str) -> Tokenizer:
@@ -110,13 +127,25 @@ def warmup_request(config: RouterConfig) -> pb.WarmupRequest:
         max_input_tokens=config.max_input_tokens,
         max_prefill_tokens=config.prefill_tokens,
         max_total_tokens=config.max_total_tokens,
+        max_batch_size=config.max_batch_size or 0,
     )
 
 
 def resolve_config(
-    config: RouterConfig, info: pb.InfoResponse, supported_total_tokens: int | None
+    config: RouterConfig,
+    info: pb.InfoResponse,
+    supported_total_tokens: int | None,
+    measured: Measurements | None = None,
 ) -> RouterConfig:
-    """The config with the batch budget and the /info facts the shards reported filled in."""
+    """The config with the batch budget and the /info facts the shards reported filled in.
+
+    Paged shards' warmup `measured` their step: the step budget, max batch size and ITL
+    target the user left unset derive from it (`router/autoconfig.py`); without
+    measurements the step budget takes its static default (`with_prefill_default`).
+    """
+    if measured is not None:
+        config = autoconfig.apply_measurements(config, measured, info.block_size)
+    config = config.with_prefill_default(paged=info.block_size > 0, device_type=info.device_type)
     total = config.batch_total_tokens
     if supported_total_tokens is not None:
         if supported_total_tokens < config.max_total_tokens:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from textgate.shard_server.autoconfig import DtypeChoice, pick_dtype
 from textgate.shard_server.model import ShardModel
 from textgate.shard_server.paged_model import CacheConfig, PagedModel
 from textgate.shard_server.sequence import TokenizerInfo
@@ -22,25 +23,17 @@ from textgate.shard_server.sequence import TokenizerInfo
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_dtype(name: str, device: torch.device, native: bool = True) -> torch.dtype:
-    """`auto`: bfloat16 on GPU; on CPU bfloat16 for native models where the CPU has bf16
-    instructions (measured ~1.6x faster decode at batch 32 than float32), else float32."""
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The dtype `name` names; `auto` without a measurement: bfloat16 on GPU (float16 where
+    the GPU has no bf16), float32 on CPU (the transformers fallback; native models on CPU
+    measure instead, see `load_model`)."""
     if name == "auto":
-        if device.type != "cpu":
-            return torch.bfloat16
-        return torch.bfloat16 if native and cpu_has_fast_bf16() else torch.float32
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
     if name not in _DTYPES:
         raise ValueError(f"unsupported dtype {name!r}; use one of auto, {', '.join(_DTYPES)}")
     return _DTYPES[name]
-
-
-def cpu_has_fast_bf16() -> bool:
-    """Whether the CPU multiplies bf16 natively (AVX512-BF16 or AMX); Linux only."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def shard_device(rank: int) -> torch.device:
@@ -56,20 +49,40 @@ def load_model(
     trust_remote_code: bool = False,
     cache_config: CacheConfig | None = None,
     native: bool = True,
+    quantize: str | None = None,
 ) -> ShardModel:
-    """Load `model_path` for this rank: native and paged when the architecture allows."""
+    """Load `model_path` for this rank: native and paged when the architecture allows.
+
+    `quantize` names the weight quantization method (None: the checkpoint's own, if any).
+
+    `dtype` "auto" on CPU builds a native model in each candidate dtype and keeps the one
+    whose own step measured fastest (`autoconfig.pick_dtype`).
+    """
     device = shard_device(rank)
     model_type = json.loads((model_path / "config.json").read_text()).get("model_type")
     from textgate.shard_server.models import load_model as load_native
     from textgate.shard_server.models import supported_model_types
 
     native = native and model_type in supported_model_types()
-    torch_dtype = resolve_dtype(dtype, device, native)
+    torch_dtype = resolve_dtype(dtype, device)
     if native:
         group = init_distributed(rank, world_size, device) if world_size > 1 else None
-        model = load_native(model_path, torch_dtype, device, group)
-        return PagedModel(
-            model, load_tokenizer(model_path), model_id, cache_config or CacheConfig(), world_size
+        tokenizer = load_tokenizer(model_path)
+
+        def build(candidate: torch.dtype) -> PagedModel:
+            model = load_native(model_path, candidate, device, group, quantize=quantize)
+            config = cache_config or CacheConfig()
+            return PagedModel(model, tokenizer, model_id, config, world_size, group)
+
+        if dtype == "auto" and device.type == "cpu":
+            return pick_dtype(build)
+        paged = build(torch_dtype)
+        paged.dtype_choice = DtypeChoice(torch_dtype, "default" if dtype == "auto" else "flag")
+        return paged
+    if quantize is not None:
+        raise ValueError(
+            f"--quantize needs a native implementation; model type {model_type!r} is served "
+            "by the transformers fallback, which loads unquantized weights"
         )
     if world_size > 1:
         raise ValueError(

@@ -21,6 +21,8 @@ import torch
 
 from textgate.kernels import AttentionMetadata
 from textgate.proto import generate_pb2 as pb
+from textgate.quantization.resident import resident_bytes
+from textgate.shard_server.autoconfig import DtypeChoice, warmup_measurements
 from textgate.shard_server.kv_cache import KVCache
 from textgate.shard_server.model import (
     PAGED_ONLY,
@@ -77,12 +79,16 @@ class PagedModel(ShardModel):
         model_id: str,
         cache_config: CacheConfig,
         world_size: int = 1,
+        process_group: Any = None,
     ) -> None:
         self.model = model
         self.info = info
         self.model_id = model_id
         self.cache_config = cache_config
         self.world_size = world_size
+        self.process_group = process_group
+        self.dtype_choice = DtypeChoice(model.dtype, "flag")
+        """How the weights' dtype was picked (the loader sets it; Warmup reports it)."""
         self.device = torch.device(model.device)
         self.sampler = Sampler()
         self.sequences: dict[int, Sequence] = {}
@@ -100,6 +106,8 @@ class PagedModel(ShardModel):
             model_id=self.model_id,
             model_type=config.model_type,
             world_size=self.world_size,
+            quantize=getattr(self.model, "quantize", None) or "",
+            weight_bytes=resident_bytes(self.model),
         )
 
     # -- warmup -----------------------------------------------------------------------
@@ -121,7 +129,8 @@ class PagedModel(ShardModel):
         return max(budget // per_block, 1)
 
     def warmup(self, request: pb.WarmupRequest) -> pb.WarmupResponse:
-        """Allocate the cache, then run one prefill as large as the router allows."""
+        """Allocate the cache, run one prefill as large as the router allows, then measure
+        the step (`autoconfig.warmup_measurements`) for the router's defaults."""
         self.clear(None)
         self.kv_cache = None
         num_blocks = self.num_blocks()
@@ -144,9 +153,10 @@ class PagedModel(ShardModel):
                 metadata,
                 torch.tensor([tokens - 1], device=self.device),
             )
-        return pb.WarmupResponse(
-            max_supported_total_tokens=num_blocks * block_size, num_blocks=num_blocks
-        )
+        response = warmup_measurements(self, request)
+        response.max_supported_total_tokens = num_blocks * block_size
+        response.num_blocks = num_blocks
+        return response
 
     # -- ClearCache, and the padded protocol's calls (unsupported) -------------------------
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from textgate.proto import generate_pb2 as pb
 from textgate.router.config import RouterConfig
@@ -38,3 +38,5 @@ class RouterState:
     shard_info: pb.InfoResponse | None
     metrics: Metrics = field(default_factory=Metrics)
     """The app's Prometheus metrics: handlers record `request_*`, the engine `batch_*`."""
+    autoconfig: dict[str, Any] | None = None
+    """The startup report (`router/autoconfig.py`) /info shows; None without measurements."""

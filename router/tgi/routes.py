@@ -12,6 +12,7 @@ import asyncio
 import secrets
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -25,8 +26,7 @@ from textgate.router.engine.request import ValidRequest
 from textgate.router.http.delivery import (
     CLIENT_DISCONNECTED,
     StreamPacing,
-    cancel_on_disconnect,
-    record_failure,
+    guard_stream,
 )
 from textgate.router.http.errors import error_response
 from textgate.router.http.request_io import ClientDisconnectedError, read_json, unless_disconnected
@@ -70,7 +70,7 @@ class TgiHandlers:
     def __init__(self, state: RouterState) -> None:
         self._state = state
         self._metrics = state.metrics
-        self._info = info_response(state.config, state.shard_info)
+        self._info = info_response(state.config, state.shard_info, state.autoconfig)
         device = self._info.model_device_type
         self._compute_type = f"{'gpu' if device == 'cuda' else device}+optimized"
         self._pacing = StreamPacing.from_config(state.config)
@@ -164,7 +164,7 @@ class TgiHandlers:
 
         def on_end(end: StreamEnd) -> None:
             if isinstance(end, ErrorEvent):
-                record_failure(self._metrics, end)
+                self._metrics.request_failed(end.error_type)
                 return
             started = channel.started_at or channel.queued_at
             self._metrics.request_succeeded(
@@ -185,12 +185,17 @@ class TgiHandlers:
             "x-compute-type": self._compute_type,
             "x-compute-characters": str(len(body.inputs)),
         }
-        on_disconnect = cancel_on_disconnect([channel], self._metrics)
+        on_disconnect = guard_stream([channel], self._pacing, self._metrics)
         return SseResponse(frames, on_disconnect=on_disconnect, headers=headers)
 
 
-def info_response(config: RouterConfig, shard_info: pb.InfoResponse | None) -> Info:
-    """The /info body: the config's limits, with dtype and device from the shards when unset."""
+def info_response(
+    config: RouterConfig,
+    shard_info: pb.InfoResponse | None,
+    autoconfig: dict[str, Any] | None = None,
+) -> Info:
+    """The /info body: the config's limits, with dtype and device from the shards when unset,
+    and the startup `autoconfig` report."""
     return Info(
         model_id=config.model_id,
         model_dtype=config.model_dtype or (shard_info.dtype if shard_info else "") or "unknown",
@@ -211,6 +216,9 @@ def info_response(config: RouterConfig, shard_info: pb.InfoResponse | None) -> I
         max_client_batch_size=config.max_client_batch_size,
         router="textgate-router",
         version=textgate.__version__,
+        autoconfig=autoconfig,
+        quantize=(shard_info.quantize or None) if shard_info else None,
+        model_weight_bytes=(shard_info.weight_bytes or None) if shard_info else None,
     )
 
 

@@ -212,3 +212,12 @@ class Info(_Response):
     version: str
     sha: str | None = None
     docker_label: str | None = None
+    #: textgate's: the weight quantization method (`--quantize`, or the checkpoint's own);
+    #: None when the weights are unquantized.
+    quantize: str | None = None
+    #: textgate's: bytes of weights resident on each shard (rank 0's count), as loaded.
+    model_weight_bytes: int | None = None
+    #: textgate's: the startup report (the machine, the dtype and the budgets derived from
+    #: the shards' measured step, with their sources; docs/autoconfig.md); None when the
+    #: shards measured nothing (the transformers fallback).
+    autoconfig: dict[str, Any] | None = None

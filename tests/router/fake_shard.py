@@ -68,6 +68,9 @@ class FakeShard(pb_grpc.TextGenerationServiceServicer):
         """Paged: tokens per KV block, as Info reports (padded shards report 0)."""
         self.num_blocks = 4096
         """Paged: KV blocks Warmup reports (and num_blocks * block_size tokens)."""
+        self.warmup_measurements: pb.WarmupResponse | None = None
+        """Paged: the measured step (decode timings, prefill rate, dtype) Warmup adds to
+        its answer; None = it measured nothing, so the router keeps its static defaults."""
 
     def calls_to(self, method: str) -> list[Any]:
         return [request for name, request in self.calls if name == method]
@@ -150,10 +153,13 @@ class FakeShard(pb_grpc.TextGenerationServiceServicer):
         self.cache.clear()
         self.sequences.clear()
         if self.paged:
-            return pb.WarmupResponse(
+            response = pb.WarmupResponse(
                 max_supported_total_tokens=self.num_blocks * self.block_size,
                 num_blocks=self.num_blocks,
             )
+            if self.warmup_measurements is not None:
+                response.MergeFrom(self.warmup_measurements)
+            return response
         return pb.WarmupResponse(max_supported_total_tokens=self.max_supported_total_tokens)
 
     # ---- padded protocol ----

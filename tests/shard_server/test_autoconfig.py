@@ -1,0 +1,163 @@
+"""Startup measurements: the dtype rule, the probe's geometry, and a tiny model's warmup."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from textgate.proto import generate_pb2 as pb
+from textgate.shard_server import autoconfig, loader
+from textgate.shard_server.autoconfig import DtypeTrial, ProbePlan, StepTimings
+from textgate.shard_server.loader import load_model
+from textgate.shard_server.paged_model import CacheConfig, PagedModel
+
+SMALL_CACHE = CacheConfig(block_size=16, kv_cache_memory=8 << 20)
+
+
+def timings(decode: dict[int, float], prefill_ms: float, tokens: int = 128) -> StepTimings:
+    return StepTimings(decode_ms=decode, prefill_tokens=tokens, prefill_ms=prefill_ms)
+
+
+# -- the dtype rule --------------------------------------------------------------------------
+
+
+def test_the_score_is_the_sum_of_the_timed_steps() -> None:
+    assert autoconfig.dtype_score(timings({1: 30.0, 32: 200.0}, 70.0)) == 300.0
+
+
+def test_the_lowest_score_wins_whichever_step_it_wins_on() -> None:
+    # bf16 faster at batch 1 (35 vs 46 ms), slower at batch 32: the sum decides.
+    fp32 = DtypeTrial(torch.float32, timings({1: 46.0, 32: 140.0}, 60.0))
+    bf16 = DtypeTrial(torch.bfloat16, timings({1: 35.0, 32: 160.0}, 65.0))
+    choice = autoconfig.choose_dtype([fp32, bf16])
+    assert choice.dtype == torch.float32 and choice.source == "measured"
+    assert choice.trials == (fp32, bf16)
+    faster = DtypeTrial(torch.bfloat16, timings({1: 35.0, 32: 130.0}, 65.0))
+    choice = autoconfig.choose_dtype([fp32, faster])
+    assert choice.dtype == torch.bfloat16 and choice.trials == (faster, fp32)
+
+
+def test_a_tie_keeps_the_first_candidate() -> None:
+    same = timings({1: 10.0}, 10.0)
+    trials = [DtypeTrial(torch.float32, same), DtypeTrial(torch.bfloat16, same)]
+    assert autoconfig.choose_dtype(trials).dtype == torch.float32
+
+
+def test_trials_of_different_steps_do_not_compare() -> None:
+    with pytest.raises(ValueError, match="different steps"):
+        autoconfig.choose_dtype(
+            [
+                DtypeTrial(torch.float32, timings({1: 10.0, 32: 50.0}, 10.0)),
+                DtypeTrial(torch.bfloat16, timings({1: 10.0}, 10.0)),
+            ]
+        )
+    with pytest.raises(ValueError, match="no dtype trials"):
+        autoconfig.choose_dtype([])
+
+
+# -- what is measured ------------------------------------------------------------------------
+
+
+def test_decode_batch_sizes_go_up_to_the_max_batch_within_the_cache() -> None:
+    assert autoconfig.decode_batch_sizes(0, 1000) == [1, 8, 32]
+    assert autoconfig.decode_batch_sizes(4, 1000) == [1, 4]
+    assert autoconfig.decode_batch_sizes(64, 1000) == [1, 8, 32, 64]
+    assert autoconfig.decode_batch_sizes(0, 20) == [1, 8, 20]
+    with pytest.raises(ValueError, match="cannot hold"):
+        autoconfig.decode_batch_sizes(0, 0)
+
+
+def test_the_probe_fits_the_cache_and_the_model_positions() -> None:
+    plan = ProbePlan.fit([1, 8, 32], 512, num_blocks=100, block_size=16, max_positions=4096)
+    # 128 + 3 tokens take 9 blocks: 11 sequences fit, not 32.
+    assert plan == ProbePlan(batch_sizes=(1, 8), context=128, prefill_tokens=512)
+    assert plan.num_blocks(16) == 72
+    short = ProbePlan.fit([1], 512, num_blocks=100, block_size=16, max_positions=64)
+    assert (short.context, short.prefill_tokens) == (60, 63)
+    with pytest.raises(ValueError, match="cannot hold"):
+        ProbePlan.fit([1], 64, num_blocks=5, block_size=16, max_positions=4096)
+
+
+# -- a tiny model ----------------------------------------------------------------------------
+
+
+def load(path: Path, dtype: str) -> PagedModel:
+    model = load_model(path, "tiny", dtype, cache_config=SMALL_CACHE)
+    assert isinstance(model, PagedModel)
+    return model
+
+
+def test_warmup_measures_the_step_and_reports_an_explicit_dtype(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_trials(*args: Any) -> None:
+        raise AssertionError("an explicit dtype measures no other dtype")
+
+    monkeypatch.setattr(loader, "pick_dtype", no_trials)
+    model = load(tiny_model_dir, "bfloat16")
+    warm = model.warmup(pb.WarmupRequest(max_prefill_tokens=48, max_batch_size=0))
+    assert [t.batch_size for t in warm.decode_timings] == [1, 8, 32]
+    assert all(0 < t.step_ms < 10_000 for t in warm.decode_timings)
+    assert warm.prefill_chunk_tokens == 48 and warm.prefill_tokens_per_s > 0
+    assert 0 < warm.measure_ms < 60_000 and warm.num_threads == torch.get_num_threads()
+    assert warm.device_name
+    assert (warm.dtype, warm.dtype_source, len(warm.dtype_trials)) == ("bfloat16", "flag", 0)
+    assert warm.num_blocks > 0 and not model.sequences  # the probe's sequences are gone
+    smaller = model.warmup(pb.WarmupRequest(max_prefill_tokens=16, max_batch_size=4))
+    assert [t.batch_size for t in smaller.decode_timings] == [1, 4]
+
+
+def test_auto_on_cpu_keeps_the_measured_winner_and_frees_the_loser(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The trials' timings are fixed here (bf16 wins); building the candidates is real.
+    def fixed(model: PagedModel, plan: ProbePlan) -> StepTimings:
+        step = 10.0 if model.model.dtype == torch.bfloat16 else 20.0
+        return timings(dict.fromkeys(plan.batch_sizes, step), step, plan.prefill_tokens)
+
+    monkeypatch.setattr(autoconfig, "trial_timings", fixed)
+    built: list[weakref.ref[PagedModel]] = []
+
+    def build(dtype: torch.dtype) -> PagedModel:
+        model = load(tiny_model_dir, "float32" if dtype == torch.float32 else "bfloat16")
+        built.append(weakref.ref(model))
+        return model
+
+    chosen = autoconfig.pick_dtype(build)
+    gc.collect()
+    assert chosen.model.dtype == torch.bfloat16
+    assert [ref() is None for ref in built] == [True, False]  # float32's model is freed
+    choice = chosen.dtype_choice
+    assert choice.source == "measured"
+    assert [t.dtype for t in choice.trials] == [torch.bfloat16, torch.float32]
+    assert chosen.kv_cache is None  # the trial's cache is gone; Warmup allocates the real one
+    warm = chosen.warmup(pb.WarmupRequest(max_prefill_tokens=16))
+    assert warm.dtype_source == "measured" and warm.dtype == "bfloat16"
+    assert [t.dtype for t in warm.dtype_trials] == ["bfloat16", "float32"]
+    assert warm.dtype_trials[1].score_ms == pytest.approx(20.0 * 3)
+    decode = {t.batch_size: t.step_ms for t in warm.decode_timings}
+    assert list(decode) == [1, 8, 32]
+    assert decode[1] == decode[32] == 10.0  # the trial's steps, not timed twice
+
+
+def test_auto_on_cpu_measures_both_dtypes_through_the_loader(tiny_model_dir: Path) -> None:
+    model = load(tiny_model_dir, "auto")
+    choice = model.dtype_choice
+    assert choice.source == "measured" and model.model.dtype == choice.dtype
+    assert {t.dtype for t in choice.trials} == {torch.float32, torch.bfloat16}
+    for trial in choice.trials:
+        assert list(trial.timings.decode_ms) == [1, 32]
+        assert trial.timings.prefill_tokens == autoconfig.TRIAL_PREFILL_CHUNK
+        assert trial.score_ms > 0
+
+
+def test_auto_without_a_measurement_is_float32_on_cpu() -> None:
+    assert loader.resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert loader.resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        loader.resolve_dtype("int3", torch.device("cpu"))
