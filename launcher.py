@@ -79,7 +79,13 @@ class LauncherConfig:
         "Weight quantization: gptq, awq (checkpoints quantized with them); int8, bitsandbytes, "
         "bitsandbytes-nf4, bitsandbytes-fp4 (quantized at load); unset = the checkpoint's own",
     )
-    dtype: str = flag("auto", "Weights dtype", str, ("auto", "float32", "bfloat16", "float16"))
+    dtype: str = flag(
+        "auto",
+        "Weights dtype; auto = bf16 on GPU (fp16 without bf16), on CPU whichever of fp32 and "
+        "bf16 measured faster at startup (native models; else fp32)",
+        str,
+        ("auto", "float32", "bfloat16", "float16"),
+    )
     trust_remote_code: bool = flag(False, "Allow custom model code from the model folder", _bool)
     max_concurrent_requests: int = flag(128, "Requests in flight before answering 429", int)
     max_best_of: int = flag(2, "Largest best_of a request may ask for", int)
@@ -96,14 +102,16 @@ class LauncherConfig:
     )
     max_batch_prefill_tokens: int | None = flag(
         None,
-        "Tokens one prefill (paged engine: one step) may compute; "
-        "default max-input-tokens + 50, on CPU 256",
+        "Tokens one prefill (paged engine: one step) may compute; native models: derived "
+        "from the step measured at startup, else max-input-tokens + 50",
         int,
     )
     max_batch_total_tokens: int | None = flag(
         None, "Tokens (prompt + generation) a batch may hold", int
     )
-    max_batch_size: int | None = flag(None, "Most requests in one batch", int)
+    max_batch_size: int | None = flag(
+        None, "Most requests in one batch; native models: derived from the measured step", int
+    )
     waiting_served_ratio: float = flag(0.3, "Waiting/running ratio that triggers a prefill", float)
     max_waiting_tokens: int = flag(20, "Decode steps before waiting requests are forced in", int)
     max_client_batch_size: int = flag(4, "Most inputs in one client request", int)
@@ -115,7 +123,7 @@ class LauncherConfig:
     target_itl_ms: float | None = flag(
         None,
         "Inter-token latency the adaptive batch controller keeps each step under (native "
-        "models); unset = 4x the measured batch-1 decode step, at least 20 ms; 0 = fixed budgets",
+        "models); unset = derived from the step measured at startup; 0 = fixed budgets",
         float,
     )
     no_adaptive: bool = flag(
