@@ -144,6 +144,7 @@ class Channel:
         self._events: deque[Event] = deque()
         self._num_pending_tokens = 0
         self._max_pending_tokens: int | None = None
+        self._on_overflow: Callable[[], None] | None = None
         self._arrived = asyncio.Event()
         self._cancelled = False
         self._closed = False
@@ -173,14 +174,16 @@ class Channel:
         """The request's last event waits to be taken."""
         return bool(self._events) and is_final(self._events[-1])
 
-    def bound(self, max_pending_tokens: int) -> None:
-        """Cancel the request when more than `max_pending_tokens` tokens would wait untaken.
+    def bound(self, max_pending_tokens: int, on_overflow: Callable[[], None] | None = None) -> None:
+        """Cancel the request when more than `max_pending_tokens` tokens would wait untaken,
+        and call `on_overflow` then (the reader may not look for a long time).
 
         A final event is always accepted: the request costs nothing more once it ended.
         """
         if max_pending_tokens < 1:
             raise ValueError(f"max_pending_tokens must be at least 1, got {max_pending_tokens}")
         self._max_pending_tokens = max_pending_tokens
+        self._on_overflow = on_overflow
 
     def listen(self, arrived: asyncio.Event) -> None:
         """Set `arrived` whenever an event is pushed (one event can watch several channels)."""
@@ -262,3 +265,5 @@ class Channel:
         )
         self._events.append(ErrorEvent(message, STREAM_BUFFER_OVERFLOW))
         self._arrived.set()
+        if self._on_overflow is not None:
+            self._on_overflow()

@@ -5,8 +5,8 @@ previous write is still being sent (the client reads slower than tokens come), n
 events wait in their channels, and the next write takes all of them together — nothing
 dropped, order kept. Pacing for UIs holds tokens back on purpose: `interval` tokens per
 write (vLLM's `--stream-interval`) and at most `max_rate` tokens per second. What waits
-unread is bounded by `max_buffer` tokens per channel (`Channel.bound`): past it the
-request is cancelled and the stream ends with an error event.
+unread is bounded by `max_buffer` tokens per channel (`guard_stream`, `Channel.bound`):
+past it the request is cancelled and the stream ends with an error event.
 
 The engine never waits on any of this: it pushes into channels and moves on.
 """
@@ -64,7 +64,6 @@ async def deliveries(
     arrived = asyncio.Event()
     readers = [_Reader(channel, pacing) for channel in channels]
     for channel in channels:
-        channel.bound(pacing.max_buffer)
         channel.listen(arrived)
     open_readers = list(enumerate(readers))
     while open_readers:
@@ -86,22 +85,31 @@ async def deliveries(
             await _wait_until(arrived, wake_at)
 
 
-def cancel_on_disconnect(channels: Sequence[Channel], metrics: Metrics) -> Callable[[], None]:
-    """What a stream does when its client leaves: cancel its unfinished channels and count
-    the request as cancelled (once, and not when it had already ended)."""
+def guard_stream(
+    channels: Sequence[Channel], pacing: StreamPacing, metrics: Metrics
+) -> Callable[[], None]:
+    """Bound what each of a stream's channels may hold unread, and give the response's
+    `on_disconnect`: cancel the unfinished channels.
 
-    def cancel() -> None:
+    Either way the request counts as cancelled once, when it happens (a stuck client may
+    never read its error event), and not when it had already ended.
+    """
+    counted = False
+
+    def count(reason: str) -> None:
+        nonlocal counted
+        if not counted:
+            counted = True
+            metrics.request_cancelled(reason)
+
+    for channel in channels:
+        channel.bound(pacing.max_buffer, on_overflow=lambda: count(STREAM_BUFFER_OVERFLOW))
+
+    def disconnected() -> None:
         if any([channel.cancel() for channel in channels]):
-            metrics.request_cancelled(CLIENT_DISCONNECTED)
+            count(CLIENT_DISCONNECTED)
 
-    return cancel
-
-
-def record_failure(metrics: Metrics, failure: ErrorEvent) -> None:
-    """Count a stream that ended with `failure`; one that overflowed was also cancelled."""
-    metrics.request_failed(failure.error_type)
-    if failure.error_type == STREAM_BUFFER_OVERFLOW:
-        metrics.request_cancelled(STREAM_BUFFER_OVERFLOW)
+    return disconnected
 
 
 class _Reader:
@@ -127,7 +135,8 @@ class _Reader:
             # The first token goes out at once, whatever the pacing.
             self._started = True
             self._refilled_at = now
-            return self._taken(channel.take()), None
+            first = channel.take(None if self._rate is None else self._interval)
+            return self._taken(first), None
         pending = channel.num_pending_tokens
         need = min(self._interval, pending) if channel.final_pending else self._interval
         if pending < need:

@@ -29,8 +29,7 @@ from textgate.router.engine.step_loop import OverloadedError
 from textgate.router.http.delivery import (
     CLIENT_DISCONNECTED,
     StreamPacing,
-    cancel_on_disconnect,
-    record_failure,
+    guard_stream,
 )
 from textgate.router.http.errors import (
     ModelNotFoundError,
@@ -263,13 +262,14 @@ class _OpenAIHandlers:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         on_end = self._on_stream_end(channels, received)
         pacing = StreamPacing.from_config(self._config)
+        on_disconnect = guard_stream(channels, pacing, self._metrics)
         frames = openai_frames(channels, writer, prompt_tokens, include_usage, on_end, pacing)
-        return SseResponse(frames, on_disconnect=cancel_on_disconnect(channels, self._metrics))
+        return SseResponse(frames, on_disconnect=on_disconnect)
 
     def _on_stream_end(self, channels: Sequence[Channel], received: float) -> OnEnd:
         def on_end(failure: ErrorEvent | None, generated_tokens: int) -> None:
             if failure is not None:
-                record_failure(self._metrics, failure)
+                self._metrics.request_failed(failure.error_type)
                 return
             queued = min(c.queued_at for c in channels)
             started = min(c.started_at or c.queued_at for c in channels)
