@@ -23,23 +23,11 @@ from textgate.bench.cli import parse_list
 from textgate.bench.report import format_table
 from textgate.bench.tokenizer import default_model_dir
 from textgate.proto import generate_pb2 as pb
+from textgate.shard_server.autoconfig import probe_request
 from textgate.shard_server.loader import load_model
 from textgate.shard_server.paged_model import CacheConfig, PagedModel
 
 BLOCK_SIZE = 16
-
-
-def _request(request_id: int, prompt: list[int], max_new_tokens: int) -> pb.Request:
-    return pb.Request(
-        id=request_id,
-        input_ids=prompt,
-        parameters=pb.NextTokenChooserParameters(
-            temperature=1.0, top_p=1.0, typical_p=1.0, repetition_penalty=1.0
-        ),
-        stopping_parameters=pb.StoppingCriteriaParameters(
-            max_new_tokens=max_new_tokens, ignore_eos_token=True
-        ),
-    )
 
 
 def time_batch(
@@ -70,7 +58,7 @@ def time_batch(
             tokens[generation.request_id].append(generation.tokens.ids[0])
         return seconds
 
-    requests = [_request(rid, seq, steps + 2) for rid, seq in tokens.items()]
+    requests = [probe_request(rid, seq, steps + 2) for rid, seq in tokens.items()]
     prefill = run(requests, prompt=True)
     decodes = [run([], prompt=False) for _ in range(steps)]
     model.step([], pb.StepPlan(finished_ids=list(tokens)))
