@@ -1,9 +1,10 @@
 """OpenAI streams: SSE chunks for every choice of a request, then `data: [DONE]`.
 
 The choices' channels are read together, so n choices stream interleaved as their
-tokens come; what is due for a choice when a write goes out becomes one chunk. A choice that fails ends the stream with TGI's error event
-(`{"error", "error_type"}`) and cancels the others; the stream always ends with
-`data: [DONE]`. Leaving the generator early (client gone) cancels every choice.
+tokens come; what is due for a choice when a write goes out becomes one chunk. A choice
+that fails ends the stream with OpenAI's error event (`{"error": {"message", "type",
+...}}`, TGI's `error_type` beside it) and cancels the others; the stream always ends
+with `data: [DONE]`. Leaving the generator early (client gone) cancels every choice.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from pydantic import BaseModel
 
 from textgate.router.engine.channel import Channel, ErrorEvent, Event, StepEvent
 from textgate.router.http.delivery import StreamPacing, Write, deliveries
-from textgate.router.http.sse import error_frame, sse_frame
+from textgate.router.http.errors import openai_error
+from textgate.router.http.sse import sse_frame
 from textgate.router.openai.output import (
     ResponseMeta,
     StreamText,
@@ -96,7 +98,7 @@ async def openai_frames(
         if on_end is not None:
             on_end(failure, completion_tokens)
         if failure is not None:
-            yield error_frame(failure.message, failure.error_type) + DONE_FRAME
+            yield sse_frame(openai_error(failure.message, failure.error_type)) + DONE_FRAME
         elif include_usage:
             yield sse_frame(writer.usage(usage(prompt_tokens, completion_tokens))) + DONE_FRAME
         else:

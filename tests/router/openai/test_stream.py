@@ -93,7 +93,10 @@ async def test_an_error_ends_the_stream_and_cancels_the_other_choices() -> None:
     writer = ChatChunks(META, 2, TextOptions(), logprobs=False)
     frames = await drain(openai_frames([failing, other], writer, 1, include_usage=True))
     events = payloads(frames)
-    assert events[-2] == {"error": "boom", "error_type": "generation"}
+    assert events[-2] == {
+        "error": {"message": "boom", "type": "server_error", "param": None, "code": None},
+        "error_type": "generation",
+    }
     assert frames[-1].endswith(DONE_FRAME)
     assert all(e == "[DONE]" or "error" in e or e["choices"] for e in events), "no usage chunk"
     assert other.cancelled
