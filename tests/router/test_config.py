@@ -57,6 +57,10 @@ def test_bad_json_is_a_value_error(text: str, message: str) -> None:
         ({"waiting_served_ratio": -1.0}, "waiting_served_ratio"),
         ({"port": 70000}, "port"),
         ({"target_itl_ms": -1.0}, "target_itl_ms"),
+        ({"stream_interval": 0}, "stream_interval"),
+        ({"max_stream_rate": 0.0}, "max_stream_rate"),
+        ({"max_stream_buffer": 0}, "max_stream_buffer"),
+        ({"stream_interval": 8, "max_stream_buffer": 4}, "max_stream_buffer .4. must be >="),
     ],
 )
 def test_inconsistent_limits_are_refused(overrides: dict[str, object], message: str) -> None:

@@ -310,3 +310,29 @@ async def test_fifty_clients_leaving_mid_stream_leave_the_engine_idle(
             assert await served.metric(client, "textgate_kv_cache_blocks_free") == free_when_idle
             cancelled = f'textgate_request_cancelled{{reason="{CLIENT_DISCONNECTED}"}}'
             assert await served.metric(client, cancelled) == num_streams
+
+
+async def test_the_stream_interval_paces_both_apis(
+    serve: Callable[..., contextlib.AbstractAsyncContextManager[Served]],
+) -> None:
+    completion = {"prompt": "w5 w6", "max_tokens": 9, "stream": True}
+    async with serve(stream_interval=4) as served:
+        tgi = RawStream(served.port, "/generate_stream", stream_body(9))
+        openai = RawStream(served.port, "/v1/completions", completion)
+        try:
+            for stream in (tgi, openai):
+                await stream.send()
+                await stream.read_to_end()
+        finally:
+            tgi.close()
+            openai.close()
+    assert [w.count(b"data:") for w in tgi.writes()] == [1, 4, 4], "one event per token"
+    assert [e["index"] for e in tgi.events()] == list(range(1, 10))
+    chunks = [json.loads(w.removeprefix(b"data: ")) for w in openai.writes()[:-1]]
+    assert [c["choices"][0]["text"] for c in chunks] == [
+        " t7",
+        " t8 t9 t10 t11",
+        " t12 t13 t14 t15",
+    ], "one chunk per write"
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "length"]
+    assert openai.writes()[-1] == b"data: [DONE]\n\n"

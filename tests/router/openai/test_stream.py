@@ -125,3 +125,18 @@ async def test_completion_frames_echo_and_logprob_offsets() -> None:
     assert events[1]["choices"][0]["logprobs"]["text_offset"] == [1, 3]
     assert events[-2]["choices"][0]["finish_reason"] == "length"
     assert {e["object"] for e in events[:-1]} == {"text_completion"}
+
+
+async def test_a_choice_past_the_buffer_bound_ends_the_stream_with_openais_error() -> None:
+    channel = Channel(1)
+    channel.bound(2)
+    writer = ChatChunks(META, 1, TextOptions(), logprobs=False)
+    frames = openai_frames([channel], writer, 1, include_usage=True)
+    await anext(frames)  # the role chunk
+    for text in ("a", "b", "c"):  # nobody reads meanwhile
+        channel.push(StepEvent([TokenInfo(id=1, text=text, logprob=-0.5)]))
+    events = payloads(await drain(frames))
+    assert events[-1] == "[DONE]"
+    assert events[-2]["error_type"] == "stream_buffer_overflow"
+    assert "more than 2 tokens unread" in events[-2]["error"]["message"]
+    assert len(events) == 2, "the unread tokens are dropped, no usage chunk"
