@@ -102,11 +102,12 @@ def _pack_dim0(codes: Tensor, bits: int, order: tuple[int, ...] | None = None) -
 def _unpack_dim0(words: Tensor, bits: int, order: tuple[int, ...] | None = None) -> Tensor:
     """int32 words [n / k, m] -> int32 codes [n, m], the inverse of `_pack_dim0`."""
     k = 32 // bits
-    shifts = (torch.arange(k, dtype=torch.int64) * bits).view(1, k, 1)
-    fields = (words.to(torch.int64).unsqueeze(1) >> shifts) & ((1 << bits) - 1)  # [w, k, m]
+    # int32 arithmetic shifts sign-extend the top field; the mask drops those bits.
+    shifts = (torch.arange(k, dtype=torch.int32) * bits).view(1, k, 1)
+    fields = (words.to(torch.int32).unsqueeze(1) >> shifts) & ((1 << bits) - 1)  # [w, k, m]
     if order is not None:
         fields = fields[:, [order.index(j) for j in range(k)], :]
-    return fields.reshape(-1, words.shape[1]).to(torch.int32)
+    return fields.reshape(-1, words.shape[1])
 
 
 def _zero_offset(bits: int) -> int:
@@ -180,7 +181,7 @@ def unpack_gptq_zeros(qzeros: Tensor, bits: int, checkpoint_format: str = GPTQ_V
         words = (words + _zero_offset(bits)) % _WORD
     elif checkpoint_format != GPTQ_V2:
         raise ValueError(f"unknown GPTQ checkpoint_format {checkpoint_format!r}")
-    return _unpack_dim0(words.T.contiguous(), bits).T.contiguous()
+    return _unpack_dim0(_to_int32(words).T.contiguous(), bits).T.contiguous()
 
 
 def unpack_gptq_weight(qweight: Tensor, bits: int) -> Tensor:
