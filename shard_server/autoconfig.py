@@ -349,31 +349,31 @@ def pick_dtype(
     best: PagedModel | None = None
     plan: ProbePlan | None = None
     start = time.perf_counter()
+    building = 0.0
     for dtype in candidates:
+        built = time.perf_counter()
         model = build(dtype)
-        if plan is None:
-            plan = trial_plan(model)
+        building += time.perf_counter() - built
+        plan = plan or trial_plan(model)
         trials.append(DtypeTrial(dtype, trial_timings(model, plan)))
-        if best is None or trials[-1].score_ms < dtype_score(_trial_of(trials, best.model.dtype)):
+        if choose_dtype(trials).dtype == dtype:
             best = model
         del model
         gc.collect()  # the loser's weights go now, before the next candidate loads
     assert best is not None
     best.dtype_choice = choose_dtype(trials)
     log.info(
-        "--dtype auto: %s (trials in %.1f s, score = decode steps at batch %s + a %d-token "
-        "prefill: %s)",
+        "--dtype auto: %s (%.1f s: building %.1f s, timing %.1f s; score = decode steps at "
+        "batch %s + a %d-token prefill: %s)",
         dtype_name(best.model.dtype),
         time.perf_counter() - start,
+        building,
+        time.perf_counter() - start - building,
         " and ".join(str(b) for b in trials[0].timings.decode_ms),
         trials[0].timings.prefill_tokens,
         ", ".join(f"{dtype_name(t.dtype)} {t.score_ms:.1f} ms" for t in trials),
     )
     return best
-
-
-def _trial_of(trials: Sequence[DtypeTrial], dtype: torch.dtype) -> StepTimings:
-    return next(t.timings for t in trials if t.dtype == dtype)
 
 
 def trial_plan(model: PagedModel) -> ProbePlan:
