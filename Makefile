@@ -9,6 +9,8 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 HOSTNAME ?= 127.0.0.1
 PORT ?= 8080
+# Extra launcher flags for `make run`, e.g. ARGS="--max-total-tokens 2048 --dtype float32".
+ARGS ?=
 STAMP := $(VENV)/.textgate-installed
 
 .PHONY: setup run test lint typecheck unit e2e bench stubs clean gptqmodel-fixture
@@ -27,7 +29,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 run: setup
-	$(VENV)/bin/textgate-launcher --hostname $(HOSTNAME) --port $(PORT)
+	$(VENV)/bin/textgate-launcher --hostname $(HOSTNAME) --port $(PORT) $(ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .
