@@ -5,7 +5,19 @@ At load, once, every quantized weight is turned into the fastest CPU form measur
 4-bit g128 weights; time as a ratio to the fp32 FastLinear of the dequantized weight,
 lower is faster, all cells in one run):
 
-    MEASUREMENT_TABLE
+    shape      M  fp32 ms  bf16  i4-f32  i4-bf16  i4-bf16-act  ao-int8    ref
+    576x576    1     0.03  0.79   15.27     0.62         0.73    26.46* 118.83
+    576x576   32     0.23  0.45   47.03     0.60         0.57     0.72   15.55
+    576x1536   1     0.21  0.43    3.32     0.17         0.19     0.36   22.35
+    576x1536  32     0.34  0.32   96.86     0.69         0.71     0.63   16.11
+    1536x576   1     0.26  0.38    3.08     0.16         0.21     0.62   62.64
+    1536x576  32     0.35  0.48   88.17     0.85         0.82     0.24   14.23
+
+(`--rows 1,32 --rounds 25`, taken while the machine ran other work: read the ratios, not
+the milliseconds; * an outlier of that noise, 0.51-1.07 in other runs.) In bf16 the int4 kernel beats the dense bf16 FastLinear at M=1 (the
+decode step of one stream: 1.3-2.5x) and trails it at M=32 (1.3-2x), at a quarter of its
+weight bytes; in float32 (and float16) the kernel falls to a slow path (3-100x), so those
+dtypes take the dequantized FastLinear. Act-order's gather costs ~10-20% at M=1.
 
 - `Int4PackedLinear` (chosen for 4-bit and 2-bit weights): `aten._weight_int4pack_mm_for_cpu`, the
   groupwise int4 kernel behind torchao's CPU int4 weight-only path. It computes
