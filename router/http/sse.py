@@ -1,5 +1,8 @@
 """Server-sent events: `data: {json}\\n\\n` frames, sent as soon as they exist.
 
+A write is whatever the frame iterator yields: one frame, or several joined when the
+client reads slower than tokens come (`router/http/delivery.py` decides).
+
 `SseResponse` listens for `http.disconnect` beside the body (whatever ASGI spec
 version the server speaks), so a client that leaves cancels its request even while
 the request still waits in the queue and no frame is being written. While no frame is
