@@ -24,6 +24,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from textgate.logs import setup_logging
+
 log = logging.getLogger("textgate.launcher")
 
 # TGI's spellings, plus int8 (W8A8 quantized at load). The shards' loader registry
@@ -413,12 +415,7 @@ def run(config: LauncherConfig) -> int:
 
 def main(argv: Sequence[str] | None = None) -> None:
     config = parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO,
-        format='{"level":"%(levelname)s","target":"launcher","message":%(message)r}'
-        if config.json_output
-        else "%(asctime)s launcher %(levelname)s %(message)s",
-    )
+    setup_logging(config.json_output, "launcher")
     log.info("Args %s", json.dumps(dataclasses.asdict(config)))
     sys.exit(run(config))
 

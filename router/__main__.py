@@ -14,8 +14,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from textgate.logs import setup_logging
 from textgate.router.config import RouterConfig
-from textgate.router.logs import setup_logging
 
 log = logging.getLogger("textgate.router")
 
@@ -29,7 +29,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"textgate.router: invalid config: {exc}", file=sys.stderr)
         return 2
-    setup_logging(config.json_output)
+    setup_logging(config.json_output, "router")
     # A signal during startup (connecting, warming up) ends the process cleanly.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _exit_cleanly)

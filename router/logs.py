@@ -1,46 +1,14 @@
-"""Logging for the router process: text lines, or JSON lines with `--json-output`."""
+"""The router's access-log record: what one request did, filled while it runs.
+
+The log format itself is every process's: `textgate.logs`.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import logging
-import sys
 from contextvars import ContextVar, Token
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from typing import Any
-
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line: timestamp, level, target (logger name), message, and the
-    access log's `request` fields when the record carries them."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        line = {
-            "timestamp": datetime.fromtimestamp(record.created, timezone.utc).isoformat(),
-            "level": record.levelname,
-            "target": record.name,
-            "message": record.getMessage(),
-        }
-        request = getattr(record, "request", None)
-        if isinstance(request, dict):
-            line["request"] = request
-        if record.exc_info:
-            line["exception"] = self.formatException(record.exc_info)
-        return json.dumps(line)
-
-
-def setup_logging(json_output: bool, level: int = logging.INFO) -> None:
-    """Route every logger (uvicorn's included) to stderr in the chosen format."""
-    handler = logging.StreamHandler(sys.stderr)
-    if json_output:
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level)
 
 
 @dataclass

@@ -14,6 +14,7 @@ import signal
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from textgate.logs import setup_logging
 from textgate.shard_server.loader import load_model
 from textgate.shard_server.model import ShardModel
 from textgate.shard_server.paged_model import CacheConfig
@@ -27,6 +28,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--uds-path", default="/tmp/textgate-server", help="socket path prefix")
     parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
     parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument(
+        "--quantize", default=None, help="weight quantization method (unset: the checkpoint's)"
+    )
     # The launcher always passes these; CacheConfig holds their defaults for manual runs.
     cache = CacheConfig()
     parser.add_argument(
@@ -52,12 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    logging.basicConfig(
-        level=logging.INFO,
-        format='{"level":"%(levelname)s","shard":' + str(rank) + ',"message":"%(message)s"}'
-        if args.json_output
-        else f"%(asctime)s shard-{rank} %(levelname)s %(message)s",
-    )
+    setup_logging(args.json_output, f"shard-{rank}")
     executor = model_thread()
     model = executor.submit(
         load_model,
@@ -73,6 +72,7 @@ def main(argv: list[str] | None = None) -> None:
             cuda_memory_fraction=args.cuda_memory_fraction,
         ),
         native=not args.no_native,
+        quantize=args.quantize,
     ).result()
     asyncio.run(_serve_until_signal(model, args.uds_path, rank, world_size, executor))
 

@@ -8,7 +8,7 @@ import logging
 import httpx
 import pytest
 
-from textgate.router.logs import JsonFormatter
+from textgate.logs import JsonFormatter
 
 ACCESS = "textgate.router.access"
 
@@ -33,8 +33,9 @@ async def test_a_generation_logs_one_line_with_its_tokens(
     assert fields["inference_s"] >= 0 and fields["queue_s"] >= 0
     assert record.getMessage().startswith("POST /generate 200 ")
     assert "generated_tokens=3" in record.getMessage()
-    line = json.loads(JsonFormatter().format(record))
+    line = json.loads(JsonFormatter("router").format(record))
     assert line["request"] == fields and line["target"] == ACCESS
+    assert line["process"] == "router"
 
 
 async def test_a_stream_is_logged_once_after_its_last_event(
