@@ -83,6 +83,10 @@ _BY_ERROR_TYPE: dict[str, type[TextGateError]] = {
     "unhealthy": ShardNotReadyError,
     "healthcheck": ShardNotReadyError,
     "unauthorized": UnauthorizedError,
+    "model_not_found": NotFoundError,
+    "payload_too_large": BadRequestError,
+    # The server cancelled a stream its reader left unread past --max-stream-buffer.
+    "stream_buffer_overflow": IncompleteGenerationError,
 }
 
 # Without a known `error_type` (another gateway, a proxy, an OpenAI-style body) the
@@ -104,8 +108,9 @@ def parse_error(status_code: int, payload: Any) -> TextGateError:
     """Build the exception for an error answer.
 
     `payload` is the decoded JSON body (or stream event): TGI's `{"error": str, "error_type": str}`,
-    OpenAI's `{"error": {"message": str, "type": str}}`, or anything else (then its text is
-    the message).
+    OpenAI's `{"error": {"message": str, "type": str}}` (textgate's OpenAI routes add TGI's
+    `error_type` beside it, which decides then), or anything else (then its text is the
+    message).
     """
     message, error_type = _message_and_type(payload)
     error_class = _BY_ERROR_TYPE.get(error_type or "") or _BY_STATUS.get(status_code, UnknownError)
@@ -117,7 +122,8 @@ def _message_and_type(payload: Any) -> tuple[str, str | None]:
         return str(payload), None
     error = payload["error"]
     if isinstance(error, dict):
-        return str(error.get("message", error)), _str_or_none(error.get("type"))
+        error_type = payload.get("error_type", error.get("type"))
+        return str(error.get("message", error)), _str_or_none(error_type)
     return str(error), _str_or_none(payload.get("error_type"))
 
 

@@ -15,6 +15,9 @@ from textgate.client.errors import parse_error
         (500, "incomplete_generation", errors.IncompleteGenerationError),
         (503, "unhealthy", errors.ShardNotReadyError),
         (401, "unauthorized", errors.UnauthorizedError),
+        (404, "model_not_found", errors.NotFoundError),
+        (413, "payload_too_large", errors.BadRequestError),
+        (200, "stream_buffer_overflow", errors.IncompleteGenerationError),
         # A stream's error event arrives with the stream's 200: error_type alone decides.
         (200, "generation", errors.GenerationError),
         (200, "validation", errors.ValidationError),
@@ -46,6 +49,16 @@ def test_openai_shaped_error() -> None:
     err = parse_error(400, {"error": {"message": "bad model", "type": "invalid_request_error"}})
     assert isinstance(err, errors.BadRequestError)
     assert (err.message, err.error_type) == ("bad model", "invalid_request_error")
+
+
+def test_textgates_openai_error_is_typed_by_its_tgi_error_type() -> None:
+    body = {
+        "error": {"message": "too long", "type": "invalid_request_error", "param": None},
+        "error_type": "validation",
+    }
+    err = parse_error(422, body)
+    assert isinstance(err, errors.ValidationError)
+    assert (err.message, err.error_type) == ("too long", "validation")
 
 
 def test_non_tgi_payload_becomes_the_message() -> None:
