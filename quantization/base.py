@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
+import torch
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
@@ -34,6 +35,15 @@ class WeightsLoader(ABC):
     `shard` overrides the default even split of the sharded dimension (e.g. to keep
     attention heads whole when they do not divide evenly over the ranks).
     """
+
+    #: True when the method reads floating-point checkpoints (plain, or quantized at
+    #: load); False when it needs a checkpoint already quantized with it (GPTQ, AWQ).
+    reads_float_checkpoint: ClassVar[bool] = False
+
+    @classmethod
+    def check_device(cls, device: torch.device) -> None:
+        """Raise ValueError, saying why, when the method cannot run on `device`."""
+        del device
 
     @classmethod
     def from_config(cls, quantization_config: Mapping[str, Any]) -> WeightsLoader:
@@ -66,3 +76,13 @@ class WeightsLoader(ABC):
     @abstractmethod
     def get_weights_row(self, weights: Weights, prefix: str, shard: Shard | None = None) -> Weight:
         """This rank's columns of the input dimension (row-parallel linear)."""
+
+    def get_head(self, weight: Tensor) -> Weight:
+        """The lm head from its floating-point weight [vocab (this rank's), hidden].
+
+        Heads stay in floating point by default (quantized checkpoints keep them so, and
+        tied heads are the embedding itself); loaders that quantize at load may override.
+        """
+        from textgate.quantization.unquantized import UnquantizedWeight
+
+        return UnquantizedWeight(weight)

@@ -34,14 +34,19 @@ def registered_methods() -> list[str]:
     return sorted(_LOADERS)
 
 
-def get_weights_loader(
-    method: str | None, quantization_config: Mapping[str, Any] | None = None
-) -> WeightsLoader:
-    """The loader for `method` (None: plain floating-point weights)."""
+def loader_class(method: str | None) -> type[WeightsLoader]:
+    """The loader class registered for `method` (None: plain floating-point weights)."""
     name = method or UNQUANTIZED
     if name not in _LOADERS:
         raise UnsupportedQuantizationError(
             f"quantization method {name!r} is not supported; "
             f"known methods: {', '.join(registered_methods())}"
         )
-    return _LOADERS[name].from_config(quantization_config or {})
+    return _LOADERS[name]
+
+
+def get_weights_loader(
+    method: str | None, quantization_config: Mapping[str, Any] | None = None
+) -> WeightsLoader:
+    """The loader for `method` (None: plain floating-point weights)."""
+    return loader_class(method).from_config(quantization_config or {})

@@ -31,6 +31,8 @@ class UnquantizedWeight(Weight):
 class UnquantizedWeightsLoader(WeightsLoader):
     """Reads `<prefix>.weight` and slices it for this rank."""
 
+    reads_float_checkpoint = True
+
     def get_weights(self, weights: Weights, prefix: str) -> Weight:
         return UnquantizedWeight(weights.get_tensor(f"{prefix}.weight"))
 

@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from textgate.proto import generate_pb2 as pb
+from textgate.quantization.resident import resident_bytes
 from textgate.shard_server.causal_lm import CausalLMBatch
 from textgate.shard_server.model import append_tokens, sample
 from textgate.shard_server.padded_model import PaddedModel, StepOutput
@@ -52,6 +53,7 @@ class TransformersModel(PaddedModel[CausalLMBatch]):
             model_id=self.model_id,
             model_type="transformers",
             world_size=1,
+            weight_bytes=resident_bytes(self.model),
         )
 
     def batch_from_pb(self, batch: pb.Batch) -> CausalLMBatch:

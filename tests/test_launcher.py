@@ -37,7 +37,8 @@ def test_tgi_legacy_and_list_flags() -> None:
     [
         (["--num-shard", "0"], "--num-shard must be at least 1"),
         (["--max-input-tokens", "10", "--max-total-tokens", "10"], "must be smaller"),
-        (["--quantize", "gptq"], "not supported yet"),
+        (["--quantize", "eetq"], "--quantize eetq is TGI's, but not supported by textgate"),
+        (["--quantize", "int4"], "--quantize int4 is unknown; use one of: awq, gptq"),
         (["--no-adaptive", "--target-itl-ms", "50"], "contradicts"),
         (["--target-itl-ms", "-1"], "--target-itl-ms must be >= 0"),
         (["--dtype", "float8"], "invalid choice"),
@@ -50,6 +51,25 @@ def test_bad_flags_exit_with_a_clear_error(
         launcher.parse_args(argv, env={})
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_quantize_is_passed_to_every_shard() -> None:
+    for method in launcher.QUANTIZE_METHODS:
+        config = launcher.parse_args(["--quantize", method], env={})
+        argv = launcher.shard_argv(Path("/m"), config)
+        assert argv[argv.index("--quantize") + 1] == method
+    assert launcher.parse_args([], env={"QUANTIZE": "int8"}).quantize == "int8"
+    assert "--quantize" not in launcher.shard_argv(Path("/m"), launcher.parse_args([], env={}))
+
+
+def test_quantize_methods_are_the_shards_registered_loaders() -> None:
+    from textgate.quantization import registered_methods
+
+    # Every loader the shards register is reachable from the flag, and the flag offers
+    # nothing without a loader (GPTQ/AWQ land with their loaders).
+    served = set(registered_methods()) - {"unquantized"}
+    assert served <= set(launcher.QUANTIZE_METHODS)
+    assert set(launcher.QUANTIZE_METHODS) - served <= {"gptq", "awq"}
 
 
 def test_limits_default_like_tgi(tiny_model_dir: Path) -> None:

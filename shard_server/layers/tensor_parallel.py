@@ -15,7 +15,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from textgate.kernels.linear import packed_linear, prepack
 from textgate.quantization.weights import Shard, Weights
 
 if TYPE_CHECKING:
@@ -132,53 +131,40 @@ class TensorParallelHead(nn.Module):
     """The lm head: hidden states [N, hidden] → logits [N, vocab] on every rank.
 
     The vocabulary is split over the ranks and the logits gathered when it divides
-    evenly; otherwise every rank holds the whole head (no gather needed).
+    evenly; otherwise every rank holds the whole head (no gather needed). The layer is
+    the loader's (`WeightsLoader.get_head`): plain, or quantized where the method says so.
     """
 
-    def __init__(
-        self,
-        weight: Tensor,
-        process_group: ProcessGroup | None,
-        gather: bool,
-        *,
-        shared: bool = False,
-    ) -> None:
+    def __init__(self, linear: nn.Module, process_group: ProcessGroup | None, gather: bool) -> None:
         super().__init__()
-        # Packed for oneDNN on CPU; the plain tensor is kept only when the embedding
-        # shares it (tied weights) or packing is unavailable.
-        self.packed = prepack(weight)
-        keep = shared or self.packed is None
-        self.dense = nn.Parameter(weight, requires_grad=False) if keep else None
+        self.linear = linear
         self.process_group = process_group
         self.gather = gather and world_size_of(process_group) > 1
 
     @property
     def weight(self) -> Tensor:
-        """This rank's weight [vocab or vocab / world_size, hidden] (a copy when packed alone)."""
-        if self.dense is not None:
-            return self.dense
-        assert self.packed is not None
-        return self.packed.to_dense()
+        """This rank's weight [vocab or vocab / world_size, hidden] (a copy when packed)."""
+        weight: Tensor = self.linear.weight
+        return weight
 
     @classmethod
     def load(
         cls, weights: Weights, prefix: str, tied: TensorParallelEmbedding | None = None
     ) -> TensorParallelHead:
-        """Read `<prefix>.weight`, or share the embedding's slice when the two are tied."""
+        """Read `<prefix>.weight`, or start from the embedding's slice when the two are tied."""
         name = f"{prefix}.weight"
         vocab_size = weights.get_shape(name)[0]
         gather = vocab_size % weights.world_size == 0
         if tied is not None and (gather or weights.world_size == 1):
-            # An even vocab split is the embedding's own split: share its tensor.
-            return cls(tied.weight.data, weights.process_group, gather, shared=True)
-        weight = weights.get_sharded(name, 0) if gather else weights.get_tensor(name)
-        return cls(weight, weights.process_group, gather)
+            # An even vocab split is the embedding's own split: no second read.
+            weight = tied.weight.data
+        else:
+            weight = weights.get_sharded(name, 0) if gather else weights.get_tensor(name)
+        linear = weights.loader.get_head(weight).get_linear(None)
+        return cls(linear, weights.process_group, gather)
 
     def forward(self, hidden: Tensor) -> Tensor:
-        if self.packed is not None:
-            logits = packed_linear(hidden, self.packed)  # [N, vocab / world_size] or [N, vocab]
-        else:
-            logits = F.linear(hidden, self.dense)
+        logits = self.linear(hidden)  # [N, vocab / world_size] or [N, vocab]
         if not self.gather:
             return logits
         parts = [torch.empty_like(logits) for _ in range(world_size_of(self.process_group))]

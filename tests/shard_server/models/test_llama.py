@@ -140,7 +140,10 @@ def test_dynamic_rope_decode_matches_transformers_cache(tiny, runner):
 def test_tied_head_shares_the_embedding(tiny):
     path, _ = tiny("llama", tie_word_embeddings=True)
     model = load_model(path, torch.float32, "cpu")
-    assert model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
+    # No second plain copy: the head packed the embedding's tensor, or holds that tensor.
+    dense = model.lm_head.linear.dense
+    assert dense is None or dense.data_ptr() == model.embed_tokens.weight.data_ptr()
+    torch.testing.assert_close(model.lm_head.weight, model.embed_tokens.weight)
 
 
 def test_untied_head_reads_lm_head(tiny):

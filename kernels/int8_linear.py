@@ -1,0 +1,138 @@
+"""W8A8 linear: per-output-channel int8 weights, per-token dynamic int8 activations.
+
+Weights: `q_w = round(W / s_w)` with `s_w = absmax(W[row]) / 127`, one float32 scale per
+output channel. Activations, per call: each row (token) x is scaled by its own absmax
+`m`, `q_x = round(127 * x / m)` in [-127, 127], so one token's outliers never cost another
+token precision and a request's output does not depend on what it is batched with. Then
+`y = (q_x @ q_w.T) * (m / 127) * s_w + bias`, the product summed exactly in int32.
+
+The fast path (CPU) is oneDNN's int8 GEMM, `onednn::qlinear_pointwise`, on weights
+prepacked once at load: it takes unsigned activations, so `q_x + 128` is passed with the
+fixed zero point 128 and scale 1/127, which makes its per-tensor activation parameters
+exact for every row; the per-row `m` is applied to its float output. Measured against the
+other CPU int8 candidates (`python -m textgate.bench.int8_linear --threads 2`, 2-core
+AVX512-VNNI Xeon, time / fp32 FastLinear time, lower is faster; all cells one run):
+
+    MEASUREMENT_TABLE
+
+`reference_int8_linear` (dequantize then matmul in float32) is the definition; it runs
+wherever the fast path cannot (GPU, builds without oneDNN, `TEXTGATE_CPU_KERNELS=0`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor, nn
+
+INT8_MAX = 127
+# oneDNN's int8 GEMM takes unsigned activations: q_x + 128 in [1, 255].
+ZERO_POINT = 128
+_TINY = 1e-12
+
+
+def quantize_weight(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-output-channel symmetric int8 of a weight [out, in]: (q_w int8 [out, in],
+    s_w float32 [out]) with W ≈ q_w * s_w[:, None]."""
+    weight = weight.float()
+    scales = weight.abs().amax(dim=1).clamp(min=_TINY) / INT8_MAX  # [out]
+    qweight = torch.round(weight / scales[:, None]).clamp(-INT8_MAX, INT8_MAX)
+    return qweight.to(torch.int8), scales
+
+
+def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-token symmetric int8 of x [M, K], offset to uint8: (q_x + 128 uint8 [M, K],
+    row absmax m float32 [M, 1]) with x ≈ (q - 128) * m / 127."""
+    x = x.float()
+    row_max = x.abs().amax(dim=-1, keepdim=True).clamp(min=_TINY)  # [M, 1]
+    quantized = torch.round(x * (INT8_MAX / row_max)).add_(ZERO_POINT)
+    return quantized.to(torch.uint8), row_max
+
+
+def reference_int8_linear(
+    x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None = None
+) -> Tensor:
+    """`x @ W.T + bias` for x [..., in] with W8A8: both operands quantized, dequantized,
+    then multiplied in float32; the result in x's dtype [..., out]."""
+    rows = x.reshape(-1, x.shape[-1])  # [M, in]
+    quantized, row_max = quantize_rows(rows)
+    dequantized = (quantized.float() - ZERO_POINT) * (row_max / INT8_MAX)  # [M, in]
+    out = dequantized @ (qweight.float() * scales[:, None]).t()  # [M, out]
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).reshape(*x.shape[:-1], qweight.shape[0])
+
+
+def can_pack() -> bool:
+    """Whether the oneDNN int8 GEMM is available (CPU builds with oneDNN, kernels on)."""
+    if os.environ.get("TEXTGATE_CPU_KERNELS", "1") == "0":
+        return False
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_prepack")
+
+
+def pack(qweight: Tensor) -> Tensor | None:
+    """q_w [out, in] in oneDNN's layout for `packed_int8_linear`, or None off the CPU."""
+    if qweight.device.type != "cpu" or not can_pack():
+        return None
+    # No input-shape hint: the layout then suits every row count (decode and prefill).
+    return torch.ops.onednn.qlinear_prepack(qweight, None)
+
+
+def packed_int8_linear(
+    x: Tensor, packed: Tensor, scales: Tensor, zero_points: Tensor, bias: Tensor | None = None
+) -> Tensor:
+    """`reference_int8_linear` on the int8 units: `packed = pack(q_w)`, `zero_points` int32
+    zeros [out]; equal to the reference up to float summation order."""
+    rows = x.reshape(-1, x.shape[-1])  # [M, in]
+    quantized, row_max = quantize_rows(rows)
+    out = torch.ops.onednn.qlinear_pointwise(
+        quantized, 1.0 / INT8_MAX, ZERO_POINT, packed, scales, zero_points,
+        None, 1.0, 0, torch.float32, "none", [], "",
+    )  # [M, out] float32: (q_x @ q_w.T) * s_w / 127  # fmt: skip
+    out = out.mul_(row_max) if bias is None else torch.addcmul(bias.float(), out, row_max)
+    return out.to(x.dtype).reshape(*x.shape[:-1], scales.shape[0])
+
+
+class Int8Linear(nn.Module):
+    """`x @ W.T + bias` with W kept as per-channel int8 (W8A8, see the module docstring).
+
+    On CPU the weight is packed once for oneDNN and the plain int8 copy dropped;
+    elsewhere the reference runs on the plain copy.
+    """
+
+    def __init__(self, qweight: Tensor, scales: Tensor, bias: Tensor | None = None) -> None:
+        super().__init__()
+        if qweight.dtype != torch.int8 or qweight.dim() != 2:
+            raise ValueError(
+                f"expected an int8 weight [out, in], got {qweight.dtype} {qweight.shape}"
+            )
+        if scales.shape != (qweight.shape[0],):
+            raise ValueError(f"expected {qweight.shape[0]} scales, got shape {tuple(scales.shape)}")
+        self.in_features, self.out_features = qweight.shape[1], qweight.shape[0]
+        self.scales = scales.float()
+        self.packed = pack(qweight)
+        self.qweight = qweight if self.packed is None else None
+        self.zero_points = torch.zeros(qweight.shape[0], dtype=torch.int32, device=qweight.device)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @property
+    def weight(self) -> Tensor:
+        """The dequantized weight [out, in] in float32 (a copy)."""
+        qweight = self.qweight
+        if qweight is None:
+            assert self.packed is not None
+            # Unpacking goes through the GEMM itself: identity rows give back q_w.T.
+            eye = torch.eye(self.in_features) * INT8_MAX
+            return (
+                packed_int8_linear(eye, self.packed, self.scales, self.zero_points).t() / INT8_MAX
+            )
+        return qweight.float() * self.scales[:, None]
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.packed is None:
+            assert self.qweight is not None
+            return reference_int8_linear(x, self.qweight, self.scales, self.bias)
+        if not x.numel():
+            return x.new_empty(*x.shape[:-1], self.out_features)
+        return packed_int8_linear(x, self.packed, self.scales, self.zero_points, self.bias)

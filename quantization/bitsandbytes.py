@@ -1,0 +1,126 @@
+"""`--quantize bitsandbytes`, `bitsandbytes-nf4`, `bitsandbytes-fp4`: floating-point weights
+quantized at load by the `bitsandbytes` package, as TGI does.
+
+- `bitsandbytes`: LLM.int8() (`bnb.nn.Linear8bitLt`): per-row int8 weights, per-token int8
+  activations, and input features with outliers above `threshold` (6.0, TGI's and
+  transformers' default) multiplied in floating point.
+- `bitsandbytes-nf4` / `-fp4`: 4-bit weights in 64-value blocks (`bnb.nn.Linear4bit`),
+  multiplied in the activations' dtype.
+
+The lm head stays in the model's dtype, as transformers' bitsandbytes integration leaves
+it. bitsandbytes >= 0.49 runs all three on CPU (its own CPU kernels); on CUDA they need a
+GPU bitsandbytes supports.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from textgate.quantization.base import Weight
+from textgate.quantization.from_float import FromFloatWeightsLoader
+from textgate.quantization.registry import register
+
+LLM_INT8_THRESHOLD = 6.0
+
+
+def _bnb() -> Any:
+    """The bitsandbytes module, imported on first use (it loads its native library)."""
+    # On CPUs with AVX512-BF16 bitsandbytes tries an optional Hub kernel at import and
+    # logs a warning when it is absent; it then uses its own kernel, so say nothing.
+    logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        import bitsandbytes
+    except ImportError as exc:  # pragma: no cover - it is a declared dependency
+        raise RuntimeError(
+            "--quantize bitsandbytes* needs the `bitsandbytes` package (pip install bitsandbytes)"
+        ) from exc
+    finally:
+        logger.setLevel(level)
+    return bitsandbytes
+
+
+def _on(module: nn.Module, device: torch.device) -> nn.Module:
+    # bitsandbytes quantizes a parameter when it moves from the CPU to a device.
+    return module.to(device)
+
+
+@dataclass
+class Int8BnbWeight(Weight):
+    """A float weight [out, in] that becomes a `bnb.nn.Linear8bitLt` (LLM.int8())."""
+
+    weight: Tensor
+
+    def get_linear(self, bias: Tensor | None) -> nn.Module:
+        bnb = _bnb()
+        out_features, in_features = self.weight.shape
+        linear = bnb.nn.Linear8bitLt(
+            in_features,
+            out_features,
+            bias=False,
+            has_fp16_weights=False,
+            threshold=LLM_INT8_THRESHOLD,
+            device="meta",
+        )
+        linear.weight = bnb.nn.Int8Params(
+            self.weight.cpu(), requires_grad=False, has_fp16_weights=False
+        )
+        if bias is not None:
+            linear.bias = nn.Parameter(bias.cpu(), requires_grad=False)
+        return _on(linear, self.weight.device)
+
+
+@dataclass
+class FourBitBnbWeight(Weight):
+    """A float weight [out, in] that becomes a `bnb.nn.Linear4bit` of `quant_type`."""
+
+    weight: Tensor
+    quant_type: str
+
+    def get_linear(self, bias: Tensor | None) -> nn.Module:
+        bnb = _bnb()
+        out_features, in_features = self.weight.shape
+        linear = bnb.nn.Linear4bit(
+            in_features,
+            out_features,
+            bias=False,
+            compute_dtype=self.weight.dtype,
+            quant_type=self.quant_type,
+            device="meta",
+        )
+        linear.weight = bnb.nn.Params4bit(
+            self.weight.cpu(), requires_grad=False, quant_type=self.quant_type, module=linear
+        )
+        if bias is not None:
+            linear.bias = nn.Parameter(bias.cpu(), requires_grad=False)
+        return _on(linear, self.weight.device)
+
+
+@register("bitsandbytes")
+class Int8BnbWeightsLoader(FromFloatWeightsLoader):
+    """LLM.int8() linears from a floating-point checkpoint."""
+
+    def make_weight(self, weight: Tensor) -> Weight:
+        return Int8BnbWeight(weight)
+
+
+@register("bitsandbytes-nf4")
+class Nf4BnbWeightsLoader(FromFloatWeightsLoader):
+    """NF4 linears from a floating-point checkpoint."""
+
+    def make_weight(self, weight: Tensor) -> Weight:
+        return FourBitBnbWeight(weight, "nf4")
+
+
+@register("bitsandbytes-fp4")
+class Fp4BnbWeightsLoader(FromFloatWeightsLoader):
+    """FP4 linears from a floating-point checkpoint."""
+
+    def make_weight(self, weight: Tensor) -> Weight:
+        return FourBitBnbWeight(weight, "fp4")

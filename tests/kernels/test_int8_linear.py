@@ -1,0 +1,121 @@
+"""The W8A8 linear: the oneDNN path against its reference, the reference against the math."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from textgate.kernels import int8_linear
+from textgate.kernels.int8_linear import (
+    INT8_MAX,
+    Int8Linear,
+    quantize_rows,
+    quantize_weight,
+    reference_int8_linear,
+)
+
+needs_onednn = pytest.mark.skipif(not int8_linear.can_pack(), reason="no oneDNN int8 GEMM")
+
+
+def _layer(out_features: int, in_features: int, bias: bool, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=generator) * in_features**-0.5
+    bias_tensor = torch.randn(out_features, generator=generator) if bias else None
+    return weight, bias_tensor
+
+
+def test_weights_quantize_per_output_channel_within_half_a_step():
+    weight, _ = _layer(37, 53, bias=False)
+    weight[3] *= 100  # one loud channel must not cost the others precision
+    qweight, scales = quantize_weight(weight)
+    assert qweight.dtype == torch.int8 and scales.shape == (37,)
+    assert qweight.abs().amax(dim=1).eq(INT8_MAX).all()
+    error = (qweight.float() * scales[:, None] - weight).abs()
+    assert (error <= scales[:, None] / 2 + 1e-7).all()
+
+
+def test_activations_quantize_per_token():
+    x = torch.randn(4, 19)
+    x[0] *= 1000  # a token with huge activations leaves the other rows' scales alone
+    quantized, row_max = quantize_rows(x)
+    assert quantized.dtype == torch.uint8
+    torch.testing.assert_close(row_max[:, 0], x.abs().amax(dim=1))
+    dequantized = (quantized.float() - 128) * row_max / INT8_MAX
+    assert ((dequantized - x).abs() <= row_max / INT8_MAX / 2 + 1e-6).all()
+    assert quantized.min() >= 1  # symmetric: q_x in [-127, 127]
+
+
+def test_reference_is_close_to_the_float_linear():
+    weight, bias = _layer(64, 96, bias=True)
+    qweight, scales = quantize_weight(weight)
+    x = torch.randn(8, 96)
+    expected = F.linear(x, weight, bias)
+    got = reference_int8_linear(x, qweight, scales, bias)
+    assert (got - expected).norm() / expected.norm() < 0.02
+
+
+@needs_onednn
+@pytest.mark.parametrize(
+    ("rows", "in_features", "out_features", "bias"),
+    [(1, 576, 1536, False), (7, 67, 33, True), (32, 1536, 576, True), (300, 64, 200, False)],
+)
+def test_onednn_path_matches_the_reference(rows, in_features, out_features, bias):
+    weight, bias_tensor = _layer(out_features, in_features, bias, seed=rows)
+    qweight, scales = quantize_weight(weight)
+    layer = Int8Linear(qweight, scales, bias_tensor)
+    assert layer.packed is not None and layer.qweight is None
+    x = torch.randn(rows, in_features)
+    expected = reference_int8_linear(x, qweight, scales, bias_tensor)
+    # Equal up to float summation order: the int8 products are summed exactly.
+    torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_onednn
+def test_1d_3d_bfloat16_and_empty_inputs():
+    weight, bias = _layer(24, 40, bias=True)
+    qweight, scales = quantize_weight(weight)
+    layer = Int8Linear(qweight, scales, bias)
+    x = torch.randn(2, 3, 40)
+    out = layer(x)
+    assert out.shape == (2, 3, 24)
+    torch.testing.assert_close(out, reference_int8_linear(x, qweight, scales, bias))
+    torch.testing.assert_close(layer(x[0, 0]), out[0, 0], atol=1e-5, rtol=1e-5)
+    half = layer(x.bfloat16())
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half, reference_int8_linear(x.bfloat16(), qweight, scales, bias))
+    assert layer(torch.empty(0, 40)).shape == (0, 24)
+
+
+@needs_onednn
+def test_a_batch_row_does_not_depend_on_its_neighbours():
+    weight, _ = _layer(48, 64, bias=False)
+    layer = Int8Linear(*quantize_weight(weight))
+    x = torch.randn(5, 64)
+    loud = torch.cat([x, 500 * torch.randn(1, 64)])
+    torch.testing.assert_close(layer(loud)[:5], layer(x), atol=1e-5, rtol=1e-5)
+
+
+def test_reference_path_without_onednn(monkeypatch):
+    monkeypatch.setenv("TEXTGATE_CPU_KERNELS", "0")
+    weight, bias = _layer(16, 32, bias=True)
+    qweight, scales = quantize_weight(weight)
+    layer = Int8Linear(qweight, scales, bias)
+    assert layer.packed is None and torch.equal(layer.qweight, qweight)
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(layer(x), reference_int8_linear(x, qweight, scales, bias))
+
+
+@needs_onednn
+def test_weight_property_unpacks_the_dequantized_weight():
+    weight, _ = _layer(20, 30, bias=False)
+    qweight, scales = quantize_weight(weight)
+    layer = Int8Linear(qweight, scales)
+    torch.testing.assert_close(layer.weight, qweight.float() * scales[:, None])
+
+
+def test_rejects_bad_weights():
+    with pytest.raises(ValueError, match="int8 weight"):
+        Int8Linear(torch.zeros(4, 4), torch.ones(4))
+    with pytest.raises(ValueError, match="4 scales"):
+        Int8Linear(torch.zeros(4, 4, dtype=torch.int8), torch.ones(3))

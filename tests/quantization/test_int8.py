@@ -1,0 +1,78 @@
+"""`--quantize int8` on a tiny random llama: every linear and the head become Int8Linear."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from textgate.kernels.int8_linear import Int8Linear
+from textgate.quantization import get_weights_loader
+from textgate.quantization.int8 import Int8WeightsLoader
+from textgate.quantization.resident import resident_bytes
+from textgate.shard_server.models import load_model
+
+
+@pytest.fixture
+def checkpoint(tiny_model_dir):
+    """tests/conftest.py's tiny llama (tied embeddings)."""
+    return tiny_model_dir
+
+
+def _linears(model):
+    return [m for m in model.modules() if isinstance(m, Int8Linear)]
+
+
+def test_every_linear_and_the_tied_head_are_int8(checkpoint):
+    model = load_model(checkpoint, torch.float32, "cpu", quantize="int8")
+    assert model.quantize == "int8"
+    # 2 layers x (qkv, o, gate_up, down) + the head
+    assert len(_linears(model)) == 2 * 4 + 1
+    assert isinstance(model.lm_head.linear, Int8Linear)
+    # The embedding stays in float: lookups need it.
+    assert model.embed_tokens.weight.dtype == torch.float32
+
+
+def test_logits_stay_close_to_the_float_model(checkpoint):
+    reference = load_model(checkpoint, torch.float32, "cpu")
+    model = load_model(checkpoint, torch.float32, "cpu", quantize="int8")
+    cache = {m: m.allocate_kv_cache(num_blocks=4, block_size=16) for m in (reference, model)}
+    from textgate.kernels import AttentionMetadata
+
+    metadata = AttentionMetadata.build(
+        query_lens=[12], context_lens=[0], block_tables=[[1]], block_size=16
+    )
+    tokens = torch.arange(3, 15)
+    rows = torch.arange(12)
+    with torch.inference_mode():
+        expected = reference(tokens, metadata.positions(), cache[reference], metadata, rows)
+        got = model(tokens, metadata.positions(), cache[model], metadata, rows)
+    assert (got - expected).norm() / expected.norm() < 0.05
+    assert (got.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
+
+
+def test_int8_weights_take_about_a_quarter_of_float32(checkpoint):
+    reference = load_model(checkpoint, torch.float32, "cpu")
+    model = load_model(checkpoint, torch.float32, "cpu", quantize="int8")
+    linear_bytes = sum(resident_bytes(m) for m in _linears(model))
+    float_bytes = sum(
+        m.weight.numel() * 4
+        for m in reference.modules()
+        if hasattr(m, "packed") and m.packed is not None
+    )
+    assert linear_bytes < 0.3 * float_bytes
+
+
+def test_refuses_an_already_quantized_config():
+    with pytest.raises(ValueError, match="already quantized"):
+        Int8WeightsLoader.from_config({"quant_method": "gptq", "bits": 4})
+    assert isinstance(get_weights_loader("int8"), Int8WeightsLoader)
+
+
+def test_head_is_quantized_only_by_methods_that_say_so(checkpoint):
+    config = json.loads((checkpoint / "config.json").read_text())
+    assert config["tie_word_embeddings"]
+    model = load_model(checkpoint, torch.float32, "cpu", quantize="bitsandbytes-nf4")
+    assert not isinstance(model.lm_head.linear, Int8Linear)
+    assert model.lm_head.linear.__class__.__name__ == "FastLinear"
