@@ -44,6 +44,8 @@ DECODE_BATCH_SIZES = (1, 8, 32)
 """Decode batch sizes measured at warmup (those up to the router's max batch, plus it)."""
 DEFAULT_MAX_BATCH = 32
 """The largest decode batch measured when the router sets no max batch size."""
+MAX_MEASURED_BATCH = 256
+"""The largest decode batch measured whatever the max batch (bounds the startup cost)."""
 DECODE_CONTEXT = 128
 """Tokens of context each measured decode sequence holds."""
 MAX_PREFILL_CHUNK = 512
@@ -138,8 +140,9 @@ def choose_dtype(trials: Sequence[DtypeTrial]) -> DtypeChoice:
 
 def decode_batch_sizes(max_batch: int, capacity: int) -> list[int]:
     """The decode batch sizes to time: DECODE_BATCH_SIZES up to `max_batch` (0: unset, then
-    DEFAULT_MAX_BATCH) and `max_batch` itself, all within `capacity` probe sequences."""
-    limit = min(max_batch or DEFAULT_MAX_BATCH, capacity)
+    DEFAULT_MAX_BATCH) and `max_batch` itself, all within `capacity` probe sequences and
+    MAX_MEASURED_BATCH."""
+    limit = min(max_batch or DEFAULT_MAX_BATCH, capacity, MAX_MEASURED_BATCH)
     if limit < 1:
         raise ValueError("the KV cache cannot hold one probe sequence")
     return sorted({b for b in DECODE_BATCH_SIZES if b <= limit} | {limit})
@@ -215,7 +218,7 @@ def measure_steps(model: PagedModel, plan: ProbePlan) -> StepTimings:
     """
     decode = {batch: _time_decode(model, batch, plan.context) for batch in plan.batch_sizes}
     prefill = _time_prefill(model, plan.prefill_tokens)
-    values = _slowest_rank([*decode.values(), prefill], model.process_group)
+    values = _slowest_rank([*decode.values(), prefill], model.process_group, model.device)
     return StepTimings(dict(zip(decode, values[:-1], strict=True)), plan.prefill_tokens, values[-1])
 
 
@@ -267,13 +270,13 @@ def _timed_step(model: PagedModel, new: list[pb.Request], plan: pb.StepPlan) -> 
     return (time.perf_counter() - start) * 1e3
 
 
-def _slowest_rank(values: list[float], group: Any) -> list[float]:
+def _slowest_rank(values: list[float], group: Any, device: torch.device) -> list[float]:
     """`values` maximised element-wise over the process group (as is without one)."""
     if group is None:
         return values
     import torch.distributed as dist
 
-    tensor = torch.tensor(values, dtype=torch.float64)
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)  # nccl: on the GPU
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return tensor.tolist()
 

@@ -68,6 +68,7 @@ def test_decode_batch_sizes_go_up_to_the_max_batch_within_the_cache() -> None:
     assert autoconfig.decode_batch_sizes(4, 1000) == [1, 4]
     assert autoconfig.decode_batch_sizes(64, 1000) == [1, 8, 32, 64]
     assert autoconfig.decode_batch_sizes(0, 20) == [1, 8, 20]
+    assert autoconfig.decode_batch_sizes(4096, 10_000) == [1, 8, 32, 256]
     with pytest.raises(ValueError, match="cannot hold"):
         autoconfig.decode_batch_sizes(0, 0)
 
