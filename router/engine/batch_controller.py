@@ -17,8 +17,8 @@ token) to the measured steps and keeps every step under an inter-token-latency t
   the target. It grows by a quarter per step, doubling while the device is under-used
   (utilization below `low_utilization`); it never grows while the KV cache is nearly full
   (admission is then limited by blocks, and more requests only bring preemptions sooner).
-  It shrinks to that largest batch once its own step is predicted over the target by more
-  than the dead band. A prediction that would break the target thus cuts the prefill share
+  It shrinks toward that largest batch (at most halving per step, so one noisy fit cannot
+  collapse it) once its own step is predicted over the target by more than the dead band. A prediction that would break the target thus cuts the prefill share
   first (every mixed step), then the batch.
 
 Between growing (at the target) and shrinking (past target × (1 + dead_band)) it holds, so a
@@ -274,7 +274,8 @@ class BatchController:
             )
             predicted = self.cost.predict(limit, config.min_prefill_tokens)
             if predicted > self._target * (1 + config.dead_band):
-                return min(limit, largest)
+                # At most halve per step: one noisy fit must not collapse the batch.
+                return min(limit, max(largest, limit // 2))
         if self._wants_more(sample) and largest > limit:
             under_used = sample.utilization < config.low_utilization
             return min(largest, limit + (limit if under_used else max(1, limit // 4)))

@@ -324,3 +324,23 @@ def test_config_rejects_bad_values(overrides: dict[str, Any], message: str) -> N
     values.update(overrides)
     with pytest.raises(ValueError, match=message):
         ControllerConfig(**values)
+
+
+def test_limit_at_most_halves_per_step_when_steps_run_over() -> None:
+    # BASE meets 14.7 ms with 4 decodes beside the prompt floor (5 + 0.8 * 4 + 6.4 ms).
+    config = ControllerConfig(
+        max_prefill_tokens=256,
+        max_batch_size=64,
+        target_itl_s=0.0147,
+        min_prefill_tokens=MIN_PREFILL,
+        initial_batch_size=32,
+    )
+    controller = BatchController(config)
+    rng = random.Random(3)
+    for n in range(1, 33):
+        controller.cost.add(n, 16 * (n % 2), BASE.latency(n, 16 * (n % 2), rng))
+    limits = []
+    for _ in range(5):
+        controller.observe(sample(num_decodes=32, num_running=32, latency_s=0.031))
+        limits.append(controller.batch_limit)
+    assert limits == [16, 8, 4, 4, 4]
