@@ -13,7 +13,7 @@ PORT ?= 8080
 ARGS ?=
 STAMP := $(VENV)/.textgate-installed
 
-.PHONY: setup run test lint typecheck unit e2e bench stubs clean gptqmodel-fixture
+.PHONY: setup run test lint typecheck unit e2e bench bench-peers stubs clean gptqmodel-fixture
 
 setup: $(STAMP)
 
@@ -54,6 +54,25 @@ stubs: setup
 
 bench: setup
 	$(PY) -m textgate.bench.sweep
+
+# The peers docs/benchmarks.md compares with, each in its own venv with the same torch:
+# transformers' own server (continuous batching) and llama.cpp's Python server, built
+# from source for this CPU (~10 min). Then e.g.:
+#   $(PY) -m textgate.bench.peers --peer transformers --peer-venv build/peers/transformers -- ...
+PEERS := build/peers
+bench-peers: setup $(PEERS)/transformers/.installed $(PEERS)/llama-cpp/.installed
+
+$(PEERS)/transformers/.installed:
+	$(PYTHON) -m venv $(PEERS)/transformers
+	$(PEERS)/transformers/bin/pip install --quiet "$(TORCH_SPEC)"
+	$(PEERS)/transformers/bin/pip install --quiet 'transformers[serving]==5.24.0'
+	touch $@
+
+$(PEERS)/llama-cpp/.installed:
+	$(PYTHON) -m venv $(PEERS)/llama-cpp
+	CMAKE_ARGS=-DGGML_NATIVE=ON $(PEERS)/llama-cpp/bin/pip install --quiet \
+		'llama-cpp-python[server]==0.3.36'
+	touch $@
 
 # GPTQ and AWQ checkpoints of the default model made by GPTQModel (a third-party tool, in
 # its own venv with the same pinned torch), with GPTQModel's own logits beside them, for

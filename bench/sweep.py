@@ -85,8 +85,15 @@ def _log_tail(path: Path) -> str:
     return text[-_LOG_TAIL_CHARS:]
 
 
-def wait_healthy(url: str, process: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
-    """Poll `GET {url}/health` until 200; ServerStartError if the process dies or time runs out."""
+def wait_healthy(
+    url: str,
+    process: subprocess.Popen[bytes],
+    log: Path,
+    timeout_s: float,
+    health_path: str = "/health",
+) -> None:
+    """Poll `GET {url}{health_path}` until 200; ServerStartError if the process dies or time
+    runs out."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -94,7 +101,7 @@ def wait_healthy(url: str, process: subprocess.Popen[bytes], log: Path, timeout_
                 f"server exited with code {process.returncode}; its output:\n{_log_tail(log)}"
             )
         try:
-            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+            if httpx.get(url + health_path, timeout=2.0).status_code == 200:
                 return
         except httpx.HTTPError:
             pass  # not listening yet
@@ -124,8 +131,10 @@ def running_server(
     command: ServerCommand,
     startup_timeout_s: float = 900.0,
     log: Callable[[str], None] = log_stderr,
+    health_path: str = "/health",
 ) -> Iterator[str]:
-    """Start the server on a free port, yield its base URL once healthy, stop it afterwards."""
+    """Start the server on a free port, yield its base URL once `health_path` answers 200,
+    stop it afterwards."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.NamedTemporaryFile(
@@ -140,7 +149,7 @@ def running_server(
         )
     succeeded = False
     try:
-        wait_healthy(url, process, log_path, startup_timeout_s)
+        wait_healthy(url, process, log_path, startup_timeout_s, health_path)
         log(f"server healthy at {url}")
         yield url
         succeeded = True
