@@ -57,14 +57,19 @@ def test_logits_match_gptqmodel(method, quantization_config):
     reference = load_file(path / "reference_logits.safetensors")
     tokens = reference["input_ids"][0].tolist()
     want = reference["logits"][0]  # [T, vocab], GPTQModel's torch kernel in float16
-    # GPTQModel computes in float16, textgate here in float32: measured on the GPTQ fixture,
-    # mean |diff| 0.027 and max 0.25 on logits up to 31, the same size as textgate's own
-    # float16 run differs by; reading its v1 zeros as v2 (off by one) gives mean 6.7, max 45.
-    got = prefill_logits(load_model(path, torch.float32, "cpu"), tokens)
-    diff = (got - want).abs()
-    assert diff.mean().item() <= 0.1 and diff.max().item() <= 1.0
-    assert torch.equal(got.argmax(-1), want.argmax(-1))
-    fast = load_model(path, torch.bfloat16, "cpu")  # the int4 kernel, bf16 activations
+    # Measured (logits up to ~31), as mean / max |textgate - GPTQModel|:
+    #             float16 (same dtype)   float32       bfloat16 (int4 kernel)
+    #   GPTQ      0.022 / 0.19           0.027 / 0.25  0.18 / 1.8
+    #   AWQ       0.027 / 0.18           0.066 / 0.62  0.56 / 3.5
+    # Reading the GPTQ fixture's v1 zeros as v2 (off by one) gives 6.7 / 45.
+    same_dtype = prefill_logits(load_model(path, torch.float16, "cpu"), tokens)
+    diff = (same_dtype - want).abs()
+    assert diff.mean().item() <= 0.05 and diff.max().item() <= 0.5
+    # Greedy choices agree except at near-ties: GPTQModel scores textgate's pick within 0.5
+    # of its own best at every position.
+    picked = want.gather(-1, same_dtype.argmax(-1, keepdim=True)).squeeze(-1)
+    assert (want.max(-1).values - picked).max().item() <= 0.5
+    fast = load_model(path, torch.bfloat16, "cpu")
     assert any(isinstance(m, Int4PackedLinear) for m in fast.modules())
-    diff16 = (prefill_logits(fast, tokens) - want).abs()  # measured: mean 0.18, max 1.8
-    assert diff16.mean().item() <= 0.5 and diff16.max().item() <= 5.0
+    diff16 = (prefill_logits(fast, tokens) - want).abs()
+    assert diff16.mean().item() <= 1.0 and diff16.max().item() <= 6.0
