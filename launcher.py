@@ -157,7 +157,17 @@ class LauncherConfig:
         (), "Comma-separated origins allowed by CORS", _origins
     )
     payload_limit: int = flag(2_000_000, "Largest request body in bytes", int)
-    otlp_endpoint: str | None = flag(None, "OpenTelemetry collector endpoint")
+    otlp_endpoint: str | None = flag(
+        None,
+        "OpenTelemetry collector (OTLP/gRPC), e.g. http://otel-collector:4317; unset = no "
+        "tracing",
+    )
+    otlp_service_name: str = flag("textgate", "service.name of the traces (shards: NAME.shard)")
+    graceful_termination_timeout: float = flag(
+        90.0,
+        "Seconds in-flight requests get to finish after SIGTERM before they are ended",
+        float,
+    )
     json_output: bool = flag(False, "Log JSON lines", _bool)
 
     def __post_init__(self) -> None:
@@ -172,8 +182,15 @@ class LauncherConfig:
             raise ValueError(
                 f"--quantize {self.quantize} {known}; use one of: {', '.join(QUANTIZE_METHODS)}"
             )
-        if self.otlp_endpoint is not None:
-            raise ValueError("--otlp-endpoint is not supported yet by this build")
+        if self.otlp_endpoint is not None and not self.otlp_endpoint.startswith(
+            ("http://", "https://")
+        ):
+            raise ValueError(
+                f"--otlp-endpoint {self.otlp_endpoint} needs a scheme: http:// (plaintext) "
+                "or https:// (TLS)"
+            )
+        if not self.graceful_termination_timeout >= 0:
+            raise ValueError("--graceful-termination-timeout must be >= 0 seconds")
         if self.block_size < 1:
             raise ValueError("--block-size must be at least 1")
         if self.target_itl_ms is not None and not self.target_itl_ms >= 0:
@@ -306,6 +323,9 @@ def shard_argv(model_path: Path, config: LauncherConfig) -> list[str]:
         argv.append("--trust-remote-code")
     if config.json_output:
         argv.append("--json-output")
+    if config.otlp_endpoint is not None:
+        argv += ["--otlp-endpoint", config.otlp_endpoint]
+        argv += ["--otlp-service-name", config.otlp_service_name]
     return argv
 
 

@@ -91,6 +91,12 @@ class RouterConfig:
     """Largest request body in bytes."""
     json_output: bool = False
     """Log JSON lines instead of text."""
+    otlp_endpoint: str | None = None
+    """OpenTelemetry collector (OTLP/gRPC) the router's spans go to; None = no tracing."""
+    otlp_service_name: str = "textgate"
+    """The router's `service.name` in traces."""
+    graceful_termination_timeout: float = 90.0
+    """Seconds in-flight requests get to finish after SIGTERM (router/http/drain.py)."""
     model_dtype: str | None = None
     """Dtype shown by /info; None = the shard's Info."""
     model_device_type: str | None = None
@@ -121,6 +127,10 @@ class RouterConfig:
             if getattr(self, name) is not None:
                 _require_positive(name, getattr(self, name))
         self._check_streaming()
+        if not self.graceful_termination_timeout >= 0:
+            raise ValueError(
+                f"graceful_termination_timeout must be >= 0, got {self.graceful_termination_timeout}"
+            )
         if self.waiting_served_ratio < 0:
             raise ValueError(f"waiting_served_ratio must be >= 0, got {self.waiting_served_ratio}")
         self._check_token_limits()

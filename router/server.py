@@ -5,8 +5,10 @@ Info, Health, Warmup with a batch as large as the prefill budget (paged shards a
 time their step then: `autoconfig` derives the budgets left unset from it), then uvicorn.
 `engine.factory.make_engine` picks the engine from what Info and Warmup report.
 `Router listening on http://{hostname}:{port}` is logged once connections are
-accepted. On a signal uvicorn stops accepting, lets in-flight requests finish (each
-gets its final event), then the engine closes and the process exits 0.
+accepted. On a signal the router drains (`http/drain.py`: 503 to new requests and
+/health, in-flight ones finish within `graceful_termination_timeout`), then the engine
+closes and the process exits 0. With `otlp_endpoint` set, spans go to the collector
+(`tracing.py`) and the last ones are flushed on the way out.
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ import uvicorn
 from starlette.applications import Starlette
 
 from textgate.proto import generate_pb2 as pb
-from textgate.router import autoconfig
+from textgate.router import autoconfig, tracing
 from textgate.router.autoconfig import Measurements
 from textgate.router.config import RouterConfig
 from textgate.router.engine.factory import make_engine
 from textgate.router.engine.request import SamplingParams, StoppingParams
 from textgate.router.http.app import build_app
+from textgate.router.http.drain import DrainingServer
 from textgate.router.http.validation import Tokenizer
 from textgate.router.metrics import Metrics
 from textgate.router.shard_client import ShardedClient
@@ -37,17 +40,22 @@ CONNECT_TIMEOUT_S = 120.0
 WARMUP_BATCH_ID = 2**64 - 1
 # Any id every vocabulary has; warmup only needs the shapes.
 WARMUP_TOKEN_ID = 0
+DRAIN_EXIT_TIMEOUT_S = 5.0
 
 
 async def serve(config: RouterConfig) -> None:
     """Run the router until a signal; raises if the shards cannot be reached or warmed up."""
-    shards = await ShardedClient.connect(config.shard_uds_path, CONNECT_TIMEOUT_S)
+    telemetry = tracing.start(config.otlp_endpoint, config.otlp_service_name)
     try:
-        tokenizer = await asyncio.to_thread(load_tokenizer, config.tokenizer_path)
-        app = await build_router(config, shards, tokenizer)
-        await run_http(app, config.hostname, config.port)
+        shards = await ShardedClient.connect(config.shard_uds_path, CONNECT_TIMEOUT_S)
+        try:
+            tokenizer = await asyncio.to_thread(load_tokenizer, config.tokenizer_path)
+            app = await build_router(config, shards, tokenizer)
+            await run_http(app, config.hostname, config.port, config.graceful_termination_timeout)
+        finally:
+            await shards.close()
     finally:
-        await shards.close()
+        tracing.stop(telemetry)
 
 
 async def build_router(
@@ -171,10 +179,21 @@ def resolve_config(
     )
 
 
-async def run_http(app: Starlette, hostname: str, port: int) -> None:
-    """Serve `app` with uvicorn until SIGTERM/SIGINT, then drain in-flight requests."""
-    server = uvicorn.Server(
-        uvicorn.Config(app, host=hostname, port=port, log_config=None, access_log=False)
+async def run_http(
+    app: Starlette, hostname: str, port: int, graceful_termination_timeout: float = 90.0
+) -> None:
+    """Serve `app` (`build_app`'s) with uvicorn until SIGTERM/SIGINT, then drain it."""
+    config = uvicorn.Config(
+        app,
+        host=hostname,
+        port=port,
+        log_config=None,
+        access_log=False,
+        # After the drain: what a connection that still will not close gets.
+        timeout_graceful_shutdown=DRAIN_EXIT_TIMEOUT_S,
+    )
+    server = DrainingServer(
+        config, app.state.drain, graceful_termination_timeout, app.state.engine.close
     )
     # uvicorn re-raises the signal it caught once it has drained; a no-op handler
     # turns that into a clean return (exit code 0) instead of a kill.

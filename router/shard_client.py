@@ -3,7 +3,9 @@
 Every shard gets the same call (tensor-parallel ranks step together) and rank 0's
 answer is the one used. Failures surface as `ShardError` carrying the shard's message.
 Padded shards step with `prefill` / `decode` / `filter_batch`, paged shards with `step`
-(see proto/generate.proto); a call of the other protocol fails.
+(see proto/generate.proto); a call of the other protocol fails. While tracing is on,
+every call carries the current span's W3C `traceparent` in its gRPC metadata, so the
+shards' spans join the router's step (router/tracing.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import grpc
 
 from textgate.proto import generate_pb2 as pb
 from textgate.proto import generate_pb2_grpc as pb_grpc
+from textgate.router.tracing import grpc_metadata
 
 T = TypeVar("T")
 
@@ -89,7 +92,7 @@ class ShardClient:
 
     async def _call(self, method: Any, request: Any, timeout_s: float | None = None) -> Any:
         try:
-            return await method(request, timeout=timeout_s)
+            return await method(request, timeout=timeout_s, metadata=grpc_metadata())
         except grpc.aio.AioRpcError as exc:
             raise ShardError(f"Server error: {exc.details() or exc.code().name}") from exc
 

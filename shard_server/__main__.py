@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from textgate.logs import setup_logging
+from textgate.shard_server import tracing
 from textgate.shard_server.loader import load_model
 from textgate.shard_server.model import ShardModel
 from textgate.shard_server.paged_model import CacheConfig
@@ -49,6 +50,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--no-native", action="store_true", help="serve through transformers even if native"
     )
     parser.add_argument("--json-output", action="store_true")
+    parser.add_argument(
+        "--otlp-endpoint", default=None, help="OTLP/gRPC collector for traces (unset: none)"
+    )
+    parser.add_argument(
+        "--otlp-service-name", default="textgate", help="shards trace as NAME.shard"
+    )
     return parser.parse_args(argv)
 
 
@@ -74,7 +81,11 @@ def main(argv: list[str] | None = None) -> None:
         native=not args.no_native,
         quantize=args.quantize,
     ).result()
-    asyncio.run(_serve_until_signal(model, args.uds_path, rank, world_size, executor))
+    telemetry = tracing.start(args.otlp_endpoint, f"{args.otlp_service_name}.shard", rank)
+    try:
+        asyncio.run(_serve_until_signal(model, args.uds_path, rank, world_size, executor))
+    finally:
+        tracing.stop(telemetry)
 
 
 async def _serve_until_signal(

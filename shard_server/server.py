@@ -20,6 +20,7 @@ import torch
 
 from textgate.proto import generate_pb2 as pb
 from textgate.proto import generate_pb2_grpc as pb_grpc
+from textgate.shard_server import tracing
 from textgate.shard_server.model import BatchNotFound, InvalidCall, ShardModel
 
 log = logging.getLogger("textgate.shard")
@@ -87,8 +88,10 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
     async def _timed(self, context: Any, call: Callable[..., R], *args: Any) -> R:
         """`_call`, with the call's whole time in the shard (lock wait included) as total_ns."""
         start = time.perf_counter_ns()
-        response = await self._call(context, call, *args)
-        response.total_ns = time.perf_counter_ns() - start
+        with tracing.rpc_span(context, call.__name__) as span:  # None unless --otlp-endpoint
+            response = await self._call(context, call, *args)
+            response.total_ns = time.perf_counter_ns() - start
+            tracing.record_phases(span, response, len(response.generations))
         return response
 
     async def _call(self, context: Any, call: Callable[..., T], *args: Any) -> T:

@@ -29,6 +29,8 @@ from textgate.router.engine.channel import Channel, ErrorEvent, StepEvent
 from textgate.router.engine.request import ValidRequest
 from textgate.router.metrics import Metrics, ShardTimes
 from textgate.router.shard_client import ShardedClient
+from textgate.router.tracing import RequestTrace, current_request, step_span
+from textgate.router.tracing import enabled as tracing_enabled
 
 log = logging.getLogger("textgate.router")
 
@@ -83,6 +85,8 @@ class Entry:
     id: int
     request: ValidRequest
     channel: Channel
+    trace: RequestTrace | None = None
+    """The HTTP request's span (router/tracing.py); None while tracing is off."""
 
     @property
     def input_length(self) -> int:
@@ -122,7 +126,9 @@ class StepLoop(ABC):
             raise OverloadedError()
         channels = []
         for request in requests:
-            entry = Entry(next(self._request_ids), request, Channel(request.input_length))
+            entry = Entry(
+                next(self._request_ids), request, Channel(request.input_length), current_request()
+            )
             entry.channel.on_cancel(self._wakeup.set)
             self._entries[entry.id] = entry
             channels.append(entry.channel)
@@ -183,6 +189,8 @@ class StepLoop(ABC):
         """Close each entry's channel with an error event and forget it."""
         for entry in entries:
             entry.channel.push(ErrorEvent(message, error_type))
+            if entry.trace is not None:
+                entry.trace.failed(entry.channel, entry.input_length, message, error_type)
             self._abort(entry)
 
     def _abort(self, entry: Entry) -> None:
@@ -198,7 +206,7 @@ class StepLoop(ABC):
         call: ShardCall,
         response: Awaitable[R],
         *,
-        expected_ids: Iterable[int],
+        expected_ids: Collection[int],
         running: Callable[[R], Collection[int]] | None = None,
     ) -> tuple[R, Routed] | None:
         """Await one step RPC and route its generations; on failure fail `call.fail_ids`.
@@ -208,8 +216,14 @@ class StepLoop(ABC):
         Gives the answer and what was routed, or None when the call failed.
         """
         started = time.monotonic()
+        traces = (
+            [self._entries[i].trace for i in expected_ids if i in self._entries]
+            if tracing_enabled()
+            else []
+        )
         try:
-            answer = await response
+            with step_span(call.method, traces):
+                answer = await response
         except Exception as exc:
             self._metrics.batch_inference(call.method, time.monotonic() - started, None)
             log.error("shard call failed: %s", exc)
@@ -239,6 +253,8 @@ class StepLoop(ABC):
             entry.channel.push(event)
             routed.sampled[entry.id] = list(generation.tokens.ids)
             if event.finished is not None:
+                if entry.trace is not None:
+                    entry.trace.finished(entry.channel, entry.input_length, event.finished)
                 routed.finished.add(entry.id)
                 self._release(entry)
         kept = routed.sampled.keys() if running is None else running

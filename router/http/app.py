@@ -27,6 +27,7 @@ from textgate.proto import generate_pb2 as pb
 from textgate.router.config import RouterConfig
 from textgate.router.engine.step_loop import OverloadedError
 from textgate.router.http.access_log import AccessLogMiddleware
+from textgate.router.http.drain import Drain, DrainMiddleware
 from textgate.router.http.errors import (
     ModelNotFoundError,
     PayloadTooLargeError,
@@ -42,6 +43,7 @@ from textgate.router.openai.routes import openai_routes
 from textgate.router.shard_client import ShardedClient
 from textgate.router.tgi.output import GenerationError
 from textgate.router.tgi.routes import tgi_routes
+from textgate.router.tracing import TracingMiddleware
 
 log = logging.getLogger("textgate.router")
 
@@ -81,9 +83,10 @@ def build_app(
         await engine.close()
         validator.close()
 
+    drain = Drain()
     app = Starlette(
         routes=routes,
-        middleware=_middleware(config),
+        middleware=_middleware(config, drain),
         exception_handlers={
             ValidationError: _typed_error,
             ModelNotFoundError: _typed_error,
@@ -96,6 +99,7 @@ def build_app(
         lifespan=lifespan,
     )
     app.state.engine = engine
+    app.state.drain = drain
     app.state.router = state
     return app
 
@@ -121,9 +125,12 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     )
 
 
-def _middleware(config: RouterConfig) -> list[Middleware]:
+def _middleware(config: RouterConfig, drain: Drain) -> list[Middleware]:
     # Outermost: every answer is logged, a 401 or a CORS preflight included.
-    middleware = [Middleware(AccessLogMiddleware)]
+    # The span closes inside the access log's scope, so it can read the request's record.
+    middleware = [Middleware(AccessLogMiddleware), Middleware(TracingMiddleware)]
+    # Inside the access log: the 503s of a draining router are logged too.
+    middleware.append(Middleware(DrainMiddleware, drain=drain))
     if config.cors_allow_origin:
         # Outside the key check: browsers send preflights without credentials.
         middleware.append(
