@@ -4,8 +4,9 @@ Loads a model the way a shard does (native, paged; `--dtype auto` as the launche
 default), then for each batch size B: one prefill step of B prompts of `--prompt-len`
 tokens, then `--steps` decode steps of all B. Prints the prefill step's time and the
 decode steps' median, the way `textgate-bench` numbers decompose: what the model costs
-per step, before serving adds its share. `TEXTGATE_CPU_KERNELS=0` runs the PyTorch
-references instead of the C kernels, for an A/B of the same code.
+per step, before serving adds its share. `--quantize` times a quantized model (int8,
+bitsandbytes, ...). `TEXTGATE_CPU_KERNELS=0` runs the PyTorch references instead of the C
+kernels, for an A/B of the same code.
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m textgate.bench.step", description=__doc__)
     parser.add_argument("--model", default=None, help="model folder (default: the embedded one)")
     parser.add_argument("--dtype", default="auto", help="as the launcher's --dtype")
+    parser.add_argument(
+        "--quantize", default=None, help="as the launcher's --quantize (e.g. int8, bitsandbytes)"
+    )
     parser.add_argument("--batch", default="1,32", help="batch sizes")
     parser.add_argument("--prompt-len", type=int, default=40)
     parser.add_argument("--steps", type=int, default=30, help="decode steps per batch size")
@@ -85,7 +89,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     blocks = (args.prompt_len + args.steps + BLOCK_SIZE) // BLOCK_SIZE + 1
     cache_bytes = 1 << 30
     model = load_model(
-        model_dir, model_dir.name, args.dtype, cache_config=CacheConfig(BLOCK_SIZE, cache_bytes)
+        model_dir,
+        model_dir.name,
+        args.dtype,
+        cache_config=CacheConfig(BLOCK_SIZE, cache_bytes),
+        quantize=args.quantize,
     )
     if not isinstance(model, PagedModel):
         print(f"{model_dir} has no native implementation: nothing to time", file=sys.stderr)
@@ -106,7 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
              round(batch / median, 1)]
         )  # fmt: skip
     print(
-        f"{model_dir.name}: {model.model.dtype}, {torch.get_num_threads()} threads, "
+        f"{model_dir.name}: {model.model.dtype}, {args.quantize or 'unquantized'}, "
+        f"{torch.get_num_threads()} threads, "
         f"prompts of {args.prompt_len} tokens, {args.steps} decode steps"
     )
     headers = ["batch", "prefill step ms", "decode step ms p50", "min", "decode tok/s"]

@@ -26,7 +26,9 @@ from textgate.paths import cache_dir
 
 log = logging.getLogger("textgate.kernels")
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_attention.c", "cpu_layers.c"))
+SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("cpu_attention.c", "cpu_layers.c", "cpu_int8.c")
+)
 # -ffast-math lets the compiler vectorize expf and the float sums. It is given to
 # the compile step only: linking with it adds crtfastmath.o, whose constructor would put
 # the whole process into flush-denormals-to-zero mode.
@@ -111,6 +113,7 @@ def load_library(build_dir: Path | None = None) -> ctypes.CDLL | None:
         "textgate_add_rms_norm": (None, [*[pointer] * 5, int64, int64, real, flag]),
         "textgate_silu_and_mul": (None, [pointer, pointer, int64, int64, flag]),
         "textgate_rotary_and_store": (None, [*[pointer] * 7, *[int64] * 4, flag]),
+        "textgate_quantize_rows": (None, [*[pointer] * 3, int64, int64, flag]),
     }
     for name, (restype, argtypes) in signatures.items():
         function = getattr(library, name)

@@ -26,10 +26,13 @@ import os
 import torch
 from torch import Tensor, nn
 
+from textgate.kernels import cpu_build
+
 INT8_MAX = 127
 # oneDNN's int8 GEMM takes unsigned activations: q_x + 128 in [1, 255].
 ZERO_POINT = 128
 _TINY = 1e-12
+_C_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def quantize_weight(weight: Tensor) -> tuple[Tensor, Tensor]:
@@ -41,13 +44,28 @@ def quantize_weight(weight: Tensor) -> tuple[Tensor, Tensor]:
     return qweight.to(torch.int8), scales
 
 
-def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+def reference_quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     """Per-token symmetric int8 of x [M, K], offset to uint8: (q_x + 128 uint8 [M, K],
     row absmax m float32 [M, 1]) with x ≈ (q - 128) * m / 127."""
     x = x.float()
     row_max = x.abs().amax(dim=-1, keepdim=True).clamp(min=_TINY)  # [M, 1]
-    quantized = torch.round(x * (INT8_MAX / row_max)).add_(ZERO_POINT)
+    quantized = torch.round(x * (row_max.reciprocal() * INT8_MAX)).add_(ZERO_POINT)
     return quantized.to(torch.uint8), row_max
+
+
+def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """`reference_quantize_rows` in one C pass (cpu_int8.c) where the CPU kernels run,
+    byte for byte the same; the reference elsewhere."""
+    library = cpu_build.load_library() if x.device.type == "cpu" else None
+    if library is None or x.dtype not in _C_DTYPES or x.dim() != 2 or not x.is_contiguous():
+        return reference_quantize_rows(x)
+    quantized = torch.empty(x.shape, dtype=torch.uint8)
+    row_max = torch.empty(x.shape[0], 1)
+    library.textgate_quantize_rows(
+        x.data_ptr(), quantized.data_ptr(), row_max.data_ptr(), x.shape[0], x.shape[1],
+        _C_DTYPES[x.dtype],
+    )  # fmt: skip
+    return quantized, row_max
 
 
 def reference_int8_linear(
@@ -56,7 +74,7 @@ def reference_int8_linear(
     """`x @ W.T + bias` for x [..., in] with W8A8: both operands quantized, dequantized,
     then multiplied in float32; the result in x's dtype [..., out]."""
     rows = x.reshape(-1, x.shape[-1])  # [M, in]
-    quantized, row_max = quantize_rows(rows)
+    quantized, row_max = reference_quantize_rows(rows)
     dequantized = (quantized.float() - ZERO_POINT) * (row_max / INT8_MAX)  # [M, in]
     out = dequantized @ (qweight.float() * scales[:, None]).t()  # [M, out]
     if bias is not None:

@@ -13,3 +13,9 @@ def test_prints_prefill_and_decode_times_per_batch(tiny_model_dir, capsys) -> No
     rows = [line.split() for line in out.splitlines()[3:]]
     assert [row[0] for row in rows] == ["1", "3"]
     assert all(float(value) > 0 for row in rows for value in row[1:])
+
+
+def test_times_a_quantized_model(tiny_model_dir, capsys) -> None:
+    argv = ["--model", str(tiny_model_dir), "--batch", "2", "--prompt-len", "4", "--steps", "2"]
+    assert step.main([*argv, "--dtype", "float32", "--quantize", "int8"]) == 0
+    assert "float32, int8," in capsys.readouterr().out

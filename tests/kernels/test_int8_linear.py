@@ -13,6 +13,7 @@ from textgate.kernels.int8_linear import (
     quantize_rows,
     quantize_weight,
     reference_int8_linear,
+    reference_quantize_rows,
 )
 
 needs_onednn = pytest.mark.skipif(not int8_linear.can_pack(), reason="no oneDNN int8 GEMM")
@@ -44,6 +45,23 @@ def test_activations_quantize_per_token():
     dequantized = (quantized.float() - 128) * row_max / INT8_MAX
     assert ((dequantized - x).abs() <= row_max / INT8_MAX / 2 + 1e-6).all()
     assert quantized.min() >= 1  # symmetric: q_x in [-127, 127]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 576), (33, 67), (300, 200)])
+def test_c_quantization_matches_the_reference_byte_for_byte(shape, dtype):
+    from textgate.kernels import cpu_build
+
+    if cpu_build.load_library() is None:
+        pytest.skip("no C compiler")
+    x = (torch.randn(shape) * torch.rand(shape[0], 1) * 10).to(dtype)
+    x[0, :3] = torch.tensor([0.5, -0.5, 1.5]) * x[0].abs().max() / 127 * 2  # ties
+    quantized, row_max = quantize_rows(x)
+    expected, expected_max = reference_quantize_rows(x)
+    assert torch.equal(row_max, expected_max)
+    assert torch.equal(quantized, expected)
+    zeros, _ = quantize_rows(torch.zeros(2, 8, dtype=dtype))
+    assert zeros.eq(128).all()
 
 
 def test_reference_is_close_to_the_float_linear():
