@@ -121,11 +121,12 @@ def inject(context: Context | None = None) -> list[tuple[str, str]]:
     return list(carrier.items())
 
 
-def extract(headers: Iterable[tuple[str, str | bytes]]) -> Context:
-    """The parent context carried by W3C headers or gRPC metadata (an empty one if none)."""
+def extract(headers: Iterable[tuple[str | bytes, str | bytes]]) -> Context:
+    """The parent context carried by W3C headers (ASGI's are bytes) or gRPC metadata (an
+    empty context if none)."""
     carrier: dict[str, str] = {}
     for key, value in headers:
-        name = key.lower()
+        name = (key.decode("latin-1") if isinstance(key, bytes) else key).lower()
         if name in ("traceparent", "tracestate"):
             carrier[name] = value.decode("latin-1") if isinstance(value, bytes) else value
     return _PROPAGATOR.extract(carrier)
