@@ -14,7 +14,7 @@ token) to the measured steps and keeps every step under an inter-token-latency t
   without decodes delays nobody's next token, so it gets the ceiling;
 - batch limit: grows while requests wait and the limit is what holds them back, up to the
   largest batch whose step, with the smallest prefill share beside it, is predicted to meet
-  the target. It grows by a quarter per step, doubling while the device is under-used
+  the target. It doubles per step, and goes straight there while the device is under-used
   (utilization below `low_utilization`); it never grows while the KV cache is nearly full
   (admission is then limited by blocks, and more requests only bring preemptions sooner).
   It shrinks toward that largest batch (at most halving per step, so one noisy fit cannot
@@ -70,7 +70,7 @@ class ControllerConfig:
     high_kv_usage: float = 0.9
     """KV-cache usage above which the batch limit does not grow."""
     low_utilization: float = 0.5
-    """Below this utilization the batch limit grows twice as fast (the device idles)."""
+    """Below this utilization the batch limit grows straight to the predicted largest batch."""
     smoothing: float = 0.2
     """Weight of the newest step in the step-latency averages shown by /metrics."""
 
@@ -277,8 +277,9 @@ class BatchController:
                 # At most halve per step: one noisy fit must not collapse the batch.
                 return min(limit, max(largest, limit // 2))
         if self._wants_more(sample) and largest > limit:
-            under_used = sample.utilization < config.low_utilization
-            return min(largest, limit + (limit if under_used else max(1, limit // 4)))
+            if sample.utilization < config.low_utilization:
+                return largest
+            return min(largest, 2 * limit)
         return limit
 
     def _set_limit(self, limit: int, sample: StepSample) -> None:

@@ -25,7 +25,7 @@ class StepCostModel:
     coefficients never go negative (a step never gets cheaper with more tokens).
     """
 
-    def __init__(self, forgetting: float = 0.95, ridge: float = 1.0, min_samples: int = 8) -> None:
+    def __init__(self, forgetting: float = 0.95, ridge: float = 5.0, min_samples: int = 8) -> None:
         """`ridge` is in tokens²: a slope needs about that much spread in its token count
         among the recent steps before the data outweigh its previous value."""
         if not 0.0 < forgetting <= 1.0:
