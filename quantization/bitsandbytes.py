@@ -102,8 +102,28 @@ class FourBitBnbWeight(Weight):
         return _on(linear, self.weight.device)
 
 
+class BnbWeightsLoader(FromFloatWeightsLoader):
+    """The bitsandbytes loaders' shared device check."""
+
+    @classmethod
+    def check_device(cls, device: torch.device) -> None:
+        bnb = _bnb()
+        if device.type not in bnb.supported_torch_devices:
+            raise ValueError(
+                f"bitsandbytes {bnb.__version__} does not run on {device.type}; "
+                f"it supports {', '.join(sorted(bnb.supported_torch_devices))}"
+            )
+        from bitsandbytes.cextension import ErrorHandlerMockBNBNativeLibrary, lib
+
+        if device.type == "cuda" and isinstance(lib, ErrorHandlerMockBNBNativeLibrary):
+            raise ValueError(
+                f"bitsandbytes {bnb.__version__} found no native library for this GPU "
+                "(see `python -m bitsandbytes`)"
+            )
+
+
 @register("bitsandbytes")
-class Int8BnbWeightsLoader(FromFloatWeightsLoader):
+class Int8BnbWeightsLoader(BnbWeightsLoader):
     """LLM.int8() linears from a floating-point checkpoint."""
 
     def make_weight(self, weight: Tensor) -> Weight:
@@ -111,7 +131,7 @@ class Int8BnbWeightsLoader(FromFloatWeightsLoader):
 
 
 @register("bitsandbytes-nf4")
-class Nf4BnbWeightsLoader(FromFloatWeightsLoader):
+class Nf4BnbWeightsLoader(BnbWeightsLoader):
     """NF4 linears from a floating-point checkpoint."""
 
     def make_weight(self, weight: Tensor) -> Weight:
@@ -119,7 +139,7 @@ class Nf4BnbWeightsLoader(FromFloatWeightsLoader):
 
 
 @register("bitsandbytes-fp4")
-class Fp4BnbWeightsLoader(FromFloatWeightsLoader):
+class Fp4BnbWeightsLoader(BnbWeightsLoader):
     """FP4 linears from a floating-point checkpoint."""
 
     def make_weight(self, weight: Tensor) -> Weight:

@@ -65,3 +65,11 @@ def test_tiny_llama_loads_and_tracks_the_float_model(tiny_model_dir, method):
     expected, got = logits
     assert (got - expected).norm() / expected.norm() < 0.2
     assert resident_bytes(model) < resident_bytes(reference)
+
+
+def test_device_check_names_what_the_package_supports():
+    from textgate.quantization.bitsandbytes import Nf4BnbWeightsLoader
+
+    Nf4BnbWeightsLoader.check_device(torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"does not run on meta; it supports .*cpu"):
+        Nf4BnbWeightsLoader.check_device(torch.device("meta"))
