@@ -34,6 +34,10 @@ QUANTIZE_METHODS = ("awq", "gptq", "bitsandbytes", "bitsandbytes-nf4", "bitsandb
 # TGI's other --quantize values, refused by name.
 TGI_ONLY_QUANTIZE = ("compressed-tensors", "eetq", "exl2", "fp8", "marlin")
 _STDERR_TAIL = 40
+# After its drain, the router still closes connections (router.server.DRAIN_EXIT_TIMEOUT_S)
+# and flushes its last spans (telemetry.SHUTDOWN_TIMEOUT_S).
+ROUTER_EXIT_MARGIN_S = 10.0
+SHARD_EXIT_TIMEOUT_S = 10.0
 
 
 def _bool(text: str) -> bool:
@@ -159,8 +163,7 @@ class LauncherConfig:
     payload_limit: int = flag(2_000_000, "Largest request body in bytes", int)
     otlp_endpoint: str | None = flag(
         None,
-        "OpenTelemetry collector (OTLP/gRPC), e.g. http://otel-collector:4317; unset = no "
-        "tracing",
+        "OpenTelemetry collector (OTLP/gRPC), e.g. http://otel-collector:4317; unset = no tracing",
     )
     otlp_service_name: str = flag("textgate", "service.name of the traces (shards: NAME.shard)")
     graceful_termination_timeout: float = flag(
@@ -353,8 +356,18 @@ def router_config(model_path: Path, config: LauncherConfig) -> dict[str, Any]:
     return settings
 
 
-def wait_for_shards(children: list[Child], uds_path: str, timeout: float = 600.0) -> None:
-    """Poll every shard's Health until all answer; fail fast if one dies."""
+class StopRequested(Exception):
+    """A stop signal arrived while the model was loading."""
+
+
+def wait_for_shards(
+    children: list[Child],
+    uds_path: str,
+    timeout: float = 600.0,
+    stop: threading.Event | None = None,
+) -> None:
+    """Poll every shard's Health until all answer; fail fast if one dies, and raise
+    StopRequested as soon as `stop` is set."""
     import grpc
 
     from textgate.proto import generate_pb2 as pb
@@ -365,6 +378,8 @@ def wait_for_shards(children: list[Child], uds_path: str, timeout: float = 600.0
         with grpc.insecure_channel(f"unix://{uds_path}-{rank}") as channel:
             stub = pb_grpc.TextGenerationServiceStub(channel)
             while True:
+                if stop is not None and stop.is_set():
+                    raise StopRequested()
                 if child.poll() is not None:
                     raise ChildFailed(child)
                 if time.monotonic() > deadline:
@@ -410,27 +425,49 @@ def run(config: LauncherConfig) -> int:
     from textgate.shard_server.model_source import resolve_model
 
     stop = threading.Event()
+    # Resolving (downloading, converting) runs in this thread: a signal interrupts it.
+    # Once children exist, a signal only sets `stop`, which every wait polls.
+    interrupt = True
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stop.set()
+        if interrupt:
+            raise StopRequested()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    model_path = resolve_model(config.model_id, config.revision)
-    log.info("Serving %s from %s", config.model_id or "the embedded default model", model_path)
+        signal.signal(sig, on_signal)
     children: list[Child] = []
     try:
+        model_path = resolve_model(config.model_id, config.revision)
+        interrupt = False
+        log.info("Serving %s from %s", config.model_id or "the embedded default model", model_path)
         children = start_shards(model_path, config)
-        wait_for_shards(children, config.shard_uds_path)
+        wait_for_shards(children, config.shard_uds_path, stop=stop)
         if stop.is_set():
-            return 0
+            raise StopRequested()
         children.append(start_router(model_path, config))
         supervise(children, stop)
         log.info("Stopping")
+        return 0
+    except StopRequested:
+        log.info("Stopping while the model loads")
         return 0
     except ChildFailed as exc:
         log.error("%s", exc)
         return 1
     finally:
-        # The router goes first so in-flight requests get their final events.
+        interrupt = False
+        # The router goes first: it drains (in-flight requests finish, within
+        # --graceful-termination-timeout) while the shards still serve it.
         for child in reversed(children):
-            child.stop()
+            child.stop(_stop_timeout(child, config))
+
+
+def _stop_timeout(child: Child, config: LauncherConfig) -> float:
+    """How long a child may take to exit after SIGTERM before it is killed."""
+    if child.name == "router":
+        return config.graceful_termination_timeout + ROUTER_EXIT_MARGIN_S
+    return SHARD_EXIT_TIMEOUT_S
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -14,6 +14,7 @@ not once a batch.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -47,8 +48,13 @@ class Telemetry:
     processor: BatchSpanProcessor
 
     def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
-        """Export what is queued, for at most `timeout_s`, and stop the export thread."""
-        self.processor.shutdown(timeout_millis=int(timeout_s * 1000))
+        """Export what is queued, for at most `timeout_s`, and stop the export thread.
+
+        The SDK's own shutdown may wait 30 s; it runs in a daemon thread that is given
+        `timeout_s` (the export thread is a daemon too: neither holds the exit)."""
+        flush = threading.Thread(target=self.processor.shutdown, name="otel-flush", daemon=True)
+        flush.start()
+        flush.join(timeout_s)
 
 
 def start_otlp(endpoint: str, service_name: str, **attributes: str) -> Telemetry:

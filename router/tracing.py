@@ -36,6 +36,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
+from textgate.router.http.access_log import QUIET_PATHS
 from textgate.router.logs import current_request as current_record
 from textgate.telemetry import Telemetry, WallClock, extract, inject, start_otlp
 
@@ -185,10 +186,12 @@ class TracingMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         tracer = _tracer
-        if tracer is None or scope["type"] != "http":
+        path = scope.get("path", "")
+        # Probes and scrapes come every few seconds and say nothing about a request.
+        if tracer is None or scope["type"] != "http" or path in QUIET_PATHS:
             await self._app(scope, receive, send)
             return
-        method, path = scope.get("method", ""), scope.get("path", "")
+        method = scope.get("method", "")
         span = tracer.start_span(
             f"{method} {path}",
             extract(scope.get("headers", [])),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -120,8 +121,11 @@ class DrainingServer(uvicorn.Server):
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        # Before serving there is nothing to drain; after the first signal, uvicorn's own
-        # handling applies (a second SIGINT forces the exit).
+        if self.drain.draining and sig == signal.SIGINT:
+            # Ctrl-C again: exit now, the requests still running are cut.
+            self.should_exit = self.force_exit = True
+            return
+        # Before serving there is nothing to drain; a second SIGTERM is uvicorn's to handle.
         if self.drain.draining or not self.started or self._loop is None:
             super().handle_exit(sig, frame)
             return
