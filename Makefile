@@ -35,7 +35,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	# The image is written and linted here, not built: no Docker engine on these machines.
-	if [ -x $(VENV)/bin/hadolint ]; then $(VENV)/bin/hadolint docker/Dockerfile; fi
+	if [ -x $(VENV)/bin/hadolint ]; then $(VENV)/bin/hadolint docker/Dockerfile docker/Dockerfile.cpu; fi
 
 # mypy resolves `textgate.*` through a symlink: the editable install's import hook is
 # invisible to it, and putting the repo root on its path would expose `router`, `kernels`.
