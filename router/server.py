@@ -81,8 +81,7 @@ async def build_router(
     if measured is not None:
         autoconfig_report = autoconfig.report(requested, config, measured)
         autoconfig.log_report(autoconfig_report)
-    log.info("Max batch prefill tokens: %d", config.prefill_tokens)
-    log.info("Max batch total tokens: %d", config.batch_total_tokens)
+    log.info("%s", limits_line(config, info, warmup))
     metrics = Metrics(config.max_input_tokens, config.max_total_tokens)
     engine = make_engine(config, shards, info, warmup, metrics=metrics)
     return build_app(
@@ -93,6 +92,25 @@ async def build_router(
         metrics=metrics,
         shard_info=info,
         autoconfig=autoconfig_report,
+    )
+
+
+def limits_line(config: RouterConfig, info: pb.InfoResponse, warmup: pb.WarmupResponse) -> str:
+    """One line with every limit in force once flags, model and warmup are resolved."""
+    kv = (
+        f"{warmup.num_blocks} blocks x {info.block_size} tokens"
+        if info.block_size
+        else "padded batches"
+    )
+    return (
+        f"Limits in force: max_input_tokens={config.max_input_tokens} "
+        f"max_total_tokens={config.max_total_tokens} "
+        f"default_max_new_tokens={config.default_max_new_tokens} "
+        f"max_batch_prefill_tokens={config.prefill_tokens} "
+        f"max_batch_total_tokens={config.batch_total_tokens} "
+        f"max_batch_size={config.max_batch_size or 'unlimited'} "
+        f"max_concurrent_requests={config.max_concurrent_requests} kv_cache={kv} "
+        f"dtype={info.dtype} device={info.device_type} quantize={info.quantize or 'none'}"
     )
 
 

@@ -194,3 +194,30 @@ async def test_router_process_rejects_a_bad_config() -> None:
     _, stderr = await asyncio.wait_for(process.communicate(), 60)
     assert process.returncode == 2
     assert b"nonsense" in stderr
+
+
+def test_the_limits_in_force_are_logged_in_one_line() -> None:
+    from textgate.proto import generate_pb2 as pb
+    from textgate.router.server import limits_line
+
+    config = RouterConfig(
+        model_id="m",
+        tokenizer_path="t",
+        max_input_tokens=100,
+        max_total_tokens=200,
+        max_batch_prefill_tokens=256,
+        max_batch_total_tokens=4096,
+    )
+    info = pb.InfoResponse(dtype="bfloat16", device_type="cpu", block_size=16, quantize="int8")
+    line = limits_line(config, info, pb.WarmupResponse(num_blocks=256))
+    for part in (
+        "max_input_tokens=100",
+        "max_total_tokens=200",
+        "default_max_new_tokens=256",
+        "max_batch_prefill_tokens=256",
+        "max_batch_total_tokens=4096",
+        "kv_cache=256 blocks x 16 tokens",
+        "dtype=bfloat16",
+        "quantize=int8",
+    ):
+        assert part in line
