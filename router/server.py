@@ -40,7 +40,7 @@ CONNECT_TIMEOUT_S = 120.0
 WARMUP_BATCH_ID = 2**64 - 1
 # Any id every vocabulary has; warmup only needs the shapes.
 WARMUP_TOKEN_ID = 0
-DRAIN_EXIT_TIMEOUT_S = 5.0
+DRAIN_EXIT_TIMEOUT_S = 5
 
 
 async def serve(config: RouterConfig) -> None:
