@@ -8,14 +8,19 @@ cache (`$TEXTGATE_CACHE`, default `~/.cache/textgate`); later starts load that f
 from __future__ import annotations
 
 import fcntl
+import functools
+import logging
 import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
+from unittest.mock import patch
 
 from textgate.paths import cache_dir
+
+log = logging.getLogger("textgate.model_source")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # What /info and /v1/models call the embedded default model (its hub name).
@@ -99,15 +104,21 @@ def _file_lock(path: Path) -> Iterator[None]:
 def _convert_gguf(gguf: Path, target: Path) -> None:
     """Dequantize the GGUF into an fp32 safetensors folder; atomic: a crash leaves no half folder."""
     import torch
+    from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
-    print(
-        f"Converting the embedded model {gguf.name} to safetensors in {target} (once)", flush=True
-    )
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    )
+    log.info("Converting the embedded model %s to safetensors in %s (once)", gguf.name, target)
+    # Raw progress bars would break the one-line-per-event logs (and JSON lines).
+    hf_logging.disable_progress_bar()
+    # transformers' GGUF reader draws a plain tqdm bar of its own (not transformers' tqdm,
+    # which disable_progress_bar silences): give it a disabled one.
+    quiet_tqdm = functools.partial(tqdm, disable=True)
+    with patch("transformers.modeling_gguf_pytorch_utils.tqdm", quiet_tqdm):
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
     # The weights are dequantized now; saving must not record the GGUF quantization.
     model.hf_quantizer = None
     model.config.quantization_config = None
@@ -122,4 +133,4 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
         tmp.rename(target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"Converted model saved to {target}", flush=True)
+    log.info("Converted model saved to %s", target)
