@@ -11,12 +11,15 @@ the idle one costs nothing measurable.
            --no-ignore-eos
     python -m textgate.bench.peers --peer llama-cpp --peer-venv build/peers/llama-cpp \\
         --textgate-args "--quantize int8" -- --backend openai-chat --concurrency 1,8
+    python -m textgate.bench.peers --peer textgate --peer-args "--no-adaptive" \\
+        -- --backend tgi --concurrency 32
 
 Peers (each in its own venv; `make bench-peers` creates them):
 - `transformers`: `transformers serve MODEL_DIR --continuous-batching --cb-block-size 32
   --cb-num-blocks 192 --cb-max-batch-tokens 256 --device cpu` on the converted default model.
 - `llama-cpp`: llama-cpp-python's server on the embedded GGUF, `--n_threads 2
   --interrupt_requests False` (it serializes requests; interrupting would cut them).
+- `textgate`: textgate itself with other flags (`--peer-args`), for A/B runs of one flag.
 """
 
 from __future__ import annotations
@@ -31,9 +34,9 @@ from pathlib import Path
 from textgate.bench import cli
 from textgate.bench.sweep import ServerCommand, launcher_command, running_server
 
-PEERS = ("transformers", "llama-cpp")
+PEERS = ("transformers", "llama-cpp", "textgate")
 # Where each peer answers 200 once it can serve (llama-cpp-python has no /health).
-HEALTH_PATHS = {"transformers": "/health", "llama-cpp": "/v1/models"}
+HEALTH_PATHS = {"transformers": "/health", "llama-cpp": "/v1/models", "textgate": "/health"}
 
 
 def peer_command(peer: str, venv: Path, threads: int) -> ServerCommand:
@@ -83,7 +86,10 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
         "textgate-bench (its --url and --compare are set here).",
     )
     parser.add_argument("--peer", choices=PEERS, required=True)
-    parser.add_argument("--peer-venv", type=Path, required=True, help="the peer's virtualenv")
+    parser.add_argument(
+        "--peer-venv", type=Path, default=None, help="the peer's virtualenv (not for textgate)"
+    )
+    parser.add_argument("--peer-args", default="", help="textgate peer: its launcher flags")
     parser.add_argument("--threads", type=int, default=2, help="llama-cpp: --n_threads")
     parser.add_argument(
         "--textgate-args", default="", help="extra textgate-launcher flags, one string"
@@ -100,7 +106,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if any(a in ("--url", "--compare") for a in bench_args):
         raise SystemExit("--url and --compare are set by this command")
     textgate = launcher_command(shlex.split(args.textgate_args))
-    peer = peer_command(args.peer, args.peer_venv, args.threads)
+    if args.peer == "textgate":
+        peer = launcher_command(shlex.split(args.peer_args))
+    elif args.peer_venv is None:
+        raise SystemExit(f"--peer {args.peer} needs --peer-venv")
+    else:
+        peer = peer_command(args.peer, args.peer_venv, args.threads)
     with ExitStack() as stack:
         url = stack.enter_context(running_server(textgate))
         peer_url = stack.enter_context(running_server(peer, health_path=HEALTH_PATHS[args.peer]))

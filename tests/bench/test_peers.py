@@ -43,3 +43,8 @@ def test_bench_arguments_after_the_separator_pass_through() -> None:
 def test_url_and_compare_are_refused() -> None:
     with pytest.raises(SystemExit, match="set by this command"):
         peers.main(["--peer", "llama-cpp", "--peer-venv", "/v", "--", "--url", "http://x"])
+
+
+def test_a_foreign_peer_needs_its_venv() -> None:
+    with pytest.raises(SystemExit, match="needs --peer-venv"):
+        peers.main(["--peer", "transformers", "--", "--concurrency", "1"])
