@@ -11,33 +11,34 @@ prepacked once at load: it takes unsigned activations, so `q_x + 128` (quantized
 pass, cpu_int8.c) is passed with the fixed zero point 128 and scale 1/127, which makes its
 per-tensor activation parameters exact for every row; the per-row `m` is applied to its
 float output. Candidates measured in one run (`python -m textgate.bench.int8_linear
---threads 1` on the 2-core AVX512-VNNI Xeon while other jobs loaded it to ~10, hence one
-thread and each candidate's least-disturbed time; best time / fp32 FastLinear best time,
-lower is faster; `ours` is this module):
+--threads 2 --rows 1,32,256 --rounds 15` on the 2-core AVX512-VNNI Xeon, load ~2 from other
+jobs; each candidate's least-disturbed time / fp32 FastLinear's, lower is faster; `ours`
+is this module, `ref` its reference):
 
-    shape      M     fp32 ms  bf16  ao-x86 ao-onednn ao-x86-tok onednn-q ours  int_mm w8pack
-    576x576    1     0.034    0.73  0.85   0.81      0.83       1.67     2.06  1.42   6.2
-    576x576    32    0.132    0.53  0.32   0.54      0.68       0.72     0.52  0.42   88
-    576x576    256   0.865    0.48  0.32   0.32      0.44       0.43     0.37  0.34   400
-    576x576    1280  3.671    0.53  0.35   0.32      0.40       0.48     0.42  0.44   383
-    576x1536   1     0.133    1.04  0.20   0.33      0.22       0.64     0.40  0.38   4.4
-    576x1536   32    0.414    0.43  0.24   0.49      0.26       0.41     0.31  0.31   251
-    576x1536   256   2.004    0.52  0.37   0.32      0.38       0.41     0.38  0.37   451
-    1536x576   1     0.066    0.61  0.34   0.54      0.45       0.96     0.72  0.71   8.7
-    1536x576   32    0.355    0.45  0.24   0.34      0.29       0.66     0.39  0.36   83
-    1536x576   256   1.922    0.52  0.32   0.32      0.38       0.45     0.42  0.36   80
-    1536x576   1280  8.965    0.52  0.31   0.31      0.43       0.94     0.39  1.13   92
-    576x49152  1     3.367    0.51  0.29   0.30      0.27       0.34     0.32  0.71   9.6
-    576x49152  32    14.26    0.38  0.33   0.24      0.29       0.22     0.23  0.34   66
+    shape      M    fp32 ms  bf16  ao-x86 ao-onednn ao-x86-tok onednn-q ours  int_mm w8pack ref
+    576x576    1    0.039    0.57  0.56   0.72      0.51       1.61     2.47  1.47   2.8    20
+    576x576    32   0.169    0.34  0.22   0.38      0.26       0.62     0.36  0.29   21     2.9
+    576x576    256  0.560    0.40  0.28   0.30      0.32       0.46     0.34  0.33   52     2.5
+    576x1536   1    0.085    0.46  0.23   0.40      0.30       0.97     0.56  0.43   3.4    25
+    576x1536   32   0.233    0.45  0.27   0.38      0.31       0.52     0.38  0.34   41     11
+    576x1536   256  1.521    0.42  0.27   0.23      0.25       0.29     0.24  0.26   51     2.6
+    1536x576   1    0.064    0.60  0.29   0.54      0.38       1.14     0.72  0.51   4.6    2.7
+    1536x576   32   0.212    0.52  0.28   0.46      0.36       0.73     0.46  0.44   45     3.1
+    1536x576   256  1.214    0.47  0.27   0.31      0.32       0.45     0.34  0.34   65     2.2
+    576x49152  1    3.426    0.54  0.28   0.28      0.19       0.32     0.24  0.44   2.7    19
+    576x49152  32   6.047    0.54  0.43   0.34      0.36       0.31     0.31  0.44   58     13
+    576x49152  256  46.20    0.35  0.95   0.52      1.34       0.52     0.56  1.60   54     3.7
 
-(576x1536 at M=1280 is left out: its fp32 window was disturbed, 41 ms against 3.7 ms for
-576x576.) `ao-*` (torch.ao's `quantized::linear_dynamic`) is the fastest at small M but
+`ao-*` (torch.ao's `quantized::linear_dynamic`) is the fastest at small M but
 quantizes activations per tensor (a loud token costs its batch-mates precision, and a
 request's output depends on its batch) and needs quantized tensor types that torch 2.13
-deprecates; `ours` keeps exact per-token activations at 0.2-0.5x fp32 from M=32 on and
-equals the reference byte for byte before the GEMM. `aten._weight_int8pack_mm` (w8pack)
-and `torch._int_mm` are not competitive here, as the issue found. At M=1 on the smallest
-shapes oneDNN's per-call overhead makes int8 slower than fp32.
+deprecates; `ours` keeps exact per-token activations at 0.24-0.56x fp32 from M=32 on and
+equals the reference byte for byte before the GEMM. `torch._int_mm` with per-token
+activations quantized by PyTorch ops (int_mm) comes close to `ours` from M=32 on, unlike
+the issue's first measurement, but loses at M=1 and on the head at M=256;
+`aten._weight_int8pack_mm` (w8pack) is not competitive. At M=1 on the smallest shapes
+oneDNN's per-call overhead makes int8 slower than fp32 (a decode step at batch 1 gains
+nothing; see the report in `python -m textgate.bench.step --quantize int8`).
 
 `reference_int8_linear` (dequantize then matmul in float32) is the definition; it runs
 wherever the fast path cannot (GPU, builds without oneDNN, `TEXTGATE_CPU_KERNELS=0`).
