@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Awaitable
 from typing import TypeVar
 
 import pydantic
+import pydantic_core
 from starlette.requests import Request
 from starlette.types import Receive
 
@@ -26,9 +28,25 @@ async def read_json(request: Request, model: type[M], limit: int) -> M:
     ValidationError (422) with TGI's "Failed to deserialize..." message when it does not fit."""
     body = await read_body(request, limit)
     try:
-        return model.model_validate_json(body)
-    except pydantic.ValidationError as exc:
+        # Only standard JSON (no NaN/Infinity, no lone surrogates, no overflowing numbers)
+        # and no coercion ("5" is not an int, 1 is not a bool): serde's strictness, as TGI.
+        _reject_non_finite(pydantic_core.from_json(body, allow_inf_nan=False))
+        return model.model_validate_json(body, strict=True)
+    except ValueError as exc:  # pydantic.ValidationError is a ValueError too
         raise ValidationError(describe(exc)) from exc
+
+
+def _reject_non_finite(value: object) -> None:
+    """ValueError when a number in the parsed body overflowed to infinity (e.g. 1e999)."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            raise ValueError(f"number out of range: {item}")
+        if isinstance(item, dict):
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -44,11 +62,14 @@ async def read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
-def describe(exc: pydantic.ValidationError) -> str:
+def describe(exc: ValueError) -> str:
     """The first problem of a body that does not deserialize, worded like TGI's."""
-    first = exc.errors()[0]
-    where = ".".join(str(part) for part in first["loc"])
-    detail = f"{where}: {first['msg']}" if where else first["msg"]
+    if isinstance(exc, pydantic.ValidationError):
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        detail = f"{where}: {first['msg']}" if where else first["msg"]
+    else:
+        detail = f"Invalid JSON: {exc}"
     return f"Failed to deserialize the JSON body into the target type: {detail}"
 
 
