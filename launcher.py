@@ -171,6 +171,9 @@ class LauncherConfig:
         "Seconds in-flight requests get to finish after SIGTERM before they are ended",
         float,
     )
+    shard_step_timeout: float = flag(
+        600.0, "Seconds a shard may take for one step before it is reported as hung", float
+    )
     json_output: bool = flag(False, "Log JSON lines", _bool)
 
     def __post_init__(self) -> None:
@@ -194,6 +197,8 @@ class LauncherConfig:
             )
         if not self.graceful_termination_timeout >= 0:
             raise ValueError("--graceful-termination-timeout must be >= 0 seconds")
+        if not self.shard_step_timeout > 0:
+            raise ValueError("--shard-step-timeout must be > 0 seconds")
         if self.block_size < 1:
             raise ValueError("--block-size must be at least 1")
         if self.target_itl_ms is not None and not self.target_itl_ms >= 0:

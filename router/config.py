@@ -97,6 +97,9 @@ class RouterConfig:
     """The router's `service.name` in traces."""
     graceful_termination_timeout: float = 90.0
     """Seconds in-flight requests get to finish after SIGTERM (router/http/drain.py)."""
+    shard_step_timeout: float = 600.0
+    """Seconds one step RPC may take; a shard that takes longer is reported as hung and the
+    step's requests fail (a generation error) instead of waiting forever."""
     model_dtype: str | None = None
     """Dtype shown by /info; None = the shard's Info."""
     model_device_type: str | None = None
@@ -131,6 +134,8 @@ class RouterConfig:
             raise ValueError(
                 f"graceful_termination_timeout must be >= 0, got {self.graceful_termination_timeout}"
             )
+        if not self.shard_step_timeout > 0:
+            raise ValueError(f"shard_step_timeout must be > 0, got {self.shard_step_timeout}")
         if self.waiting_served_ratio < 0:
             raise ValueError(f"waiting_served_ratio must be >= 0, got {self.waiting_served_ratio}")
         self._check_token_limits()

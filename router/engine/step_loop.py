@@ -35,6 +35,8 @@ from textgate.router.tracing import enabled as tracing_enabled
 log = logging.getLogger("textgate.router")
 
 SHUTDOWN_MESSAGE = "Request failed during generation: the server is shutting down"
+DEFAULT_STEP_TIMEOUT_S = 600.0
+"""How long one step RPC may take before the shards count as hung (`--shard-step-timeout`)."""
 
 
 class OverloadedError(Exception):
@@ -114,6 +116,9 @@ class StepLoop(ABC):
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
+        self.step_timeout_s = DEFAULT_STEP_TIMEOUT_S
+        """A step RPC (or ClearCache) not answered within this fails its requests: a hung
+        shard is reported, not waited on forever."""
 
     @property
     def num_active(self) -> int:
@@ -223,8 +228,13 @@ class StepLoop(ABC):
         )
         try:
             with step_span(call.method, traces):
-                answer = await response
+                answer = await asyncio.wait_for(response, self.step_timeout_s)
         except Exception as exc:
+            if isinstance(exc, asyncio.TimeoutError):
+                exc = TimeoutError(
+                    f"the shards did not answer a {call.method} step within {self.step_timeout_s:g} s "
+                    "(--shard-step-timeout)"
+                )
             self._metrics.batch_inference(call.method, time.monotonic() - started, None)
             log.error("shard call failed: %s", exc)
             self._fail_ids(call.fail_ids, f"Request failed during generation: {exc}")
@@ -274,6 +284,6 @@ class StepLoop(ABC):
     async def _clear_cache(self, batch_id: int | None = None) -> None:
         """Drop one batch (or, with None, everything) from the shards; failures are logged."""
         try:
-            await self._shards.clear_cache(batch_id)
+            await asyncio.wait_for(self._shards.clear_cache(batch_id), self.step_timeout_s)
         except Exception as exc:
             log.error("ClearCache(%s) failed: %s", batch_id, exc)

@@ -61,6 +61,11 @@ class FakeShard(pb_grpc.TextGenerationServiceServicer):
         """Emit the EOS token after this many ordinary tokens."""
         self.fail: dict[str, int] = {}
         """Method name -> number of upcoming calls that fail with INTERNAL."""
+        self.fail_on_inputs: str | None = None
+        """A step that brings a request with these `inputs` fails with INTERNAL (a request
+        the model chokes on): every time, until reset."""
+        self.hang: dict[str, int] = {}
+        """Method name -> number of upcoming calls that never answer (a hung shard)."""
         self.healthy = True
         self.max_supported_total_tokens: int | None = None
         """Padded: what Warmup reports; None leaves the field unset."""
@@ -103,6 +108,15 @@ class FakeShard(pb_grpc.TextGenerationServiceServicer):
         if self.fail.get(method, 0) > 0:
             self.fail[method] -= 1
             await context.abort(grpc.StatusCode.INTERNAL, f"fake {method} failure")
+        if self.hang.get(method, 0) > 0:
+            self.hang[method] -= 1
+            await asyncio.Event().wait()  # until the router gives up and cancels the call
+        new_requests = request.batch.requests if method == "Prefill" else []
+        new_requests = request.requests if method == "Step" else new_requests
+        if any(r.inputs == self.fail_on_inputs for r in new_requests):
+            await context.abort(
+                grpc.StatusCode.INTERNAL, f"fake failure on {self.fail_on_inputs!r}"
+            )
         if method in ("Prefill", "Decode", "FilterBatch") and self.paged:
             message = f"this shard is paged (block_size > 0): send Step, not {method}"
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
