@@ -30,6 +30,7 @@ from textgate.router.engine.factory import make_engine
 from textgate.router.engine.request import SamplingParams, StoppingParams
 from textgate.router.http.app import build_app
 from textgate.router.http.drain import DrainingServer
+from textgate.router.http.guarded_h11 import GuardedH11Protocol
 from textgate.router.http.validation import Tokenizer
 from textgate.router.metrics import Metrics
 from textgate.router.shard_client import ShardedClient
@@ -208,6 +209,8 @@ async def run_http(
         port=port,
         log_config=None,
         access_log=False,
+        # Request headers must arrive within a deadline (slow-loris clients are closed).
+        http=GuardedH11Protocol,
         # After the drain: what a connection that still will not close gets.
         timeout_graceful_shutdown=DRAIN_EXIT_TIMEOUT_S,
     )

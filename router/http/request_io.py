@@ -9,6 +9,7 @@ from typing import TypeVar
 
 import pydantic
 import pydantic_core
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.types import Receive
 
@@ -16,6 +17,8 @@ from textgate.router.http.errors import PayloadTooLargeError
 from textgate.router.http.validation import ValidationError
 
 T = TypeVar("T")
+BODY_READ_TIMEOUT_S = 60.0
+"""Seconds a request's whole body may take to arrive (2 MB in 60 s is 33 KB/s)."""
 M = TypeVar("M", bound=pydantic.BaseModel)
 
 
@@ -50,7 +53,15 @@ def _reject_non_finite(value: object) -> None:
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The raw body; PayloadTooLargeError as soon as it is known to exceed `limit` bytes."""
+    """The raw body; PayloadTooLargeError as soon as it is known to exceed `limit` bytes,
+    408 when it has not all arrived within BODY_READ_TIMEOUT_S (a client trickling it)."""
+    try:
+        return await asyncio.wait_for(_read_body(request, limit), BODY_READ_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise HTTPException(408, "Request Timeout") from None
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise PayloadTooLargeError(limit)

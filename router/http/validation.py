@@ -19,6 +19,11 @@ from textgate.router.engine.request import SamplingParams, StoppingParams, Valid
 from textgate.router.tgi.schemas import GenerateParameters, GenerateRequest, SimpleToken
 
 MAX_SEED = 2**64
+MAX_CHARS_PER_TOKEN = 100
+"""More characters than any tokenizer packs into one token on real text: a prompt over
+`max_input_tokens` times this is too long before it is tokenized (a cheap bound, so a
+huge string costs no tokenizer time), and a stop sequence over `max_total_tokens` times
+this could never match."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,8 @@ class Validator:
         elif not request.inputs:
             raise ValidationError("`inputs` cannot be empty")
         else:
+            if truncate is None:
+                self._check_prompt_chars(len(request.inputs), wording)
             ids = await self._tokenize(request.inputs, request.add_special_tokens)
         if truncate is not None:
             ids = ids[-truncate:]
@@ -158,6 +165,16 @@ class Validator:
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def _check_prompt_chars(self, num_chars: int, wording: Wording) -> None:
+        limit = self._config.max_input_tokens
+        if num_chars > limit * MAX_CHARS_PER_TOKEN:
+            raise ValidationError(
+                f"`{wording.prompt}` must have less than {limit} tokens. Given: {num_chars} "
+                f"characters, more than {limit} tokens hold. Shorten it, or set "
+                f"`{wording.truncate}` to keep only its last {limit} tokens; the server's "
+                "limit is `--max-input-tokens`."
+            )
 
     def _check_lengths(
         self, input_length: int, max_new_tokens: int | None, wording: Wording
@@ -319,6 +336,12 @@ def _check_counts(p: GenerateParameters, config: RouterConfig) -> None:
         raise ValidationError(
             f"`stop` supports up to {config.max_stop_sequences} stop sequences. "
             f"Given: {len(p.stop)}"
+        )
+    longest_stop = max(map(len, p.stop), default=0)
+    if longest_stop > config.max_total_tokens * MAX_CHARS_PER_TOKEN:
+        raise ValidationError(
+            f"`stop` sequences must have at most {config.max_total_tokens * MAX_CHARS_PER_TOKEN}"
+            f" characters (longer ones could never match). Given: {longest_stop}"
         )
     top_n = p.top_n_tokens
     if top_n is not None and not 0 <= top_n <= config.max_top_n_tokens:
