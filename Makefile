@@ -13,7 +13,7 @@ PORT ?= 8080
 ARGS ?=
 STAMP := $(VENV)/.textgate-installed
 
-.PHONY: setup run test lint typecheck unit e2e bench bench-peers stubs clean gptqmodel-fixture
+.PHONY: setup run test lint typecheck unit e2e bench soak bench-peers stubs clean gptqmodel-fixture
 
 setup: $(STAMP)
 
@@ -54,6 +54,12 @@ stubs: setup
 
 bench: setup
 	$(PY) -m textgate.bench.sweep
+
+# Reliability soak (not in `make test`): mixed requests against the default model; fails on
+# any unexpected error, RSS growth >= 5%, a KV allocator not back to idle, or a p99 drift.
+SOAK_REQUESTS ?= 5000
+soak: setup
+	$(PY) -m textgate.bench.soak --requests $(SOAK_REQUESTS)
 
 # The peers docs/benchmarks.md compares with, each in its own venv with the same torch:
 # transformers' own server (continuous batching) and llama.cpp's Python server, built
