@@ -10,13 +10,15 @@ from typing import TypeVar
 import pydantic
 import pydantic_core
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.types import Receive
 
 from textgate.router.http.errors import PayloadTooLargeError
 from textgate.router.http.validation import ValidationError
 
 T = TypeVar("T")
+CLIENT_CLOSED_REQUEST = 499
+"""nginx's status for a client that left before its answer (never actually received)."""
 BODY_READ_TIMEOUT_S = 60.0
 """Seconds a request's whole body may take to arrive (2 MB in 60 s is 33 KB/s)."""
 M = TypeVar("M", bound=pydantic.BaseModel)
@@ -59,6 +61,10 @@ async def read_body(request: Request, limit: int) -> bytes:
         return await asyncio.wait_for(_read_body(request, limit), BODY_READ_TIMEOUT_S)
     except asyncio.TimeoutError:
         raise HTTPException(408, "Request Timeout") from None
+    except ClientDisconnect:
+        # Gone before its body was read (uvicorn drops a buffered body once the connection
+        # closes): nobody to answer, and no server error to log.
+        raise HTTPException(CLIENT_CLOSED_REQUEST, "Client Closed Request") from None
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
