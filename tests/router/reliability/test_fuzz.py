@@ -119,8 +119,9 @@ BOOL_FIELDS = ("do_sample", "details", "decoder_input_details", "return_full_tex
 
 def tgi_body(inputs: str = '"w5"', **parameters: str) -> str:
     """A /generate body with raw JSON text for its values (so non-standard JSON fits in)."""
-    params = ", ".join(f'"{name}": {value}' for name, value in parameters.items())
-    return f'{{"inputs": {inputs}, "parameters": {{"max_new_tokens": 2{", " if params else ""}{params}}}}}'
+    fields = {"max_new_tokens": "2", **parameters}
+    params = ", ".join(f'"{name}": {value}' for name, value in fields.items())
+    return f'{{"inputs": {inputs}, "parameters": {{{params}}}}}'
 
 
 def raw_bodies() -> st.SearchStrategy[tuple[str, bytes, str]]:

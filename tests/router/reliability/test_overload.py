@@ -81,6 +81,10 @@ async def test_ten_times_the_limit_at_once(serve_in_thread: Callable[..., Any]) 
             generation_s = MAX_NEW_TOKENS * STEP_DELAY_S
             slowest = sorted(r[1] for r in rejected)[-3:]
             assert max(slowest) < generation_s, (slowest, generation_s)
+            print(
+                f"{len(accepted)} accepted, {len(rejected)} x 429 (slowest {max(slowest):.3f} s), "
+                f"{len(health_latencies)} /health polls (slowest {max(health_latencies):.3f} s)"
+            )
             assert len(health_latencies) >= 3
             assert max(health_latencies) < 0.5, max(health_latencies)
             # Nothing is left behind, and the next request is served.

@@ -79,6 +79,7 @@ async def test_a_hung_shard_is_reported_within_the_step_timeout(
                 "prefill step within 0.5 s (--shard-step-timeout)",
                 "error_type": "generation",
             }
+            print(f"hung shard reported after {waited:.3f} s")
             assert STEP_TIMEOUT_S <= waited < STEP_TIMEOUT_S + 2, waited
             await assert_served_and_idle(client, router)
             # Mid-stream: the stream ends with the error event, not silence.
