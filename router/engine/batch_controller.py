@@ -18,7 +18,8 @@ token) to the measured steps and keeps every step under an inter-token-latency t
   (utilization below `low_utilization`); it never grows while the KV cache is nearly full
   (admission is then limited by blocks, and more requests only bring preemptions sooner).
   It shrinks toward that largest batch (at most halving per step, so one noisy fit cannot
-  collapse it) once its own step is predicted over the target by more than the dead band. A prediction that would break the target thus cuts the prefill share
+  collapse it) once its own step is predicted over the target by more than the dead band,
+  but never below `min_batch_size` (it guards against overload, not a modest load). A prediction that would break the target thus cuts the prefill share
   first (every mixed step), then the batch.
 
 Between growing (at the target) and shrinking (past target × (1 + dead_band)) it holds, so a
@@ -58,7 +59,12 @@ class ControllerConfig:
     min_prefill_tokens: int = 32
     """Floor of the prefill share whenever prompts wait, so they always progress."""
     initial_batch_size: int = 4
-    """The batch limit before any step was measured."""
+    """The batch limit before any step was measured (at least `min_batch_size`)."""
+    min_batch_size: int = 16
+    """The batch limit never goes below this: the limit protects inter-token latency under
+    overload, it must not starve a modest load. Without a floor a contended or noisy fit
+    once pinned the limit at 1 while 8 requests waited up to 115 s (a 300-request soak on a
+    2-core CPU shared with other jobs)."""
     dead_band: float = 0.1
     """The limit shrinks only once a step is predicted over target × (1 + dead_band)."""
     derive_factor: float = 4.0
@@ -80,6 +86,7 @@ class ControllerConfig:
             "max_batch_size",
             "min_prefill_tokens",
             "initial_batch_size",
+            "min_batch_size",
             "num_calibration_steps",
         ):
             if getattr(self, name) < 1:
@@ -147,9 +154,7 @@ class BatchController:
         self.cost = cost or StepCostModel()
         self._target = config.target_itl_s if config.adaptive else None
         self._limit = (
-            min(config.initial_batch_size, config.max_batch_size)
-            if config.adaptive
-            else config.max_batch_size
+            self._bounded(config.initial_batch_size) if config.adaptive else config.max_batch_size
         )
         self._prefill_budget = config.max_prefill_tokens
         self._num_decode_samples = 0
@@ -204,7 +209,7 @@ class BatchController:
             self._num_decode_samples += 1
         if self._target is None:
             self._derive_target()
-        self._set_limit(self._next_limit(sample), sample)
+        self._set_limit(self._bounded(self._next_limit(sample)), sample)
 
     def on_idle(self) -> None:
         """Nothing runs or waits: measured signals drop to their idle values. The cost fit,
@@ -250,6 +255,11 @@ class BatchController:
             batch_one * 1e3,
             config.min_derived_target_s * 1e3,
         )
+
+    def _bounded(self, limit: int) -> int:
+        """`limit` within [min_batch_size, max_batch_size]."""
+        config = self.config
+        return min(config.max_batch_size, max(config.min_batch_size, limit))
 
     def _wants_more(self, sample: StepSample) -> bool:
         """Requests wait, and the batch limit (not blocks) is what keeps them waiting."""

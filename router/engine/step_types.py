@@ -38,6 +38,8 @@ class SchedulerConfig:
     min_prefill_tokens: int = 32
     """Adaptive: the least prompt tokens a step may run while prompts wait (capped at
     max_num_batched_tokens)."""
+    min_batch_size: int = 16
+    """Adaptive: the batch limit never goes below this (`ControllerConfig.min_batch_size`)."""
     max_waiting_steps: int = 20
     """Adaptive: once no request joined for this many steps, the head of the queue joins past
     the batch limit (TGI's --max-waiting-tokens), so queue time stays bounded."""
@@ -70,6 +72,7 @@ class SchedulerConfig:
             adaptive=self.adaptive,
             target_itl_s=self.target_itl_s,
             min_prefill_tokens=min(self.min_prefill_tokens, self.max_num_batched_tokens),
+            min_batch_size=min(self.min_batch_size, self.max_num_seqs),
         )
 
     @property

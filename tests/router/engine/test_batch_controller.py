@@ -119,6 +119,8 @@ def adaptive_scheduler(**overrides: Any) -> Scheduler:
         "adaptive": True,
         "target_itl_s": TARGET_S,
         "min_prefill_tokens": MIN_PREFILL,
+        # The control law itself, down to one request (the default floor is tested apart).
+        "min_batch_size": 1,
     }
     values.update(overrides)
     return Scheduler(SchedulerConfig(**values))
@@ -264,7 +266,9 @@ def sample(**overrides: Any) -> StepSample:
 
 
 def test_limit_doubles_when_busy_and_jumps_to_the_largest_batch_while_the_device_idles() -> None:
-    config = ControllerConfig(max_prefill_tokens=256, max_batch_size=64, target_itl_s=1.0)
+    config = ControllerConfig(
+        max_prefill_tokens=256, max_batch_size=64, min_batch_size=1, target_itl_s=1.0
+    )
     busy, idle = BatchController(config), BatchController(config)
     for _ in range(3):
         busy.observe(sample(num_running=busy.batch_limit, utilization=0.9))
@@ -283,7 +287,9 @@ def test_limit_doubles_when_busy_and_jumps_to_the_largest_batch_while_the_device
 )
 def test_limit_grows_only_when_it_holds_requests_back(overrides: dict[str, Any]) -> None:
     controller = BatchController(
-        ControllerConfig(max_prefill_tokens=256, max_batch_size=64, target_itl_s=1.0)
+        ControllerConfig(
+            max_prefill_tokens=256, max_batch_size=64, min_batch_size=1, target_itl_s=1.0
+        )
     )
     for _ in range(3):
         controller.observe(sample(**overrides))
@@ -292,7 +298,9 @@ def test_limit_grows_only_when_it_holds_requests_back(overrides: dict[str, Any])
 
 def test_idle_resets_the_measured_signals_and_keeps_what_was_learned() -> None:
     controller = BatchController(
-        ControllerConfig(max_prefill_tokens=256, max_batch_size=64, target_itl_s=0.02)
+        ControllerConfig(
+            max_prefill_tokens=256, max_batch_size=64, min_batch_size=1, target_itl_s=0.02
+        )
     )
     for n in range(1, 20):
         controller.observe(sample(num_decodes=n, num_running=n, latency_s=0.005 + 0.001 * n))
@@ -334,6 +342,7 @@ def test_limit_at_most_halves_per_step_when_steps_run_over() -> None:
         target_itl_s=0.0147,
         min_prefill_tokens=MIN_PREFILL,
         initial_batch_size=32,
+        min_batch_size=1,
     )
     controller = BatchController(config)
     rng = random.Random(3)
@@ -344,3 +353,13 @@ def test_limit_at_most_halves_per_step_when_steps_run_over() -> None:
         controller.observe(sample(num_decodes=32, num_running=32, latency_s=0.031))
         limits.append(controller.batch_limit)
     assert limits == [16, 8, 4, 4, 4]
+
+
+def test_the_limit_never_starves_a_modest_load_below_its_floor() -> None:
+    # A device so slow (or so contended) that not even one request meets the target.
+    hopeless = Curve(overhead_s=TARGET_S * 3, per_decode_s=0.001, per_prefill_s=0.0004)
+    sim = Simulation(adaptive_scheduler(min_batch_size=16), hopeless)
+    running: list[int] = []
+    sim.run(200, on_step=lambda: running.append(sim.scheduler.num_running))
+    assert sim.scheduler.batch_limit == 16
+    assert max(running) >= 16, "16 requests run together however slow the steps"
