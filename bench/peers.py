@@ -10,8 +10,8 @@ the idle one costs nothing measurable.
         -- --backend openai-chat --dataset conversations --output-len 64 --concurrency 1,8,32 \\
            --no-ignore-eos
     python -m textgate.bench.peers --peer llama-cpp --peer-venv build/peers/llama-cpp \\
-        --textgate-args "--quantize int8" -- --backend openai-chat --concurrency 1,8
-    python -m textgate.bench.peers --peer textgate --peer-args "--no-adaptive" \\
+        --textgate-args="--quantize int8" -- --backend openai-chat --concurrency 1,8
+    python -m textgate.bench.peers --peer textgate --peer-args=--no-adaptive \\
         -- --backend tgi --concurrency 32
 
 Peers (each in its own venv; `make bench-peers` creates them):
