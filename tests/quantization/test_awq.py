@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -14,18 +12,7 @@ from textgate.quantization.awq import AwqConfig
 from textgate.quantization.gptq import QuantizedWeight
 from textgate.quantization.int4_linear import Int4PackedLinear
 from textgate.quantization.packing import dequantize_awq, pack_awq
-
-
-@dataclass
-class FakeGroup:
-    rank_: int
-    size_: int
-
-    def rank(self) -> int:
-        return self.rank_
-
-    def size(self) -> int:
-        return self.size_
+from textgate.tests.fake_group import FakeGroup
 
 
 def make_layer(out_f: int, in_f: int, group: int, seed: int) -> dict[str, torch.Tensor]:

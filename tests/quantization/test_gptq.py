@@ -4,7 +4,6 @@ tensor-parallel splits that add up (row) or concatenate (column) to the whole la
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -24,18 +23,7 @@ from textgate.quantization.packing import (
     unpack_gptq,
 )
 from textgate.quantization.unquantized import UnquantizedWeight
-
-
-@dataclass
-class FakeGroup:
-    rank_: int
-    size_: int
-
-    def rank(self) -> int:
-        return self.rank_
-
-    def size(self) -> int:
-        return self.size_
+from textgate.tests.fake_group import FakeGroup
 
 
 def make_layer(

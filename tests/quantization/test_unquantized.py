@@ -1,25 +1,12 @@
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from safetensors.torch import save_file
 
 from textgate.kernels.linear import FastLinear
 from textgate.quantization import Shard, Weights
 from textgate.quantization.unquantized import UnquantizedWeight
-
-
-@dataclass
-class FakeGroup:
-    rank_: int
-    size_: int
-
-    def rank(self) -> int:
-        return self.rank_
-
-    def size(self) -> int:
-        return self.size_
+from textgate.tests.fake_group import FakeGroup
 
 
 def _weights(tmp_path, rank=0, world_size=1) -> tuple[Weights, dict[str, torch.Tensor]]:

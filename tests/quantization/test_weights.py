@@ -1,24 +1,11 @@
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from textgate.quantization.weights import Shard, Weights, even_shard
-
-
-@dataclass
-class FakeGroup:
-    rank_: int
-    size_: int
-
-    def rank(self) -> int:
-        return self.rank_
-
-    def size(self) -> int:
-        return self.size_
+from textgate.tests.fake_group import FakeGroup
 
 
 @pytest.fixture

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -16,20 +14,7 @@ from textgate.shard_server.layers.tensor_parallel import (
     TensorParallelHead,
     TensorParallelRowLinear,
 )
-
-
-@dataclass
-class FakeGroup:
-    """Stands in for a process group: only rank() and size() are read when loading."""
-
-    rank_: int
-    size_: int
-
-    def rank(self) -> int:
-        return self.rank_
-
-    def size(self) -> int:
-        return self.size_
+from textgate.tests.fake_group import FakeGroup
 
 
 @pytest.fixture
