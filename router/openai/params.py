@@ -90,8 +90,9 @@ def prompt_list(body: CompletionRequest) -> list[str | list[int]]:
 
 
 # Names every client may send for the one served model: TGI's README and clients use
-# "tgi"; an empty or absent `model` is accepted as OpenAI-style servers do.
-MODEL_ALIASES = frozenset({"", "tgi"})
+# "tgi"; huggingface_hub's InferenceClient sends "dummy" when given a server URL; an empty
+# or absent `model` is accepted as OpenAI-style servers do.
+MODEL_ALIASES = frozenset({"", "tgi", "dummy"})
 
 
 def served_model(requested: str, model_id: str) -> str:
@@ -104,7 +105,7 @@ def served_model(requested: str, model_id: str) -> str:
         return model_id
     raise ModelNotFoundError(
         f"The model `{requested}` does not exist: this server serves `{model_id}` "
-        "(also accepted: `tgi`, or no `model`)"
+        "(also accepted: `tgi`, huggingface_hub's `dummy`, or no `model`)"
     )
 
 
