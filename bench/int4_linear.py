@@ -20,7 +20,6 @@ This is how quantization/int4_linear.py chose its fast path; rerun it on a new m
 from __future__ import annotations
 
 import argparse
-import time
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -28,6 +27,7 @@ import torch
 
 from textgate.bench.cli import parse_list
 from textgate.bench.report import format_table
+from textgate.bench.timing import best_seconds
 from textgate.kernels.linear import FastLinear
 from textgate.quantization.int4_linear import Int4PackedLinear
 from textgate.quantization.packing import (
@@ -50,30 +50,6 @@ def random_unpacked(out_features: int, in_features: int, group_size: int) -> Unp
         zeros=torch.randint(0, 16, (num_groups, out_features), dtype=torch.int32),
         g_idx=contiguous_g_idx(in_features, group_size),
     )
-
-
-def best_seconds(
-    fns: dict[str, Callable[[torch.Tensor], torch.Tensor]], x: torch.Tensor, rounds: int
-) -> dict[str, float]:
-    """Each candidate's best per-call time over `rounds` round-robin rounds.
-
-    Interleaving the candidates and keeping the best round makes the ratios hold up on a
-    machine shared with other work, where a median of back-to-back runs does not.
-    """
-    reps = {}
-    for name, fn in fns.items():
-        fn(x)
-        start = time.perf_counter()
-        fn(x)
-        reps[name] = max(1, min(50, int(0.02 / max(time.perf_counter() - start, 1e-7))))
-    best = dict.fromkeys(fns, float("inf"))
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            for _ in range(reps[name]):
-                fn(x)
-            best[name] = min(best[name], (time.perf_counter() - start) / reps[name])
-    return best
 
 
 def ao_int8_linear(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:

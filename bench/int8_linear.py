@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -37,6 +36,7 @@ import torch
 
 from textgate.bench.cli import parse_list
 from textgate.bench.report import format_table
+from textgate.bench.timing import best_seconds
 from textgate.kernels.int8_linear import Int8Linear
 from textgate.kernels.linear import FastLinear
 
@@ -111,26 +111,6 @@ def candidates(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch
     }
 
 
-def _seconds(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, repeat: int) -> float:
-    start = time.perf_counter()
-    for _ in range(repeat):
-        fn(x)
-    return (time.perf_counter() - start) / repeat
-
-
-def best_times(
-    fns: dict[str, Callable[[torch.Tensor], torch.Tensor]], x: torch.Tensor, rounds: int
-) -> dict[str, float]:
-    """Each candidate's fastest seconds per call over `rounds` round-robin windows of ~2 ms:
-    on a shared machine the fastest window is the one least disturbed by other processes."""
-    repeat = {name: max(1, int(0.002 / max(_seconds(fn, x, 2), 1e-7))) for name, fn in fns.items()}
-    best = dict.fromkeys(fns, float("inf"))
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            best[name] = min(best[name], _seconds(fn, x, repeat[name]))
-    return best
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m textgate.bench.int8_linear", description=__doc__
@@ -151,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         names = [n for n in fns if n != "fp32"]
         for rows in rows_list:
             x = torch.randn(rows, in_features)
-            best = best_times(fns, x, args.rounds)
+            best = best_seconds(fns, x, args.rounds, window_s=0.002)
             base = best["fp32"]
             row = [f"{in_features}x{out_features}", rows, round(base * 1e3, 3)]
             table.append(row + [round(best[n] / base, 2) for n in names])

@@ -54,10 +54,30 @@ def gptq_quantize(
     energy first; groups then follow that order, and `g_idx` records each column's group.
     `percdamp` adds that fraction of mean(diag(H)) to the diagonal so the inverse exists.
     """
-    out_features, in_features = weight.shape
+    in_features = weight.shape[1]
     if hessian.shape != (in_features, in_features):
         raise ValueError(f"hessian {tuple(hessian.shape)} does not match weight {weight.shape}")
+    W, hinv, perm = _prepare(weight, hessian, desc_act, percdamp)
     group_size = spec.group_size_for(in_features)
+    codes, scales, zeros = _quantize_columns(W, hinv, spec, group_size, block_size)
+    g_idx = spec.g_idx(in_features)  # the group of each column, in visit order
+    if perm is not None:
+        inverse = torch.argsort(perm)
+        codes, g_idx = codes[:, inverse], g_idx[inverse].contiguous()
+    return UnpackedWeight(
+        intweight=codes.to(torch.int32),
+        scales=scales,
+        zeros=zeros.to(torch.int32),
+        g_idx=g_idx,
+    )
+
+
+def _prepare(
+    weight: Tensor, hessian: Tensor, desc_act: bool, percdamp: float
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """W [out, in] and the upper Cholesky factor of the damped H⁻¹ [in, in], both in visit
+    order, and that order (None: the natural one)."""
+    in_features = weight.shape[1]
     W = weight.detach().float().clone()
     H = hessian.detach().float().clone()
     dead = torch.diag(H) == 0  # inputs that were always zero: any value is exact
@@ -67,8 +87,15 @@ def gptq_quantize(
     if perm is not None:
         W, H = W[:, perm], H[perm][:, perm]
     H += percdamp * torch.mean(torch.diag(H)) * torch.eye(in_features)
-    hinv = _upper_inverse_cholesky(H)  # [in, in], upper triangular
+    return W, _upper_inverse_cholesky(H), perm
 
+
+def _quantize_columns(
+    W: Tensor, hinv: Tensor, spec: QuantSpec, group_size: int, block_size: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Codes [out, in], scales and zeros [groups, out]: W's columns quantized in order, each
+    one's error spread over the columns after it (W is updated in place)."""
+    out_features, in_features = W.shape
     codes = torch.zeros_like(W)
     scales = torch.zeros(-(-in_features // group_size), out_features)  # ceil: a short last group
     zeros = torch.zeros_like(scales)
@@ -99,17 +126,7 @@ def gptq_quantize(
             block[i:].addr_(block_hinv[i, i:], err, alpha=-1)
             errors[i] = err
         W[:, stop:] -= errors.T @ hinv[start:stop, stop:]
-
-    g_idx = spec.g_idx(in_features)  # the group of each column, in visit order
-    if perm is not None:
-        inverse = torch.argsort(perm)
-        codes, g_idx = codes[:, inverse], g_idx[inverse].contiguous()
-    return UnpackedWeight(
-        intweight=codes.to(torch.int32),
-        scales=scales,
-        zeros=zeros.to(torch.int32),
-        g_idx=g_idx,
-    )
+    return codes, scales, zeros
 
 
 def _upper_inverse_cholesky(hessian: Tensor) -> Tensor:
