@@ -14,11 +14,13 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import ClassVar, Generic, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from textgate.kernels import kv_quant
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,9 @@ class AttentionBackend(ABC, Generic[PlanT]):
     (masks, index tensors); `forward` runs one layer with it.
     """
 
+    #: Whether `forward` reads int8 / fp8 caches with their scales (kernels/kv_quant.py).
+    supports_quantized_kv: ClassVar[bool] = False
+
     @abstractmethod
     def prepare(self, metadata: AttentionMetadata) -> PlanT:
         """Precompute per-step state shared by all layers."""
@@ -139,12 +144,16 @@ class AttentionBackend(ABC, Generic[PlanT]):
         *,
         scale: float,
         sliding_window: int | None = None,
+        key_scales: Tensor | None = None,
+        value_scales: Tensor | None = None,
     ) -> Tensor:
         """query [T, H_q, D] over a layer's caches [num_blocks, block_size, H_kv, D] → [T, H_q, D].
 
         The step's keys/values must already be stored. H_q must be a multiple of H_kv
         (grouped-query attention: query head h reads kv head h // (H_q / H_kv)).
         `sliding_window` w lets a query at position p see keys at positions > p - w.
+        A quantized cache comes with its scales [num_blocks, block_size, H_kv]
+        (kernels/kv_quant.py); they are None for a cache in a float dtype.
         """
 
 
@@ -226,8 +235,11 @@ class SdpaAttentionBackend(AttentionBackend[SdpaPlan]):
     decode to its length. GQA folds each kv head's query group into the query-length
     dimension, so keys and values are never repeated per query head. Whole prompts of
     one length (the common single-prompt prefill) use SDPA's own causal mask instead.
-    The plan reads a few counts on the host, which is free on CPU.
+    The plan reads a few counts on the host, which is free on CPU. A quantized cache is
+    dequantized as it is gathered (only the blocks the step reads).
     """
+
+    supports_quantized_kv = True
 
     def prepare(self, metadata: AttentionMetadata) -> SdpaPlan:
         if metadata.max_seqlen_q == 1:
@@ -281,11 +293,17 @@ class SdpaAttentionBackend(AttentionBackend[SdpaPlan]):
         *,
         scale: float,
         sliding_window: int | None = None,
+        key_scales: Tensor | None = None,
+        value_scales: Tensor | None = None,
     ) -> Tensor:
+        scales = (key_scales, value_scales)
         if len(plan.groups) == 1 and plan.groups[0].token_index is None:
-            return self.attend(query, key_cache, value_cache, plan.groups[0], scale, sliding_window)
+            group = plan.groups[0]
+            return self.attend(query, key_cache, value_cache, group, scale, sliding_window, scales)
         out = torch.empty_like(query)
-        self.attend_groups(query, key_cache, value_cache, plan.groups, out, scale, sliding_window)
+        self.attend_groups(
+            query, key_cache, value_cache, plan.groups, out, scale, sliding_window, scales
+        )
         return out
 
     def attend_groups(
@@ -297,9 +315,11 @@ class SdpaAttentionBackend(AttentionBackend[SdpaPlan]):
         out: Tensor,
         scale: float,
         window: int | None,
+        scales: tuple[Tensor | None, Tensor | None] = (None, None),
     ) -> None:
         """Write the attention of each group's rows of query [T, H_q, D] into out [T, H_q, D]
-        (every group selects its rows: token_index is set)."""
+        (every group selects its rows: token_index is set). `scales`: (key, value) scales
+        of a quantized cache."""
         for group in groups:
             assert group.token_index is not None
             rows = self.attend(
@@ -309,6 +329,7 @@ class SdpaAttentionBackend(AttentionBackend[SdpaPlan]):
                 group,
                 scale,
                 window,
+                scales,
             )
             out.index_copy_(0, group.token_index, rows)
 
@@ -320,6 +341,7 @@ class SdpaAttentionBackend(AttentionBackend[SdpaPlan]):
         group: SeqGroup,
         scale: float,
         window: int | None,
+        scales: tuple[Tensor | None, Tensor | None] = (None, None),
     ) -> Tensor:
         """query [Tg, H_q, D] of one group → attention output [Tg, H_q, D]."""
         num_seqs, max_q, max_k = group.num_seqs, group.max_q, group.max_k
@@ -327,8 +349,9 @@ class SdpaAttentionBackend(AttentionBackend[SdpaPlan]):
         heads = query.shape[1]
         group_size = heads // kv_heads
         blocks = group.gather_index(block_size)  # [B * nblk]
-        keys = _gather(key_cache, blocks, num_seqs, max_k)  # [B, H_kv, Lk, D]
-        values = _gather(value_cache, blocks, num_seqs, max_k)  # [B, H_kv, Lk, D]
+        # [B, H_kv, Lk, D] each
+        keys = _gather(key_cache, scales[0], blocks, num_seqs, max_k, query.dtype)
+        values = _gather(value_cache, scales[1], blocks, num_seqs, max_k, query.dtype)
         if max_q == 1:
             # Decode: each kv head's query group is its query rows, no reordering needed.
             folded = query.view(num_seqs, kv_heads, group_size, dim)  # [B, H_kv, G, D]
@@ -360,10 +383,21 @@ class SdpaAttentionBackend(AttentionBackend[SdpaPlan]):
         return out if group.pad_index is None else out.index_select(0, group.pad_index)
 
 
-def _gather(cache: Tensor, blocks: Tensor, num_seqs: int, length: int) -> Tensor:
-    """Keys of each sequence, cache [N, bs, H, D] and blocks [B * nblk] → [B, H, length, D]."""
+def _gather(
+    cache: Tensor,
+    scales: Tensor | None,
+    blocks: Tensor,
+    num_seqs: int,
+    length: int,
+    dtype: torch.dtype,
+) -> Tensor:
+    """Keys of each sequence, cache [N, bs, H, D] and blocks [B * nblk] → [B, H, length, D]
+    (a quantized cache, with its scales [N, bs, H], dequantized to `dtype`)."""
     heads, dim = cache.shape[2], cache.shape[3]
     # index_select copies whole blocks; advanced indexing (cache[blocks]) is ~10× slower on CPU.
-    gathered = cache.index_select(0, blocks)  # [B * nblk, bs, H, D]
+    if scales is None:
+        gathered = cache.index_select(0, blocks)  # [B * nblk, bs, H, D]
+    else:
+        gathered = kv_quant.gather_dequantized(cache, scales, blocks, dtype)
     gathered = gathered.view(num_seqs, -1, heads, dim)  # [B, nblk * bs, H, D]
     return gathered[:, :length].transpose(1, 2)

@@ -6,9 +6,10 @@
  * per (sequence, head): in a decode step of 32 short sequences SDPA spends most of its
  * time in that per-matrix overhead.
  *
- * Layouts (all contiguous, row-major; elements float32 or bfloat16, one dtype for all):
+ * Layouts (all contiguous, row-major; query/out float32 or bfloat16):
  *   query, out       [T, H_q, D]    the step's tokens
- *   key/value cache  [N, bs, H_kv, D]
+ *   key/value cache  [N, bs, H_kv, D] in the query's dtype, or quantized (kv_kind, below)
+ *   key/value scales [N, bs, H_kv]  float32, quantized caches only (NULL otherwise)
  *   query_starts     [B]            sequence b owns rows query_starts[b] + [0, query_lens[b])
  *   query_lens       [B]            (other rows of query/out are not touched)
  *   seq_lens         [B]            cached prefix + this step's tokens
@@ -23,6 +24,11 @@
  * Each key and value is widened to float once per work item and used by every row of the
  * chunk and every query head of the group. Arithmetic is float; bf16 is widened exactly
  * and the output rounded to nearest even.
+ *
+ * Quantized caches (kernels/kv_quant.py): int8 or float8 e4m3 elements, one float32 scale
+ * per (slot, kv head); the value is element * scale. Elements are read in place and widened
+ * like bf16 ones (fp8 through a 256-entry table); the scale is applied once per key to its
+ * dot products and once per value to its softmax weight, never as a dequantized copy.
  */
 
 #include <math.h>
@@ -31,6 +37,25 @@
 #include <string.h>
 
 #define CHUNK 16
+
+enum { KV_AS_QUERY = 0, KV_INT8 = 1, KV_FP8_E4M3 = 2 };
+
+/* FP8_E4M3[bits] = the float8 e4m3fn value with these bits (no infinities; S.1111.111 is NaN). */
+static float FP8_E4M3[256];
+
+static void __attribute__((constructor)) fill_fp8_table(void) {
+    for (int bits = 0; bits < 256; ++bits) {
+        const int exponent = (bits >> 3) & 0xF, mantissa = bits & 0x7;
+        float magnitude;
+        if (exponent == 0xF && mantissa == 0x7)
+            magnitude = NAN;
+        else if (exponent == 0)
+            magnitude = ldexpf((float)mantissa, -9); /* subnormal: m/8 * 2^-6 */
+        else
+            magnitude = ldexpf(1.0f + mantissa / 8.0f, exponent - 7);
+        FP8_E4M3[bits] = bits & 0x80 ? -magnitude : magnitude;
+    }
+}
 
 /* dst[0..n) = src[offset..offset + n) as float. */
 static void widen(float *dst, const void *src, int64_t offset, int64_t n, int bf16) {
@@ -67,7 +92,27 @@ typedef struct {
     float scale;
     int64_t window;
     int bf16;
+    const float *key_scales, *value_scales; /* NULL unless kv_kind is quantized */
+    int kv_kind;
 } Step;
+
+/* dst[0..D) = the raw elements of cache entry `index` (slot * H_kv + head) as float;
+   returns the entry's scale (1 for an unquantized cache). */
+static inline float widen_kv(float *dst, const Step *s, const void *cache, const float *scales,
+                             int64_t index, int64_t D) {
+    if (s->kv_kind == KV_INT8) {
+        const int8_t *c = (const int8_t *)cache + index * D;
+        for (int64_t i = 0; i < D; ++i) dst[i] = (float)c[i];
+        return scales[index];
+    }
+    if (s->kv_kind == KV_FP8_E4M3) {
+        const uint8_t *c = (const uint8_t *)cache + index * D;
+        for (int64_t i = 0; i < D; ++i) dst[i] = FP8_E4M3[c[i]];
+        return scales[index];
+    }
+    widen(dst, cache, index * D, D, s->bf16);
+    return 1.0f;
+}
 
 typedef struct {
     float *scores; /* [CHUNK * G, span] */
@@ -96,10 +141,11 @@ static inline int64_t first_key(int64_t p, int64_t window) {
     return lo > 0 ? lo : 0;
 }
 
-/* Cache offset (in elements) of kv head h at token position pos of a sequence. */
-static inline int64_t cache_offset(const Step *s, const int64_t *table, int64_t pos, int64_t h) {
+/* Cache entry (slot * H_kv + h: the head vector's index) of kv head h at token position pos
+   of a sequence. */
+static inline int64_t cache_index(const Step *s, const int64_t *table, int64_t pos, int64_t h) {
     int64_t slot = table[pos / s->block_size] * s->block_size + pos % s->block_size;
-    return (slot * s->num_kv_heads + h) * s->head_dim;
+    return slot * s->num_kv_heads + h;
 }
 
 /* Rows [r0, r1) of sequence b, kv head h. Inlined once per common head size D, so the
@@ -123,14 +169,15 @@ static inline __attribute__((always_inline)) void attend_chunk(const Step *s, Sc
         }
 
     for (int64_t pos = lo_start; pos < hi_end; ++pos) {
-        widen(w->row, s->key_cache, cache_offset(s, table, pos, h), D, s->bf16);
+        const float key_scale =
+            widen_kv(w->row, s, s->key_cache, s->key_scales, cache_index(s, table, pos, h), D);
         for (int64_t r = 0; r < R; ++r) {
             if (pos > p0 + r || pos < first_key(p0 + r, s->window)) continue;
             for (int64_t g = 0; g < G; ++g) {
                 const float *q = w->q + (r * G + g) * D;
                 float dot = 0.0f;
                 for (int64_t d = 0; d < D; ++d) dot += q[d] * w->row[d];
-                w->scores[(r * G + g) * span + (pos - lo_start)] = dot;
+                w->scores[(r * G + g) * span + (pos - lo_start)] = dot * key_scale;
             }
         }
     }
@@ -152,11 +199,12 @@ static inline __attribute__((always_inline)) void attend_chunk(const Step *s, Sc
 
     memset(w->acc, 0, sizeof(float) * R * G * D);
     for (int64_t pos = lo_start; pos < hi_end; ++pos) {
-        widen(w->row, s->value_cache, cache_offset(s, table, pos, h), D, s->bf16);
+        const float value_scale =
+            widen_kv(w->row, s, s->value_cache, s->value_scales, cache_index(s, table, pos, h), D);
         for (int64_t r = 0; r < R; ++r) {
             if (pos > p0 + r || pos < first_key(p0 + r, s->window)) continue;
             for (int64_t g = 0; g < G; ++g) {
-                const float p = w->scores[(r * G + g) * span + (pos - lo_start)];
+                const float p = w->scores[(r * G + g) * span + (pos - lo_start)] * value_scale;
                 float *acc = w->acc + (r * G + g) * D;
                 for (int64_t d = 0; d < D; ++d) acc[d] += p * w->row[d];
             }
@@ -172,18 +220,20 @@ static inline __attribute__((always_inline)) void attend_chunk(const Step *s, Sc
         }
 }
 
-/* Returns 0, or 1 when scratch memory ran out (out is then incomplete). */
+/* Returns 0, or 1 when scratch memory ran out (out is then incomplete). kv_kind: KV_AS_QUERY
+   (caches in the query's dtype, scales NULL), KV_INT8 or KV_FP8_E4M3 (with their scales). */
 int textgate_paged_attention(const void *query, const void *key_cache, const void *value_cache,
                              void *out, const int64_t *query_starts, const int64_t *query_lens,
                              const int64_t *seq_lens, const int64_t *block_tables,
                              int64_t num_seqs, int64_t max_blocks,
                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                              int64_t block_size, int64_t max_seq_len, float scale, int64_t window,
-                             int bf16) {
-    const Step s = {query,       key_cache,    value_cache, out,       query_starts,
-                    query_lens,  seq_lens,     block_tables, max_blocks, num_heads,
-                    num_kv_heads, head_dim,    block_size,  scale,     window,
-                    bf16};
+                             int bf16, const float *key_scales, const float *value_scales,
+                             int kv_kind) {
+    const Step s = {query,        key_cache,  value_cache,  out,        query_starts,
+                    query_lens,   seq_lens,   block_tables, max_blocks, num_heads,
+                    num_kv_heads, head_dim,   block_size,   scale,      window,
+                    bf16,         key_scales, value_scales, kv_kind};
     const int64_t G = num_heads / num_kv_heads;
 
     /* The chunks of every sequence, as (sequence, first row, end row). */

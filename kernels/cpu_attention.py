@@ -10,7 +10,8 @@ per work item on torch's OpenMP threads. Long prompt chunks stay on SDPA (see
 
 The kernel is built on first use (kernels/cpu_build.py). Without a compiler, or for
 tensors it does not handle (not on the CPU, not float32/bfloat16), the backend runs the
-SDPA reference instead, so it is correct everywhere.
+SDPA reference instead, so it is correct everywhere. Quantized caches (int8, fp8 e4m3 with
+per-token scales, kernels/kv_quant.py) are read in place by the kernel, as they are stored.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from textgate.kernels.attention import (
 )
 
 SUPPORTED_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+#: The kernel's kv_kind for each quantized cache dtype (0: the cache is in the query's dtype).
+QUANTIZED_KV_KINDS = {torch.int8: 1, torch.float8_e4m3fn: 2}
 
 
 @dataclass
@@ -55,7 +58,8 @@ class CpuPlan:
 
 
 class CpuAttentionBackend(AttentionBackend[CpuPlan]):
-    """The C kernel for CPU tensors in float32/bfloat16; the SDPA reference otherwise.
+    """The C kernel for CPU tensors in float32/bfloat16 (caches in the query's dtype, int8
+    or fp8 e4m3); the SDPA reference otherwise.
 
     Within a step, the kernel takes the decodes and every sequence of at most
     `kernel_max_seq_len` tokens; longer prompt chunks go to SDPA, whose matmuls beat the
@@ -65,6 +69,7 @@ class CpuAttentionBackend(AttentionBackend[CpuPlan]):
     """
 
     kernel_max_seq_len = 96
+    supports_quantized_kv = True
 
     def __init__(self) -> None:
         self._sdpa = SdpaAttentionBackend()
@@ -104,8 +109,11 @@ class CpuAttentionBackend(AttentionBackend[CpuPlan]):
         *,
         scale: float,
         sliding_window: int | None = None,
+        key_scales: Tensor | None = None,
+        value_scales: Tensor | None = None,
     ) -> Tensor:
-        runs_kernel = self._runs_kernel(query, key_cache, value_cache)
+        scales = (key_scales, value_scales)
+        runs_kernel = self._runs_kernel(query, key_cache, value_cache, scales)
         library = cpu_build.load_library() if runs_kernel else None
         if library is None:
             if plan._fallback is None:
@@ -117,15 +125,24 @@ class CpuAttentionBackend(AttentionBackend[CpuPlan]):
                 plan._fallback,
                 scale=scale,
                 sliding_window=sliding_window,
+                key_scales=key_scales,
+                value_scales=value_scales,
             )
         query = query.contiguous()
         out = torch.empty_like(query)  # [T, H_q, D]; each row written by exactly one of the two
         self._sdpa.attend_groups(
-            query, key_cache, value_cache, plan.sdpa_groups, out, scale, sliding_window
+            query, key_cache, value_cache, plan.sdpa_groups, out, scale, sliding_window, scales
         )
         if plan.kernel is not None:
             self._run_kernel(
-                library, query, key_cache, value_cache, out, plan.kernel, scale, sliding_window
+                library,
+                query,
+                (key_cache, value_cache),
+                scales,
+                out,
+                plan.kernel,
+                scale,
+                sliding_window,
             )
         return out
 
@@ -133,13 +150,15 @@ class CpuAttentionBackend(AttentionBackend[CpuPlan]):
     def _run_kernel(
         library: ctypes.CDLL,
         query: Tensor,
-        key_cache: Tensor,
-        value_cache: Tensor,
+        caches: tuple[Tensor, Tensor],
+        scales: tuple[Tensor | None, Tensor | None],
         out: Tensor,
         batch: KernelBatch,
         scale: float,
         sliding_window: int | None,
     ) -> None:
+        key_cache, value_cache = caches
+        key_scales, value_scales = scales
         _, block_size, kv_heads, head_dim = key_cache.shape
         failed = library.textgate_paged_attention(
             query.data_ptr(),
@@ -160,17 +179,36 @@ class CpuAttentionBackend(AttentionBackend[CpuPlan]):
             scale,
             sliding_window or 0,
             SUPPORTED_DTYPES[query.dtype],
+            None if key_scales is None else key_scales.data_ptr(),
+            None if value_scales is None else value_scales.data_ptr(),
+            QUANTIZED_KV_KINDS.get(key_cache.dtype, 0),
         )
         if failed:
             raise MemoryError("CPU attention kernel: out of memory for its scratch space")
 
     @staticmethod
-    def _runs_kernel(query: Tensor, key_cache: Tensor, value_cache: Tensor) -> bool:
+    def _runs_kernel(
+        query: Tensor,
+        key_cache: Tensor,
+        value_cache: Tensor,
+        scales: tuple[Tensor | None, Tensor | None],
+    ) -> bool:
         """Whether the kernel handles these tensors (else SDPA does)."""
+        if key_cache.dtype in QUANTIZED_KV_KINDS:
+            readable = all(
+                s is not None
+                and s.dtype == torch.float32
+                and s.is_contiguous()
+                and s.shape == key_cache.shape[:-1]
+                for s in scales
+            )
+        else:
+            readable = key_cache.dtype == query.dtype and all(s is None for s in scales)
         return (
-            query.device.type == "cpu"
+            readable
+            and query.device.type == "cpu"
             and query.dtype in SUPPORTED_DTYPES
-            and key_cache.dtype == value_cache.dtype == query.dtype
+            and key_cache.dtype == value_cache.dtype
             and key_cache.is_contiguous()
             and value_cache.is_contiguous()
             and query.shape[1] % key_cache.shape[2] == 0

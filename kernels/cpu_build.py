@@ -108,7 +108,7 @@ def load_library(build_dir: Path | None = None) -> ctypes.CDLL | None:
     signatures = {
         "textgate_paged_attention": (
             ctypes.c_int,
-            [*[pointer] * 8, *[int64] * 7, real, int64, flag],
+            [*[pointer] * 8, *[int64] * 7, real, int64, flag, pointer, pointer, flag],
         ),
         "textgate_add_rms_norm": (None, [*[pointer] * 5, int64, int64, real, flag]),
         "textgate_silu_and_mul": (None, [pointer, pointer, int64, int64, flag]),

@@ -12,10 +12,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from textgate.kernels import cpu_layers, get_attention_backend
+from textgate.kernels import cpu_layers, get_attention_backend, kv_quant
 from textgate.kernels.attention import AttentionBackend, AttentionMetadata
 from textgate.quantization.weights import Weights
 from textgate.shard_server.kv_cache import KVCache
@@ -85,6 +86,7 @@ class LlamaAttention(nn.Module):
         )  # [T, H_q, D], or None off the CPU
         if query is None:
             query = self._rotary_and_store(qkv, ctx)
+        key_scales, value_scales = ctx.kv_cache.layer_scales(self.layer_idx)
         out = ctx.backend.forward(
             query,
             key_cache,
@@ -92,6 +94,8 @@ class LlamaAttention(nn.Module):
             ctx.plan,
             scale=self.scale,
             sliding_window=self.sliding_window,
+            key_scales=key_scales,
+            value_scales=value_scales,
         )  # [T, H_q, D]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
@@ -187,6 +191,8 @@ class LlamaForCausalLM(nn.Module):
         self.num_kv_heads = layers[0].self_attn.num_kv_heads
         self.head_dim = config.head_dim
         self.vocab_size = config.vocab_size
+        self.kv_cache_dtype = self.dtype
+        """Element dtype of the caches `allocate_kv_cache` makes (int8 / fp8: quantized)."""
 
     def forward(
         self,
@@ -220,13 +226,24 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
-        """A zeroed paged cache sized for this model (this rank's kv heads)."""
+        """A zeroed paged cache sized for this model (this rank's kv heads), of elements
+        `kv_cache_dtype`."""
         return KVCache.allocate(
             num_layers=self.num_layers,
             num_blocks=num_blocks,
             block_size=block_size,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
-            dtype=self.dtype,
+            dtype=self.kv_cache_dtype,
             device=self.device,
         )
+
+    def set_kv_cache_dtype(self, dtype: torch.dtype) -> None:
+        """Make later caches of elements `dtype`; a quantized one needs a backend that reads it."""
+        if kv_quant.is_quantized(dtype) and not self.attention_backend.supports_quantized_kv:
+            raise ValueError(
+                f"attention backend {type(self.attention_backend).__name__} cannot read a "
+                f"{kv_quant.kv_dtype_name(dtype)} KV cache; use --kv-cache-dtype auto or "
+                "another attention backend"
+            )
+        self.kv_cache_dtype = dtype
