@@ -13,7 +13,7 @@ PORT ?= 8080
 ARGS ?=
 STAMP := $(VENV)/.textgate-installed
 
-.PHONY: setup run test lint typecheck unit e2e bench soak bench-peers stubs clean gptqmodel-fixture
+.PHONY: setup browser run test lint typecheck unit e2e bench soak bench-peers stubs clean gptqmodel-fixture
 
 setup: $(STAMP)
 
@@ -44,7 +44,18 @@ typecheck: setup
 	MYPYPATH=build/mypy $(VENV)/bin/mypy --follow-imports=silent \
 		-p textgate.router -p textgate.client
 
-test: setup lint typecheck
+# The playground's tests drive a real headless Chromium, Debian's `chromium` package:
+# installed here when missing and apt-get may run (root, or sudo without a password).
+# Without it those tests fail and say so (TEXTGATE_SKIP_BROWSER_TESTS=1 opts out).
+browser:
+	@if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then \
+		if [ "$$(id -u)" = 0 ]; then sudo=; elif sudo -n true 2>/dev/null; then sudo="sudo -n"; \
+		else echo "chromium is missing and installing it needs root: the playground's browser tests will fail"; exit 0; fi; \
+		$$sudo apt-get update && $$sudo env DEBIAN_FRONTEND=noninteractive \
+			apt-get install -y --no-install-recommends chromium; \
+	fi
+
+test: setup browser lint typecheck
 	$(PY) -m pytest
 
 # Generated files, committed; tests fail when they are stale.

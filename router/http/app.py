@@ -35,6 +35,7 @@ from textgate.router.http.errors import (
     is_openai_path,
 )
 from textgate.router.http.openapi import DOCS_ASSETS_PATH, DOCS_PATH, SPEC_PATH, docs_routes
+from textgate.router.http.playground import PLAYGROUND_PATHS, with_playground
 from textgate.router.http.sagemaker import sagemaker_route
 from textgate.router.http.state import Engine, RouterState
 from textgate.router.http.validation import Tokenizer, ValidationError, Validator
@@ -50,6 +51,7 @@ log = logging.getLogger("textgate.router")
 # Routes an API key does not guard (TGI's "info routes"): probes and scrapers carry no key.
 OPEN_PATHS = frozenset(
     {"/health", "/ping", "/info", "/metrics", "/v1/models", "/chat_tokenize", DOCS_PATH, SPEC_PATH}
+    | PLAYGROUND_PATHS
 )
 
 
@@ -76,6 +78,8 @@ def build_app(
     routes = [*tgi_routes(state), *openai_routes(state)]
     routes.append(sagemaker_route(routes, config.payload_limit))
     routes += docs_routes(routes, textgate.__version__)
+    # After the docs: the playground's page and files are not API routes.
+    routes = with_playground(routes)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -171,5 +175,5 @@ def _guarded(scope: Scope) -> bool:
     path = scope.get("path", "")
     if path in OPEN_PATHS or path.startswith(f"{DOCS_ASSETS_PATH}/"):
         return False
-    # `GET /` is TGI's health check; `POST /` generates.
+    # `GET /` is TGI's health check (the playground page for browsers); `POST /` generates.
     return not (path == "/" and scope.get("method") in ("GET", "HEAD"))
