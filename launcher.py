@@ -126,6 +126,13 @@ class LauncherConfig:
         True, "Reuse the KV of shared prompt prefixes (native models)", _bool
     )
     kv_cache_memory: int = flag(1 << 30, "Bytes of KV cache per shard on CPU", int)
+    kv_cache_dtype: str = flag(
+        "auto",
+        "KV cache element dtype (native models): auto = the weights' dtype; int8 or fp8 "
+        "(= fp8_e4m3) store each token's K/V with a float32 scale per head, ~half of bf16",
+        str,
+        ("auto", "fp8", "fp8_e4m3", "int8"),
+    )
     target_itl_ms: float | None = flag(
         None,
         "Inter-token latency the adaptive batch controller keeps each step under (native "
@@ -325,6 +332,7 @@ def shard_argv(model_path: Path, config: LauncherConfig) -> list[str]:
         str(config.kv_cache_memory),
     ]
     argv += ["--cuda-memory-fraction", str(config.cuda_memory_fraction)]
+    argv += ["--kv-cache-dtype", config.kv_cache_dtype]
     if config.quantize is not None:
         argv += ["--quantize", config.quantize]
     if config.trust_remote_code:

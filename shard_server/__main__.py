@@ -47,6 +47,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="free GPU memory for the cache",
     )
     parser.add_argument(
+        "--kv-cache-dtype",
+        default=cache.kv_cache_dtype,
+        help="KV element dtype: auto (the model's), int8, fp8 or fp8_e4m3",
+    )
+    parser.add_argument(
         "--no-native", action="store_true", help="serve through transformers even if native"
     )
     parser.add_argument("--json-output", action="store_true")
@@ -77,6 +82,7 @@ def main(argv: list[str] | None = None) -> None:
             block_size=args.block_size,
             kv_cache_memory=args.kv_cache_memory,
             cuda_memory_fraction=args.cuda_memory_fraction,
+            kv_cache_dtype=args.kv_cache_dtype,
         ),
         native=not args.no_native,
         quantize=args.quantize,

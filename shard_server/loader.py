@@ -84,6 +84,12 @@ def load_model(
             f"--quantize needs a native implementation; model type {model_type!r} is served "
             "by the transformers fallback, which loads unquantized weights"
         )
+    if cache_config is not None and cache_config.kv_cache_dtype != "auto":
+        raise ValueError(
+            f"--kv-cache-dtype {cache_config.kv_cache_dtype} needs a native implementation; "
+            f"model type {model_type!r} is served by the transformers fallback, whose KV "
+            "cache is transformers' own"
+        )
     if world_size > 1:
         raise ValueError(
             f"tensor parallel (--num-shard > 1) needs a native implementation; model type "

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from textgate.kernels import AttentionMetadata
+from textgate.kernels.kv_quant import KV_CACHE_DTYPES, resolve_kv_cache_dtype
 from textgate.proto import generate_pb2 as pb
 from textgate.quantization.resident import resident_bytes
 from textgate.shard_server.autoconfig import DtypeChoice, warmup_measurements
@@ -45,6 +46,8 @@ class CacheConfig:
     """Bytes of KV cache on CPU."""
     cuda_memory_fraction: float = 0.9
     """Share of the GPU memory left free after loading that the cache may take."""
+    kv_cache_dtype: str = "auto"
+    """KV element dtype: auto (the model's), int8, fp8 / fp8_e4m3 (kernels/kv_quant.py)."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -53,6 +56,11 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
         if not 0 < self.cuda_memory_fraction <= 1:
             raise ValueError("cuda_memory_fraction must lie in (0, 1]")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"unknown KV cache dtype {self.kv_cache_dtype!r}; expected one of: "
+                f"{', '.join(KV_CACHE_DTYPES)}"
+            )
 
 
 @dataclass
@@ -90,6 +98,8 @@ class PagedModel(ShardModel):
         self.dtype_choice = DtypeChoice(model.dtype, "flag")
         """How the weights' dtype was picked (the loader sets it; Warmup reports it)."""
         self.device = torch.device(model.device)
+        # Raises when the model's attention backend cannot read the quantized cache.
+        model.set_kv_cache_dtype(resolve_kv_cache_dtype(cache_config.kv_cache_dtype, model.dtype))
         self.sampler = Sampler()
         self.sequences: dict[int, Sequence] = {}
         self.kv_cache: KVCache | None = None
@@ -119,7 +129,7 @@ class PagedModel(ShardModel):
             block_size=self.cache_config.block_size,
             num_kv_heads=self.model.num_kv_heads,
             head_dim=self.model.head_dim,
-            dtype=self.model.dtype,
+            dtype=self.model.kv_cache_dtype,
         )
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)

@@ -6,8 +6,11 @@ import pytest
 import torch
 
 from textgate.kernels import SdpaAttentionBackend, cpu_build, cpu_layers, kv_quant
+from textgate.proto import generate_pb2 as pb
 from textgate.shard_server.kv_cache import KVCache
+from textgate.shard_server.loader import load_model as load_shard_model
 from textgate.shard_server.models import load_model
+from textgate.shard_server.paged_model import CacheConfig, PagedModel
 from textgate.tests.shard_server.models.conftest import PagedRunner, build_tiny
 
 
@@ -179,3 +182,42 @@ def test_a_backend_that_cannot_read_quantized_kv_is_refused(tiny_llama):
     model.set_kv_cache_dtype(torch.float32)
     with pytest.raises(ValueError, match="FloatOnly cannot read a fp8_e4m3 KV cache"):
         model.set_kv_cache_dtype(torch.float8_e4m3fn)
+
+
+# -- the shard: --kv-cache-dtype from CacheConfig to the allocated cache -------------------
+
+
+def test_cache_config_rejects_unknown_kv_dtypes():
+    with pytest.raises(ValueError, match=r"unknown KV cache dtype 'fp4'; expected one of: auto"):
+        CacheConfig(kv_cache_dtype="fp4")
+
+
+def _paged(path, kv_cache_dtype: str) -> PagedModel:
+    config = CacheConfig(block_size=4, kv_cache_memory=1 << 20, kv_cache_dtype=kv_cache_dtype)
+    model = load_shard_model(path, "tiny", "bfloat16", cache_config=config)
+    assert isinstance(model, PagedModel)
+    return model
+
+
+def test_the_shard_allocates_and_serves_a_quantized_cache(tiny_model_dir):
+    """The same memory holds 2D / (D + 4) times the blocks of a bf16 cache (1.88x at head
+    size 64; the float32 scales weigh more in this tiny model); a warmed-up shard runs."""
+    auto, int8 = _paged(tiny_model_dir, "auto"), _paged(tiny_model_dir, "int8")
+    dim = auto.model.head_dim
+    assert int8.num_blocks() / auto.num_blocks() == pytest.approx(2 * dim / (dim + 4), rel=1e-3)
+    warm = int8.warmup(pb.WarmupRequest(max_prefill_tokens=16))
+    assert int8.kv_cache is not None and int8.kv_cache.dtype == torch.int8
+    assert warm.num_blocks == int8.num_blocks()
+    fp8 = _paged(tiny_model_dir, "fp8")
+    assert fp8.model.kv_cache_dtype == torch.float8_e4m3fn
+
+
+def test_the_transformers_fallback_refuses_a_quantized_cache(tiny_model_dir):
+    with pytest.raises(ValueError, match="--kv-cache-dtype int8 needs a native implementation"):
+        load_shard_model(
+            tiny_model_dir,
+            "tiny",
+            "float32",
+            cache_config=CacheConfig(kv_cache_dtype="int8"),
+            native=False,
+        )
