@@ -11,6 +11,11 @@ Every admitted request is an `Entry` in `_entries` until it gets its final event
 client leaves); `num_active` counts them against max_concurrent_requests. Subclasses say
 how an entry is queued, whether there is work, what one step does, and how everything is
 failed (on close, and after a bug).
+
+Every call the loop makes to the shards (a step, a FilterBatch, the empty step that only
+drops finished requests, a ClearCache) goes through `DeadlineShards`: one the shards do not
+answer within `step_timeout_s` (`--shard-step-timeout`) raises `ShardTimeoutError`, so a
+hung shard is reported and never waited on forever.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from textgate.router.tracing import RequestTrace, current_request, step_span
 from textgate.router.tracing import enabled as tracing_enabled
 
 log = logging.getLogger("textgate.router")
+T = TypeVar("T")
 
 SHUTDOWN_MESSAGE = "Request failed during generation: the server is shutting down"
 DEFAULT_STEP_TIMEOUT_S = 600.0
@@ -46,6 +52,46 @@ class OverloadedError(Exception):
 
     def __init__(self) -> None:
         super().__init__("Model is overloaded")
+
+
+class ShardTimeoutError(TimeoutError):
+    """The shards did not answer a call within --shard-step-timeout: they count as hung."""
+
+    def __init__(self, call: str, timeout_s: float) -> None:
+        super().__init__(
+            f"the shards did not answer {call} within {timeout_s:g} s (--shard-step-timeout)"
+        )
+
+
+class DeadlineShards:
+    """The shard calls a step loop makes, each bounded by `timeout_s` (ShardTimeoutError
+    past it; the call itself is cancelled)."""
+
+    def __init__(self, shards: ShardedClient, timeout_s: float) -> None:
+        self.shards = shards
+        self.timeout_s = timeout_s
+
+    async def prefill(self, batch: pb.Batch) -> pb.PrefillResponse:
+        return await self._within_deadline("a Prefill", self.shards.prefill(batch))
+
+    async def decode(self, batches: Sequence[pb.CachedBatch]) -> pb.DecodeResponse:
+        return await self._within_deadline("a Decode", self.shards.decode(batches))
+
+    async def step(self, requests: Sequence[pb.Request], plan: pb.StepPlan) -> pb.StepResponse:
+        return await self._within_deadline("a Step", self.shards.step(requests, plan))
+
+    async def filter_batch(self, batch_id: int, request_ids: Sequence[int]) -> pb.CachedBatch:
+        call = self.shards.filter_batch(batch_id, request_ids)
+        return await self._within_deadline("a FilterBatch", call)
+
+    async def clear_cache(self, batch_id: int | None = None) -> None:
+        await self._within_deadline("a ClearCache", self.shards.clear_cache(batch_id))
+
+    async def _within_deadline(self, call: str, answer: Awaitable[T]) -> T:
+        try:
+            return await asyncio.wait_for(answer, self.timeout_s)
+        except asyncio.TimeoutError:
+            raise ShardTimeoutError(call, self.timeout_s) from None
 
 
 class ShardResponse(ShardTimes, Protocol):
@@ -108,7 +154,7 @@ class StepLoop(ABC):
     def __init__(
         self, shards: ShardedClient, max_concurrent_requests: int, metrics: Metrics | None
     ) -> None:
-        self._shards = shards
+        self._shards = DeadlineShards(shards, DEFAULT_STEP_TIMEOUT_S)
         self._metrics = metrics or Metrics()
         self._max_active = max_concurrent_requests
         self._entries: dict[int, Entry] = {}
@@ -116,9 +162,18 @@ class StepLoop(ABC):
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
-        self.step_timeout_s = DEFAULT_STEP_TIMEOUT_S
-        """A step RPC (or ClearCache) not answered within this fails its requests: a hung
-        shard is reported, not waited on forever."""
+
+    @property
+    def step_timeout_s(self) -> float:
+        """A shard call not answered within this many seconds fails (a step: its requests
+        with it): a hung shard is reported, not waited on forever."""
+        return self._shards.timeout_s
+
+    @step_timeout_s.setter
+    def step_timeout_s(self, seconds: float) -> None:
+        if not seconds > 0:
+            raise ValueError(f"step_timeout_s must be > 0, got {seconds}")
+        self._shards.timeout_s = seconds
 
     @property
     def num_active(self) -> int:
@@ -228,13 +283,10 @@ class StepLoop(ABC):
         )
         try:
             with step_span(call.method, traces):
-                answer = await asyncio.wait_for(response, self.step_timeout_s)
+                answer = await response
         except Exception as exc:
-            if isinstance(exc, asyncio.TimeoutError):
-                exc = TimeoutError(
-                    f"the shards did not answer a {call.method} step within {self.step_timeout_s:g} s "
-                    "(--shard-step-timeout)"
-                )
+            if isinstance(exc, ShardTimeoutError):
+                exc = ShardTimeoutError(f"a {call.method} step", self.step_timeout_s)
             self._metrics.batch_inference(call.method, time.monotonic() - started, None)
             log.error("shard call failed: %s", exc)
             self._fail_ids(call.fail_ids, f"Request failed during generation: {exc}")
@@ -258,6 +310,11 @@ class StepLoop(ABC):
         for generation in generations:
             entry = self._entries.get(generation.request_id)
             if entry is None:
+                continue
+            if generation.error:
+                # The shard could not serve it (a grammar it cannot compile): the
+                # request's own fault, as a 422 would have been.
+                self._fail([entry], generation.error, "validation")
                 continue
             event = StepEvent.from_pb(generation)
             entry.channel.push(event)
@@ -284,6 +341,6 @@ class StepLoop(ABC):
     async def _clear_cache(self, batch_id: int | None = None) -> None:
         """Drop one batch (or, with None, everything) from the shards; failures are logged."""
         try:
-            await asyncio.wait_for(self._shards.clear_cache(batch_id), self.step_timeout_s)
+            await self._shards.clear_cache(batch_id)
         except Exception as exc:
             log.error("ClearCache(%s) failed: %s", batch_id, exc)

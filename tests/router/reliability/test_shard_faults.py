@@ -1,18 +1,30 @@
 """Shard faults: a request the model chokes on fails its step cleanly (424, or an error
-event) and the next request is served; a hung shard is detected by --shard-step-timeout
-and reported, not waited on forever. (A shard killed mid-stream is tested end to end in
-tests/e2e.)"""
+event) and the next request is served; a shard that hangs in any call (a step, a
+FilterBatch, the empty step that drops finished requests, a ClearCache) is detected by
+--shard-step-timeout and reported, not waited on forever. (A shard killed mid-stream is
+tested end to end in tests/e2e.)"""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
+import pytest
 
+from textgate.router.engine.channel import Channel, ErrorEvent, Event, StepEvent
+from textgate.router.engine.padded_engine import PaddedEngine
+from textgate.router.engine.padded_queue import BatchLimits
+from textgate.router.engine.paged_engine import PagedEngine
+from textgate.router.engine.request import SamplingParams, StoppingParams, ValidRequest
+from textgate.router.engine.scheduler import Scheduler, SchedulerConfig
+from textgate.router.engine.step_loop import StepLoop
+from textgate.router.shard_client import ShardedClient
+from textgate.tests.router.fake_shard import FakeShard, fake_shards
 from textgate.tests.router.reliability.conftest import ThreadedRouter
 
 POISON = "w9 w9 w9"
@@ -97,3 +109,135 @@ async def test_a_hung_shard_is_reported_within_the_step_timeout(
             assert events[-1]["error_type"] == "generation", events[-1]
             assert "step within 0.5 s" in events[-1]["error"]
             await assert_served_and_idle(client, router)
+
+
+# ---- a hang in any shard call, not only a step: the engine loops directly ----
+
+CALL_TIMEOUT_S = 0.3
+PATIENCE_S = 10.0
+"""Without the deadline these tests would wait forever; they fail after this instead."""
+
+
+def valid_request(max_new_tokens: int) -> ValidRequest:
+    return ValidRequest(
+        inputs="w5",
+        input_ids=(5,),
+        sampling=SamplingParams(),
+        stopping=StoppingParams(max_new_tokens=max_new_tokens),
+    )
+
+
+async def events_of(channel: Channel) -> list[Event]:
+    return [event async for event in channel]
+
+
+async def assert_engine_serves(engine: StepLoop) -> None:
+    (channel,) = engine.submit([valid_request(3)])
+    events = await events_of(channel)
+    assert all(isinstance(e, StepEvent) for e in events), events
+    assert sum(len(e.tokens) for e in events if isinstance(e, StepEvent)) == 3
+    assert engine.num_active == 0
+
+
+@pytest.fixture
+async def padded(uds_path: str) -> AsyncIterator[tuple[FakeShard, PaddedEngine]]:
+    async with fake_shards(uds_path) as (shard, *_):
+        shards = await ShardedClient.connect(uds_path, timeout_s=5)
+        limits = BatchLimits(
+            max_batch_prefill_tokens=256,
+            max_batch_total_tokens=4096,
+            waiting_served_ratio=0.0,
+            max_waiting_tokens=20,
+        )
+        engine = PaddedEngine(shards, limits, max_concurrent_requests=8)
+        engine.step_timeout_s = CALL_TIMEOUT_S
+        yield shard, engine
+        await engine.close()
+        await shards.close()
+
+
+@pytest.fixture
+async def paged(uds_path: str) -> AsyncIterator[tuple[FakeShard, PagedEngine]]:
+    async with fake_shards(uds_path, paged=True) as (shard, *_):
+        shards = await ShardedClient.connect(uds_path, timeout_s=5)
+        config = SchedulerConfig(
+            num_blocks=64,
+            block_size=shard.block_size,
+            max_num_batched_tokens=64,
+            max_num_seqs=8,
+            num_reserved_tokens=0,
+        )
+        engine = PagedEngine(shards, Scheduler(config), max_concurrent_requests=8)
+        engine.step_timeout_s = CALL_TIMEOUT_S
+        yield shard, engine
+        await engine.close()
+        await shards.close()
+
+
+async def test_a_shard_hung_in_filter_batch_fails_that_batch_and_is_reported(
+    padded: tuple[FakeShard, PaddedEngine],
+) -> None:
+    shard, engine = padded
+    shard.step_delay_s = 0.01
+    keep, leave = engine.submit([valid_request(40), valid_request(40)])
+    await anext(aiter(leave))
+    # Leaving makes the next step filter the running batch, and FilterBatch hangs.
+    shard.hang["FilterBatch"] = 1
+    leave.cancel()
+    started = time.monotonic()
+    events = await asyncio.wait_for(events_of(keep), PATIENCE_S)
+    waited = time.monotonic() - started
+    assert shard.calls_to("FilterBatch"), "the hang was not in FilterBatch"
+    assert isinstance(events[-1], ErrorEvent), events[-1]
+    assert events[-1].message == (
+        "Request failed during generation: the shards did not answer a FilterBatch "
+        f"within {CALL_TIMEOUT_S:g} s (--shard-step-timeout)"
+    )
+    print(f"FilterBatch hang reported after {waited:.3f} s")
+    assert CALL_TIMEOUT_S <= waited < CALL_TIMEOUT_S + 2
+    await asyncio.wait_for(assert_engine_serves(engine), PATIENCE_S)
+
+
+async def test_a_shard_hung_while_dropping_finished_requests_is_reported(
+    paged: tuple[FakeShard, PagedEngine], caplog: pytest.LogCaptureFixture
+) -> None:
+    shard, engine = paged
+    shard.step_delay_s = 0.05
+    (channel,) = engine.submit([valid_request(40)])
+    await anext(aiter(channel))
+    # Wait until the next step is inside the shard, then leave: the step after it has
+    # nothing to compute and only tells the shards to drop the request; that call hangs.
+    steps = len(shard.calls_to("Step"))
+    while len(shard.calls_to("Step")) == steps:
+        await asyncio.sleep(0.001)
+    channel.cancel()
+    shard.hang["Step"] = 1
+    with caplog.at_level(logging.ERROR, logger="textgate.router"):
+        started = time.monotonic()
+        while len(shard.calls_to("Step")) < steps + 2:  # the dropping step is in the shard
+            await asyncio.sleep(0.001)
+        await asyncio.wait_for(assert_engine_serves(engine), PATIENCE_S)
+        waited = time.monotonic() - started
+    hung = shard.calls_to("Step")[steps + 1]
+    assert not hung.plan.scheduled and set(hung.plan.finished_ids) == {0}, hung
+    assert (
+        "dropping finished requests from the shards failed: the shards did not answer a Step "
+        f"within {CALL_TIMEOUT_S:g} s (--shard-step-timeout)"
+    ) in caplog.text
+    print(f"a hung flush step was given up after {waited:.3f} s, then the next request served")
+    assert CALL_TIMEOUT_S <= waited < CALL_TIMEOUT_S + 2
+
+
+async def test_a_shard_hung_in_clear_cache_after_a_failed_step_is_reported(
+    padded: tuple[FakeShard, PaddedEngine], caplog: pytest.LogCaptureFixture
+) -> None:
+    shard, engine = padded
+    shard.fail["Decode"] = 1
+    shard.hang["ClearCache"] = 1
+    (channel,) = engine.submit([valid_request(10)])
+    with caplog.at_level(logging.ERROR, logger="textgate.router"):
+        events = await asyncio.wait_for(events_of(channel), PATIENCE_S)
+        assert isinstance(events[-1], ErrorEvent) and "fake Decode failure" in events[-1].message
+        await asyncio.wait_for(assert_engine_serves(engine), PATIENCE_S)
+    assert shard.calls_to("ClearCache"), "the hang was not in ClearCache"
+    assert f"the shards did not answer a ClearCache within {CALL_TIMEOUT_S:g} s" in caplog.text
