@@ -179,7 +179,17 @@ class LauncherConfig:
         float,
     )
     shard_step_timeout: float = flag(
-        600.0, "Seconds a shard may take for one step before it is reported as hung", float
+        600.0,
+        "Seconds a shard may take for one call (step, filter, clear) before it counts as hung",
+        float,
+    )
+    header_timeout: float = flag(
+        30.0, "Seconds a client has to send a request's headers, else it is disconnected", float
+    )
+    body_timeout: float = flag(
+        60.0,
+        "Seconds a client has to send a request's body once its headers arrived, else 408",
+        float,
     )
     json_output: bool = flag(False, "Log JSON lines", _bool)
 
@@ -204,8 +214,9 @@ class LauncherConfig:
             )
         if not self.graceful_termination_timeout >= 0:
             raise ValueError("--graceful-termination-timeout must be >= 0 seconds")
-        if not self.shard_step_timeout > 0:
-            raise ValueError("--shard-step-timeout must be > 0 seconds")
+        for name in ("shard_step_timeout", "header_timeout", "body_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds")
         if self.block_size < 1:
             raise ValueError("--block-size must be at least 1")
         if self.target_itl_ms is not None and not self.target_itl_ms >= 0:

@@ -98,8 +98,14 @@ class RouterConfig:
     graceful_termination_timeout: float = 90.0
     """Seconds in-flight requests get to finish after SIGTERM (router/http/drain.py)."""
     shard_step_timeout: float = 600.0
-    """Seconds one step RPC may take; a shard that takes longer is reported as hung and the
-    step's requests fail (a generation error) instead of waiting forever."""
+    """Seconds one shard call (a step, FilterBatch, ClearCache) may take; a shard that takes
+    longer is reported as hung and the step's requests fail (a generation error) instead of
+    waiting forever."""
+    header_timeout: float = 30.0
+    """Seconds a connection has to deliver a request's headers (from its start or its
+    previous response); a client slower than that (slow-loris) is disconnected."""
+    body_timeout: float = 60.0
+    """Seconds a request's whole body has to arrive once its headers have; else 408."""
     model_dtype: str | None = None
     """Dtype shown by /info; None = the shard's Info."""
     model_device_type: str | None = None
@@ -134,8 +140,9 @@ class RouterConfig:
             raise ValueError(
                 f"graceful_termination_timeout must be >= 0, got {self.graceful_termination_timeout}"
             )
-        if not self.shard_step_timeout > 0:
-            raise ValueError(f"shard_step_timeout must be > 0, got {self.shard_step_timeout}")
+        for name in ("shard_step_timeout", "header_timeout", "body_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.waiting_served_ratio < 0:
             raise ValueError(f"waiting_served_ratio must be >= 0, got {self.waiting_served_ratio}")
         self._check_token_limits()

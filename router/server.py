@@ -30,7 +30,7 @@ from textgate.router.engine.factory import make_engine
 from textgate.router.engine.request import SamplingParams, StoppingParams
 from textgate.router.http.app import build_app
 from textgate.router.http.drain import DrainingServer
-from textgate.router.http.guarded_h11 import GuardedH11Protocol
+from textgate.router.http.guarded_h11 import guarded_h11
 from textgate.router.http.validation import Tokenizer
 from textgate.router.metrics import Metrics
 from textgate.router.shard_client import ShardedClient
@@ -52,7 +52,7 @@ async def serve(config: RouterConfig) -> None:
         try:
             tokenizer = await asyncio.to_thread(load_tokenizer, config.tokenizer_path)
             app = await build_router(config, shards, tokenizer)
-            await run_http(app, config.hostname, config.port, config.graceful_termination_timeout)
+            await run_http(app, config)
         finally:
             await shards.close()
     finally:
@@ -199,23 +199,25 @@ def resolve_config(
     )
 
 
-async def run_http(
-    app: Starlette, hostname: str, port: int, graceful_termination_timeout: float = 90.0
-) -> None:
+async def run_http(app: Starlette, router_config: RouterConfig) -> None:
     """Serve `app` (`build_app`'s) with uvicorn until SIGTERM/SIGINT, then drain it."""
+    hostname, port = router_config.hostname, router_config.port
     config = uvicorn.Config(
         app,
         host=hostname,
         port=port,
         log_config=None,
         access_log=False,
-        # Request headers must arrive within a deadline (slow-loris clients are closed).
-        http=GuardedH11Protocol,
+        # Request headers and bodies must arrive within deadlines (slow-loris clients).
+        http=guarded_h11(router_config.header_timeout, router_config.body_timeout),
         # After the drain: what a connection that still will not close gets.
         timeout_graceful_shutdown=DRAIN_EXIT_TIMEOUT_S,
     )
     server = DrainingServer(
-        config, app.state.drain, graceful_termination_timeout, app.state.engine.close
+        config,
+        app.state.drain,
+        router_config.graceful_termination_timeout,
+        app.state.engine.close,
     )
     # uvicorn re-raises the signal it caught once it has drained; a no-op handler
     # turns that into a clean return (exit code 0) instead of a kill.

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 from collections.abc import Awaitable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pydantic
-import pydantic_core
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import Receive
@@ -19,8 +19,12 @@ from textgate.router.http.validation import ValidationError
 T = TypeVar("T")
 CLIENT_CLOSED_REQUEST = 499
 """nginx's status for a client that left before its answer (never actually received)."""
-BODY_READ_TIMEOUT_S = 60.0
-"""Seconds a request's whole body may take to arrive (2 MB in 60 s is 33 KB/s)."""
+BODY_TIMEOUT_S = 60.0
+"""Seconds a request's whole body may take to arrive by default (`--body-timeout`;
+2 MB in 60 s is 33 KB/s)."""
+BODY_TIMEOUT_STATE_KEY = "textgate.body_timeout_s"
+"""Where the HTTP server puts its body deadline in each request's ASGI `state`
+(`guarded_h11.GuardedH11Protocol`); a request without it gets BODY_TIMEOUT_S."""
 M = TypeVar("M", bound=pydantic.BaseModel)
 
 
@@ -33,32 +37,60 @@ async def read_json(request: Request, model: type[M], limit: int) -> M:
     ValidationError (422) with TGI's "Failed to deserialize..." message when it does not fit."""
     body = await read_body(request, limit)
     try:
-        # Only standard JSON (no NaN/Infinity, no lone surrogates, no overflowing numbers)
-        # and no coercion ("5" is not an int, 1 is not a bool): serde's strictness, as TGI.
-        _reject_non_finite(pydantic_core.from_json(body, allow_inf_nan=False))
+        # Only standard JSON, and no coercion ("5" is not an int, 1 is not a bool): serde's
+        # strictness, as TGI. pydantic reads duplicate keys silently (the last one wins),
+        # so the standard-JSON check runs first.
+        check_standard_json(body)
         return model.model_validate_json(body, strict=True)
     except ValueError as exc:  # pydantic.ValidationError is a ValueError too
         raise ValidationError(describe(exc)) from exc
 
 
-def _reject_non_finite(value: object) -> None:
-    """ValueError when a number in the parsed body overflowed to infinity (e.g. 1e999)."""
-    pending = [value]
-    while pending:
-        item = pending.pop()
-        if isinstance(item, float) and not math.isfinite(item):
-            raise ValueError(f"number out of range: {item}")
-        if isinstance(item, dict):
-            pending.extend(item.values())
-        elif isinstance(item, list):
-            pending.extend(item)
+def check_standard_json(body: bytes) -> None:
+    """ValueError unless `body` is one standard JSON text (RFC 8259) read one way only:
+    UTF-8, no NaN/Infinity, no number that overflows a double (1e999), nothing after the
+    value, and no object naming a key twice (which of two values was meant is a guess).
+    Lone surrogates (valid JSON, not valid text) are left to pydantic, which refuses them."""
+    try:
+        _STANDARD_JSON.decode(body.decode("utf-8"))
+    except RecursionError:
+        raise ValueError("recursion limit exceeded") from None
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise ValueError(f"duplicate field `{key}`")
+            seen.add(key)
+    return obj
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"expected value, found {name} (not a JSON number)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"number out of range: {text}")
+    return value
+
+
+_STANDARD_JSON = json.JSONDecoder(
+    object_pairs_hook=_unique_keys, parse_constant=_no_constant, parse_float=_finite_float
+)
 
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The raw body; PayloadTooLargeError as soon as it is known to exceed `limit` bytes,
-    408 when it has not all arrived within BODY_READ_TIMEOUT_S (a client trickling it)."""
+    408 when it has not all arrived within the server's body deadline (a client trickling
+    it: `--body-timeout`, BODY_TIMEOUT_S unless the server says otherwise)."""
+    timeout_s = request.scope.get("state", {}).get(BODY_TIMEOUT_STATE_KEY, BODY_TIMEOUT_S)
     try:
-        return await asyncio.wait_for(_read_body(request, limit), BODY_READ_TIMEOUT_S)
+        return await asyncio.wait_for(_read_body(request, limit), timeout_s)
     except asyncio.TimeoutError:
         raise HTTPException(408, "Request Timeout") from None
     except ClientDisconnect:

@@ -26,6 +26,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from textgate.router.http.request_io import check_standard_json
 from textgate.tests.router.reliability.conftest import ThreadedRouter
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "300"))
@@ -212,10 +213,16 @@ def test_hand_written_bad_inputs(router: ThreadedRouter) -> None:
         (tgi_body(do_sample="1"), "parameters.do_sample: Input should be a valid boolean"),
         (tgi_body(do_sample='"true"'), "parameters.do_sample: Input should be a valid boolean"),
         (tgi_body(temperature='"0.5"'), "parameters.temperature: Input should be a valid number"),
-        (tgi_body(temperature="NaN"), "Invalid JSON: expected value"),
-        (tgi_body(temperature="1e999"), "Invalid JSON: number out of range"),
+        (tgi_body(temperature="NaN"), "Invalid JSON: expected value, found NaN"),
+        (tgi_body(temperature="-Infinity"), "Invalid JSON: expected value, found -Infinity"),
+        (tgi_body(temperature="1e999"), "Invalid JSON: number out of range: 1e999"),
         (tgi_body(inputs='"\\udc00x"'), "Invalid JSON: lone leading surrogate"),
         (tgi_body(inputs="5"), "inputs: Input should be a valid string"),
+        ('{"inputs": "w5", "inputs": "w6"}', "Invalid JSON: duplicate field `inputs`"),
+        (tgi_body(top_k='2, "top_k": 3'), "Invalid JSON: duplicate field `top_k`"),
+        ('{"inputs": "w5"} {}', "Invalid JSON: Extra data"),
+        ('{"inputs": "w5"},', "Invalid JSON: Extra data"),
+        ('\ufeff{"inputs": "w5"}', "Invalid JSON: Expecting value: line 1 column 1"),
     ],
 )
 def test_nothing_is_coerced_and_only_standard_json_is_read(
@@ -247,3 +254,121 @@ def test_oversized_bodies_are_413(router: ThreadedRouter) -> None:
             assert response.status_code == 413, (path, response.text)
             assert_error_shape(path, 413, response.json())
     assert_still_serving(router.url)
+
+
+# ---- duplicate keys: one reading only ----
+
+DUPLICATED_BODIES = {
+    "/generate": '{"inputs": "w5", "parameters": {"max_new_tokens": 2, "max_new_tokens": 900}}',
+    "/generate_stream": '{"inputs": "w5", "inputs": "w6"}',
+    "/": '{"inputs": "w5", "stream": false, "stream": true}',
+    "/tokenize": '{"inputs": "w5", "inputs": "w6"}',
+    "/invocations": '{"inputs": "w5", "parameters": {"seed": 1, "seed": 2}}',
+    "/v1/chat/completions": (
+        '{"messages": [{"role": "user", "content": "w5", "role": "system"}], "max_tokens": 2}'
+    ),
+    "/v1/completions": '{"prompt": "w5", "max_tokens": 2, "max_tokens": 3}',
+}
+
+
+def test_a_key_given_twice_is_422_on_every_route(router: ThreadedRouter) -> None:
+    assert set(DUPLICATED_BODIES) == {*BODY_ROUTES, *OPENAI_ROUTES}
+    for path, body in DUPLICATED_BODIES.items():
+        response = httpx.post(
+            router.url + path, content=body, headers={"content-type": "application/json"}
+        )
+        assert response.status_code == 422, (path, response.text)
+        assert_error_shape(path, 422, response.json())
+        assert "Invalid JSON: duplicate field `" in response.text, (path, response.text)
+    assert_still_serving(router.url)
+
+
+JSON_SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=8),
+)
+JSON_VALUES = st.recursive(
+    JSON_SCALARS,
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+def dumps_with_duplicate(value: Any, duplicate_at: int) -> str:
+    """`json.dumps(value)`, except the `duplicate_at`-th non-empty object (in document
+    order) repeats its first member at its end."""
+    seen = 0
+
+    def dump(item: Any) -> str:
+        nonlocal seen
+        if isinstance(item, dict):
+            index = seen if item else -1
+            seen += bool(item)
+            members = [f"{json.dumps(k)}: {dump(v)}" for k, v in item.items()]
+            if index == duplicate_at:
+                members.append(members[0])
+            return "{" + ", ".join(members) + "}"
+        if isinstance(item, list):
+            return "[" + ", ".join(dump(v) for v in item) + "]"
+        return json.dumps(item)
+
+    return dump(value)
+
+
+def count_objects(value: Any) -> int:
+    """Non-empty objects in `value`."""
+    if isinstance(value, dict):
+        return bool(value) + sum(count_objects(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(count_objects(v) for v in value)
+    return 0
+
+
+@settings(max_examples=min(EXAMPLES, 200), deadline=None, database=None, derandomize=True)
+@given(JSON_VALUES, st.data())
+def test_standard_json_is_read_and_a_duplicate_key_anywhere_is_refused(
+    value: Any, data: st.DataObject
+) -> None:
+    check_standard_json(json.dumps(value).encode())
+    objects = count_objects(value)
+    if objects:
+        duplicate_at = data.draw(st.integers(0, objects - 1))
+        text = dumps_with_duplicate(value, duplicate_at)
+        assert json.loads(text) == value  # Python's json: the last one wins, silently
+        with pytest.raises(ValueError, match="duplicate field `"):
+            check_standard_json(text.encode())
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "NaN",
+        "[Infinity]",
+        '{"a": -Infinity}',
+        "1e400",
+        "[1, 2] 3",
+        '{"a": 1}}',
+        "",
+        "'a'",
+        "[1,]",
+        '{"a": 1,}',
+        "01",
+        '"\t"',
+        "\ufeff[]",
+    ],
+)
+def test_non_standard_json_is_refused(text: str) -> None:
+    with pytest.raises(ValueError):
+        check_standard_json(text.encode())
+    with pytest.raises(ValueError):
+        check_standard_json(text.encode("utf-16"))
+
+
+def test_nesting_too_deep_for_python_is_refused_not_crashed() -> None:
+    with pytest.raises(ValueError, match="recursion limit exceeded"):
+        check_standard_json(b"[" * 100_000 + b"]" * 100_000)
