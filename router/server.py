@@ -100,7 +100,8 @@ async def build_router(
 def limits_line(config: RouterConfig, info: pb.InfoResponse, warmup: pb.WarmupResponse) -> str:
     """One line with every limit in force once flags, model and warmup are resolved."""
     kv = (
-        f"{warmup.num_blocks} blocks x {info.block_size} tokens"
+        f"{warmup.num_blocks} blocks x {info.block_size} tokens "
+        f"({info.kv_cache_dtype}, {info.kv_cache_bytes_per_token} bytes/token)"
         if info.block_size
         else "padded batches"
     )

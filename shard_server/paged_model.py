@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from textgate.kernels import AttentionMetadata
-from textgate.kernels.kv_quant import KV_CACHE_DTYPES, resolve_kv_cache_dtype
+from textgate.kernels.kv_quant import KV_CACHE_DTYPES, kv_dtype_name, resolve_kv_cache_dtype
 from textgate.proto import generate_pb2 as pb
 from textgate.quantization.resident import resident_bytes
 from textgate.shard_server.autoconfig import DtypeChoice, warmup_measurements
@@ -118,6 +118,14 @@ class PagedModel(ShardModel):
             world_size=self.world_size,
             quantize=getattr(self.model, "quantize", None) or "",
             weight_bytes=resident_bytes(self.model),
+            kv_cache_dtype=kv_dtype_name(self.model.kv_cache_dtype),
+            kv_cache_bytes_per_token=KVCache.bytes_per_block(
+                num_layers=self.model.num_layers,
+                block_size=1,
+                num_kv_heads=self.model.num_kv_heads,
+                head_dim=self.model.head_dim,
+                dtype=self.model.kv_cache_dtype,
+            ),
         )
 
     # -- warmup -----------------------------------------------------------------------

@@ -217,6 +217,11 @@ class Info(_Response):
     quantize: str | None = None
     #: textgate's: bytes of weights resident on each shard (rank 0's count), as loaded.
     model_weight_bytes: int | None = None
+    #: textgate's: the KV cache's element dtype (`--kv-cache-dtype`: the weights' dtype,
+    #: int8 or fp8_e4m3) and the bytes one token takes in it on each shard (scales
+    #: included); None without a paged cache.
+    kv_cache_dtype: str | None = None
+    kv_cache_bytes_per_token: int | None = None
     #: textgate's: the startup report (the machine, the dtype and the budgets derived from
     #: the shards' measured step, with their sources; docs/autoconfig.md); None when the
     #: shards measured nothing (the transformers fallback).

@@ -221,3 +221,26 @@ def test_the_transformers_fallback_refuses_a_quantized_cache(tiny_model_dir):
             cache_config=CacheConfig(kv_cache_dtype="int8"),
             native=False,
         )
+
+
+def test_info_reports_the_kv_dtype_and_bytes_per_token(tiny_model_dir):
+    from textgate.router.config import RouterConfig
+    from textgate.router.server import limits_line
+    from textgate.router.tgi.routes import info_response
+
+    model = _paged(tiny_model_dir, "fp8")
+    info = model.describe()
+    layers, heads, dim = model.model.num_layers, model.model.num_kv_heads, model.model.head_dim
+    assert info.kv_cache_dtype == "fp8_e4m3"
+    assert info.kv_cache_bytes_per_token == 2 * layers * heads * (dim + 4)
+    assert _paged(tiny_model_dir, "auto").describe().kv_cache_dtype == "bfloat16"
+    config = RouterConfig(
+        model_id="m", tokenizer_path="t", max_input_tokens=32, max_total_tokens=64
+    )
+    body = info_response(config, info)
+    assert body.kv_cache_dtype == "fp8_e4m3"
+    assert body.kv_cache_bytes_per_token == info.kv_cache_bytes_per_token
+    line = limits_line(config, info, pb.WarmupResponse(num_blocks=10))
+    assert (
+        f"kv_cache=10 blocks x 4 tokens (fp8_e4m3, {2 * layers * heads * (dim + 4)} bytes" in line
+    )

@@ -61,8 +61,10 @@ def threaded_router(
     *,
     step_delay_s: float = 0.0,
     uvicorn_options: dict[str, Any] | None = None,
+    tokenizer: Any = None,
 ) -> Iterator[ThreadedRouter]:
-    """Serve the router over a paged fake shard taking `step_delay_s` per step, in a thread."""
+    """Serve the router over a paged fake shard taking `step_delay_s` per step, in a thread
+    (with `tokenizer`, FakeTokenizer by default)."""
     ready = threading.Event()
     started: list[ThreadedRouter] = []
     errors: list[BaseException] = []
@@ -72,7 +74,7 @@ def threaded_router(
         async with fake_shards(uds_path, paged=True) as (shard, *_):
             shard.step_delay_s = step_delay_s
             shards = await ShardedClient.connect(uds_path, timeout_s=5)
-            app = await build_router(config, shards, FakeTokenizer())
+            app = await build_router(config, shards, tokenizer or FakeTokenizer())
             options = {"log_config": None, "ws": "none", "lifespan": "on"}
             options.update({"timeout_graceful_shutdown": 2, **(uvicorn_options or {})})
             server = _QuietServer(uvicorn.Config(app, host="127.0.0.1", port=0, **options))
@@ -120,14 +122,22 @@ def threaded_router(
 def serve_in_thread(
     uds_path: str, make_config: Callable[..., RouterConfig]
 ) -> Callable[..., contextlib.AbstractContextManager[ThreadedRouter]]:
-    """`with serve_in_thread(step_delay_s=..., uvicorn_options=..., **config) as router:`"""
+    """`with serve_in_thread(step_delay_s=..., uvicorn_options=..., tokenizer=...,
+    **config) as router:`"""
 
     def start(
-        step_delay_s: float = 0.0, uvicorn_options: dict[str, Any] | None = None, **overrides: Any
+        step_delay_s: float = 0.0,
+        uvicorn_options: dict[str, Any] | None = None,
+        tokenizer: Any = None,
+        **overrides: Any,
     ) -> contextlib.AbstractContextManager[ThreadedRouter]:
         config = make_config(**overrides)
         return threaded_router(
-            uds_path, config, step_delay_s=step_delay_s, uvicorn_options=uvicorn_options
+            uds_path,
+            config,
+            step_delay_s=step_delay_s,
+            uvicorn_options=uvicorn_options,
+            tokenizer=tokenizer,
         )
 
     return start
