@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from textgate.kernels import cpu_layers, get_attention_backend, kv_quant
 from textgate.kernels.attention import AttentionBackend, AttentionMetadata
+from textgate.kernels.triton import layers as gpu_layers
 from textgate.quantization.weights import Weights
 from textgate.shard_server.kv_cache import KVCache
 from textgate.shard_server.layers.heads import HeadPartition
@@ -85,6 +86,17 @@ class LlamaAttention(nn.Module):
             self.num_kv_heads,
         )  # [T, H_q, D], or None off the CPU
         if query is None:
+            query = gpu_layers.rotary_and_store(
+                qkv,
+                ctx.cos,
+                ctx.sin_signed,
+                key_cache,
+                value_cache,
+                ctx.metadata.slot_mapping,
+                self.num_heads,
+                self.num_kv_heads,
+            )  # [T, H_q, D], or None off the GPU (and for a quantized cache)
+        if query is None:
             query = self._rotary_and_store(qkv, ctx)
         key_scales, value_scales = ctx.kv_cache.layer_scales(self.layer_idx)
         out = ctx.backend.forward(
@@ -132,6 +144,8 @@ class LlamaMLP(nn.Module):
         gate_up = self.gate_up_proj(hidden)  # [T, 2 * intermediate / world]
         activated = cpu_layers.silu_and_mul(gate_up)  # None off the CPU
         if activated is None:
+            activated = gpu_layers.silu_and_mul(gate_up)  # None off the GPU
+        if activated is None:
             gate, up = gate_up.chunk(2, dim=-1)
             activated = F.silu(gate) * up
         return self.down_proj(activated)
@@ -153,9 +167,17 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, hidden: Tensor, residual: Tensor | None, ctx: ForwardContext
     ) -> tuple[Tensor, Tensor]:
-        normed, residual = self.input_layernorm(hidden, residual)
-        normed, residual = self.post_attention_layernorm(self.self_attn(normed, ctx), residual)
+        normed, residual = add_rms_norm(self.input_layernorm, hidden, residual)
+        attended = self.self_attn(normed, ctx)
+        normed, residual = add_rms_norm(self.post_attention_layernorm, attended, residual)
         return self.mlp(normed), residual
+
+
+def add_rms_norm(norm: RMSNorm, x: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
+    """`norm(x, residual)`, fused in one Triton program on the GPU (the CPU's C kernel and
+    the reference run inside RMSNorm)."""
+    fused = gpu_layers.add_rms_norm(x, residual, norm.weight, norm.eps)
+    return fused if fused is not None else norm(x, residual)
 
 
 @register("llama", "mistral", "qwen2")
@@ -220,8 +242,10 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = layer(hidden, residual, ctx)
         assert residual is not None
         # The final norm is per row, so only the rows that need logits go through it.
-        hidden, _ = self.norm(
-            hidden.index_select(0, logits_indices), residual.index_select(0, logits_indices)
+        hidden, _ = add_rms_norm(
+            self.norm,
+            hidden.index_select(0, logits_indices),
+            residual.index_select(0, logits_indices),
         )  # [N, hidden]
         return self.lm_head(hidden).float()
 

@@ -65,12 +65,14 @@ def load_model(
     )
     model = model_class(config, weights, get_attention_backend(attention_backend))
     model.quantize = method
+    model.attention_backend_name = attention_backend
     log.info(
-        "Loaded %s weights (%s) on %s: %.1f MiB resident",
+        "Loaded %s weights (%s) on %s: %.1f MiB resident, attention backend %s",
         method or "unquantized",
         weights.dtype,
         weights.device,
         resident_bytes(model) / 2**20,
+        attention_backend,
     )
     return model
 

@@ -2,9 +2,31 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
+import torch
 
 from textgate.kernels.cpu_build import load_library
+
+# The Triton kernels' tests run on CUDA where there is a GPU, else on CPU tensors through
+# triton's interpreter, which must be chosen before any `@triton.jit` program is defined
+# (textgate.kernels loads its Triton programs on first use, never at import).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+#: Where the Triton tests run: "cuda" marked `gpu`, "cpu" in the interpreter (skipped when
+#: the programs are compiled for a GPU in this process).
+TRITON_DEVICES = [
+    pytest.param(
+        "cpu",
+        marks=pytest.mark.skipif(
+            os.environ.get("TRITON_INTERPRET") != "1", reason="triton is not interpreting"
+        ),
+    ),
+    pytest.param("cuda", marks=pytest.mark.gpu),
+]
 
 
 @pytest.fixture
@@ -13,3 +35,11 @@ def fresh_library():
     load_library.cache_clear()
     yield
     load_library.cache_clear()
+
+
+@pytest.fixture(params=TRITON_DEVICES)
+def triton_device(request: pytest.FixtureRequest) -> str:
+    """The device a Triton test runs on (parametrized: cpu under the interpreter, cuda)."""
+    if sys.platform != "linux":  # triton ships Linux wheels only; elsewhere a dev dep is absent
+        pytest.importorskip("triton")
+    return str(request.param)

@@ -249,8 +249,8 @@ def test_registry():
     assert isinstance(get_attention_backend(), CpuAttentionBackend)
     assert isinstance(get_attention_backend("cpu"), CpuAttentionBackend)
     assert isinstance(get_attention_backend("sdpa"), SdpaAttentionBackend)
-    with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
-        get_attention_backend("flash")
+    with pytest.raises(ValueError, match="unknown attention backend 'paged'"):
+        get_attention_backend("paged")
     with pytest.raises(ValueError, match="already registered"):
         register_attention_backend("sdpa")(SdpaAttentionBackend)
 

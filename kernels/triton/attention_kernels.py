@@ -1,0 +1,309 @@
+"""The Triton programs of the paged-attention backend (host side: kernels/triton/attention.py).
+
+Every program reads keys and values in place through the block tables, one cache block
+(page) per loop iteration, and keeps a streaming softmax in float32 (running max m,
+running sum l, unnormalized accumulator acc), in base 2: scores are scaled by
+scale * log2(e) so exp2 stands in for exp. GQA: one program serves every query head of
+one kv head, so each key/value page is loaded once per group, not once per query head.
+
+Masked scores are -inf; the running max starts at a finite -1e30 so a row that has seen
+only masked keys never computes (-inf) - (-inf).
+
+The module imports triton; it is loaded on first use only.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# log2(e): exp(x) = exp2(x * LOG2E).
+LOG2E = 1.4426950408889634
+NO_MAX: tl.constexpr = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def _dot(a, b, UPCAST: tl.constexpr):
+    """a @ b with float32 accumulation. UPCAST: multiply in float32 (the interpreter's
+    bfloat16 dot is wrong; float32 caches take the exact path)."""
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _load_page(
+    cache_ptr,
+    scales_ptr,
+    block,
+    kv_head,
+    valid,
+    dims,
+    dim_mask,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_sb,
+    stride_ss,
+    BLOCK_SIZE: tl.constexpr,
+    QUANTIZED: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+):
+    """One page of one kv head → [BLOCK_SIZE, BLOCK_D] in OUT_DTYPE; slots that are not
+    `valid` read as zeros. A quantized page is dequantized with its per-slot scales."""
+    slots = tl.arange(0, BLOCK_SIZE)
+    offsets = block * stride_cb + slots[:, None] * stride_cs + kv_head * stride_ch + dims[None, :]
+    page = tl.load(cache_ptr + offsets, mask=valid[:, None] & dim_mask[None, :], other=0.0)
+    if QUANTIZED:
+        scale_offsets = block * stride_sb + slots * stride_ss + kv_head
+        scales = tl.load(scales_ptr + scale_offsets, mask=valid, other=0.0)
+        return (page.to(tl.float32) * scales[:, None]).to(OUT_DTYPE)
+    return page.to(OUT_DTYPE)
+
+
+@triton.jit
+def paged_decode_kernel(
+    query_ptr,  # [B, H_q, D]: one query per sequence
+    key_cache_ptr,  # [N, bs, H_kv, D]
+    value_cache_ptr,
+    key_scales_ptr,  # [N, bs, H_kv] float32 (QUANTIZED only)
+    value_scales_ptr,
+    block_tables_ptr,  # [B, max_blocks]
+    seq_lens_ptr,  # [B]
+    out_ptr,  # [B, H_q, D] (NUM_SPLITS == 1)
+    part_acc_ptr,  # [B, H_q, NUM_SPLITS, BLOCK_D] float32 (NUM_SPLITS > 1)
+    part_max_ptr,  # [B, H_q, NUM_SPLITS] float32
+    part_sum_ptr,  # [B, H_q, NUM_SPLITS] float32
+    qk_scale,  # softmax scale * log2(e)
+    window,  # sliding window in tokens (USE_WINDOW)
+    pages_per_split,
+    stride_qt,
+    stride_qh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_sb,
+    stride_ss,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    QUANTIZED: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Program (sequence, kv head, split): the GROUP queries of the kv head over the
+    split's pages. With one split it writes the output; with more it writes its partial
+    (acc, max, sum) for `paged_decode_reduce_kernel` (split-K over long contexts)."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    members = tl.arange(0, BLOCK_G)
+    heads = kv_head * GROUP + members
+    head_mask = members < GROUP
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    query = tl.load(
+        query_ptr + seq * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+        mask=head_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    )  # [BLOCK_G, BLOCK_D]
+    num_pages = tl.cdiv(seq_len, BLOCK_SIZE)
+    first_page = split * pages_per_split
+    end_page = tl.minimum(first_page + pages_per_split, num_pages)
+    if USE_WINDOW:
+        # The query at seq_len - 1 sees keys at positions > seq_len - 1 - window.
+        first_page = tl.maximum(first_page, tl.maximum(seq_len - window, 0) // BLOCK_SIZE)
+    m_i = tl.full([BLOCK_G], NO_MAX, tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    slots = tl.arange(0, BLOCK_SIZE)
+    for page in range(first_page, end_page):
+        block = tl.load(block_tables_ptr + seq * stride_bt + page).to(tl.int64)
+        positions = page * BLOCK_SIZE + slots
+        valid = positions < seq_len
+        if USE_WINDOW:
+            valid = valid & (positions > seq_len - 1 - window)
+        keys = _load_page(
+            key_cache_ptr, key_scales_ptr, block, kv_head, valid, dims, dim_mask,
+            stride_cb, stride_cs, stride_ch, stride_sb, stride_ss,
+            BLOCK_SIZE, QUANTIZED, query.dtype,
+        )  # fmt: skip
+        values = _load_page(
+            value_cache_ptr, value_scales_ptr, block, kv_head, valid, dims, dim_mask,
+            stride_cb, stride_cs, stride_ch, stride_sb, stride_ss,
+            BLOCK_SIZE, QUANTIZED, query.dtype,
+        )  # fmt: skip
+        scores = _dot(query, tl.trans(keys), UPCAST) * qk_scale  # [BLOCK_G, BLOCK_SIZE]
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        p = tl.math.exp2(scores - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(values.dtype), values, UPCAST)
+        m_i = m_new
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=head_mask[:, None] & dim_mask[None, :],
+        )
+    else:
+        row = (seq * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split  # [BLOCK_G]
+        tl.store(part_max_ptr + row, m_i, mask=head_mask)
+        tl.store(part_sum_ptr + row, l_i, mask=head_mask)
+        tl.store(
+            part_acc_ptr + row[:, None] * BLOCK_D + dims[None, :], acc, mask=head_mask[:, None]
+        )
+
+
+@triton.jit
+def paged_decode_reduce_kernel(
+    part_acc_ptr,  # [B, H_q, NUM_SPLITS, BLOCK_D] float32
+    part_max_ptr,  # [B, H_q, NUM_SPLITS]
+    part_sum_ptr,
+    out_ptr,  # [B, H_q, D]
+    stride_ot,
+    stride_oh,
+    num_heads,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Program (sequence, query head): merge the splits' partial softmaxes. A split that
+    saw no key has max -1e30 and sum 0, so its weight exp2(max - global max) is 0."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_S)
+    split_mask = splits < NUM_SPLITS
+    dims = tl.arange(0, BLOCK_D)
+    row = (seq * num_heads + head) * NUM_SPLITS + splits  # [BLOCK_S]
+    maxes = tl.load(part_max_ptr + row, mask=split_mask, other=float("-inf"))
+    sums = tl.load(part_sum_ptr + row, mask=split_mask, other=0.0)
+    accs = tl.load(
+        part_acc_ptr + row[:, None] * BLOCK_D + dims[None, :], mask=split_mask[:, None], other=0.0
+    )  # [BLOCK_S, BLOCK_D]
+    weights = tl.math.exp2(maxes - tl.max(maxes, 0))
+    total = tl.sum(sums * weights, 0)
+    out = tl.sum(accs * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(
+        out_ptr + seq * stride_ot + head * stride_oh + dims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dims < HEAD_DIM,
+    )
+
+
+@triton.jit
+def paged_prefill_kernel(
+    query_ptr,  # [T, H_q, D]
+    key_cache_ptr,  # [N, bs, H_kv, D]
+    value_cache_ptr,
+    key_scales_ptr,  # [N, bs, H_kv] float32 (QUANTIZED only)
+    value_scales_ptr,
+    block_tables_ptr,  # [B, max_blocks]
+    seq_lens_ptr,  # [B]
+    query_start_ptr,  # [B + 1]
+    tile_seq_ptr,  # [num_tiles] sequence of each tile; num_seqs or more: an empty tile
+    tile_first_ptr,  # [num_tiles] first query (within its sequence) of each tile
+    out_ptr,  # [T, H_q, D]
+    qk_scale,
+    window,
+    num_seqs,
+    stride_qt,
+    stride_qh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_sb,
+    stride_ss,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    QUANTIZED: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Program (tile, kv head): BLOCK_Q consecutive new tokens of one sequence × the GROUP
+    query heads of the kv head, as BLOCK_Q * BLOCK_G rows (row r: token r // BLOCK_G,
+    member r % BLOCK_G), over the cached prefix and the new tokens, causally."""
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.load(tile_seq_ptr + tile)
+    if seq >= num_seqs:
+        return
+    query_start = tl.load(query_start_ptr + seq)
+    query_len = tl.load(query_start_ptr + seq + 1) - query_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - query_len
+    first_query = tl.load(tile_first_ptr + tile)
+    rows = tl.arange(0, BLOCK_Q * BLOCK_G)
+    tokens = first_query + rows // BLOCK_G  # within the sequence's new tokens
+    members = rows % BLOCK_G
+    row_mask = (tokens < query_len) & (members < GROUP)
+    heads = kv_head * GROUP + members
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    row_offsets = (query_start + tokens).to(tl.int64) * stride_qt + heads * stride_qh
+    query = tl.load(
+        query_ptr + row_offsets[:, None] + dims[None, :],
+        mask=row_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    )  # [BLOCK_Q * BLOCK_G, BLOCK_D]
+    query_pos = context_len + tokens  # absolute positions
+    last_pos = context_len + tl.minimum(first_query + BLOCK_Q, query_len) - 1
+    end_page = tl.cdiv(last_pos + 1, BLOCK_SIZE)
+    first_page = 0
+    if USE_WINDOW:
+        first_page = tl.maximum(context_len + first_query - window + 1, 0) // BLOCK_SIZE
+    m_i = tl.full([BLOCK_Q * BLOCK_G], NO_MAX, tl.float32)
+    l_i = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], tl.float32)
+    slots = tl.arange(0, BLOCK_SIZE)
+    for page in range(first_page, end_page):
+        block = tl.load(block_tables_ptr + seq * stride_bt + page).to(tl.int64)
+        positions = page * BLOCK_SIZE + slots
+        in_seq = positions <= last_pos
+        keys = _load_page(
+            key_cache_ptr, key_scales_ptr, block, kv_head, in_seq, dims, dim_mask,
+            stride_cb, stride_cs, stride_ch, stride_sb, stride_ss,
+            BLOCK_SIZE, QUANTIZED, query.dtype,
+        )  # fmt: skip
+        values = _load_page(
+            value_cache_ptr, value_scales_ptr, block, kv_head, in_seq, dims, dim_mask,
+            stride_cb, stride_cs, stride_ch, stride_sb, stride_ss,
+            BLOCK_SIZE, QUANTIZED, query.dtype,
+        )  # fmt: skip
+        scores = _dot(query, tl.trans(keys), UPCAST) * qk_scale  # [rows, BLOCK_SIZE]
+        visible = positions[None, :] <= query_pos[:, None]
+        if USE_WINDOW:
+            visible = visible & (positions[None, :] > query_pos[:, None] - window)
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        p = tl.math.exp2(scores - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(values.dtype), values, UPCAST)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out_offsets = (query_start + tokens).to(tl.int64) * stride_ot + heads * stride_oh
+    tl.store(
+        out_ptr + out_offsets[:, None] + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & dim_mask[None, :],
+    )
