@@ -235,7 +235,12 @@ def test_info_reports_the_kv_dtype_and_bytes_per_token(tiny_model_dir):
     assert info.kv_cache_bytes_per_token == 2 * layers * heads * (dim + 4)
     assert _paged(tiny_model_dir, "auto").describe().kv_cache_dtype == "bfloat16"
     config = RouterConfig(
-        model_id="m", tokenizer_path="t", max_input_tokens=32, max_total_tokens=64
+        model_id="m",
+        tokenizer_path="t",
+        max_input_tokens=32,
+        max_total_tokens=64,
+        max_batch_prefill_tokens=64,
+        max_batch_total_tokens=256,
     )
     body = info_response(config, info)
     assert body.kv_cache_dtype == "fp8_e4m3"
