@@ -29,6 +29,8 @@
   };
   // The conversation so far (OpenAI messages, without the system prompt).
   const history = [];
+  // Bumped by "New chat", so an answer that ends after it stays out of the new conversation.
+  let conversation = 0;
   let controller = null;
 
   // ---- settings, remembered in this browser ----
@@ -386,7 +388,9 @@
     const meter = { start: performance.now(), first: null, last: null, tokens: 0, usage: null };
     let failure = null;
     let stopped = false;
+    let ended = false;
     let finish = null;
+    const started = conversation;
     controller = new AbortController();
     setBusy(true);
     try {
@@ -398,7 +402,10 @@
       });
       if (!response.ok) throw new Error(await httpError(response));
       for await (const data of sseData(response)) {
-        if (data === "[DONE]") break;
+        if (data === "[DONE]") {
+          ended = true;
+          break;
+        }
         const chunk = JSON.parse(data);
         if (chunk.error) {
           failure = streamError(chunk);
@@ -421,6 +428,7 @@
         }
         schedulePaint(view, answer, meter);
       }
+      if (!ended && failure === null) failure = "The connection closed before the answer ended.";
     } catch (error) {
       if (error.name === "AbortError") stopped = true;
       else failure = error.message || String(error);
@@ -437,7 +445,9 @@
       showError(failure);
     }
     // The conversation keeps what was said, a stopped answer's part included.
-    if (answer.text) history.push(user, { role: "assistant", content: answer.text });
+    if (answer.text && started === conversation) {
+      history.push(user, { role: "assistant", content: answer.text });
+    }
     ui.prompt.focus();
   }
 
@@ -447,6 +457,7 @@
 
   function newChat() {
     stop();
+    conversation += 1;
     history.length = 0;
     for (const message of ui.log.querySelectorAll(".message")) message.remove();
     ui.empty.hidden = false;

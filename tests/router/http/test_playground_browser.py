@@ -209,6 +209,13 @@ async def test_answers_stream_in_with_stats_history_and_settings(
     second = fake.received_requests()[1]
     assert second.inputs.startswith(f"Answer in w7 words. w5\n {text} w6")
 
+    # New chat forgets it.
+    await page.evaluate("document.querySelector('#new-chat').click(), true")
+    assert await page.evaluate("document.querySelectorAll('.message').length") == 0
+    await ask(page, "w6")
+    await wait_answered(page, 1)
+    assert fake.received_requests()[2].inputs == "Answer in w7 words. w6 w9"
+
     # Settings survive a reload (localStorage).
     await page.goto(f"{url}/chat")
     assert await page.evaluate("document.querySelector('#max-tokens').value") == "40"
@@ -325,3 +332,47 @@ async def test_errors_are_shown_and_the_api_key_is_sent_and_remembered(
     assert failed == shown
     network = [p for p in page.problems() if "401" not in p]
     assert network == []
+
+
+@pytest.mark.e2e
+async def test_the_default_model_streams_into_the_page_and_stops(
+    browser: Chromium, live_server: str, tmp_path: Path
+) -> None:
+    """The launcher serving the embedded default model: the same page, real tokens, a real
+    stop. Its screenshots are the docs' (TEXTGATE_SCREENSHOT_DIR=docs/images)."""
+    page = await open_playground(browser, live_server)
+    await set_field(page, "#temperature", "0")
+    await set_field(page, "#max-tokens", "40")
+    await ask(page, "Write a Python function that adds two numbers.")
+    text = await wait_answered(page, 1, timeout_s=120)
+    assert text.strip()
+    updates = await page.evaluate("window.__updates")
+    assert len({length for _, length, streaming in updates if streaming and length}) >= 5
+    stats = await page.evaluate("document.querySelector('.message.assistant .stats').textContent")
+    assert re.fullmatch(r"TTFT \d+ ms · \d+ tokens · \d+\.\d tokens/s", stats), stats
+    shots = screenshot_dir(tmp_path)
+    await page.screenshot(shots / "playground-desktop.png")
+    await page.resize(360, 740)
+    await page.evaluate(
+        "document.querySelector('#settings').open = false,"
+        " window.scrollTo(0, document.body.scrollHeight), true"
+    )
+    assert await page.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
+    await page.screenshot(shots / "playground-phone.png")
+
+    async with httpx.AsyncClient(base_url=live_server, timeout=30) as client:
+        before = await cancelled_count(client)
+        await set_field(page, "#max-tokens", "1000")
+        await ask(page, "Tell me a very long story about a lighthouse keeper.")
+        await page.wait_until(f"{LAST_BODY}.textContent.trim().length > 0", 120)
+        await page.evaluate("document.querySelector('#stop').click(), true")
+        await wait_answered(page, 2, timeout_s=10)
+        idle = re.compile(r"^tgi_batch_current_size 0(\.0)?$", re.MULTILINE)
+        for _ in range(100):
+            metrics = (await client.get("/metrics")).text
+            if await cancelled_count(client) > before and idle.search(metrics):
+                break
+            await asyncio.sleep(0.05)
+        assert await cancelled_count(client) == before + 1
+        assert idle.search(metrics), "the engine still runs the stopped answer"
+    assert page.problems() == []
