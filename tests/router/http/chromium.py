@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 NOT_INSTALLED = (
-    "Chromium is not installed: `make setup` installs Debian's `chromium` package "
-    "(apt-get, as root or with sudo). Set TEXTGATE_SKIP_BROWSER_TESTS=1 to skip these tests."
+    "Chromium is not installed: `make test` (its `browser` step) installs Debian's `chromium` "
+    "package with apt-get, as root or with sudo. TEXTGATE_SKIP_BROWSER_TESTS=1 skips these tests."
 )
 # Headless in a container: no sandbox for root, no GPU, /dev/shm may be tiny, and nothing
 # that reaches the network on its own (the tests run offline).
@@ -62,7 +62,7 @@ def chromium_executable() -> str | None:
     """The system Chromium's path ($CHROMIUM overrides), or None when there is none."""
     override = os.environ.get("CHROMIUM")
     if override:
-        return override
+        return shutil.which(override)
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
 
