@@ -222,12 +222,12 @@
         const ordered = /\d/.test(item[1]);
         const list = element(ordered ? "ol" : "ul");
         if (ordered && parseInt(item[1], 10) !== 1) list.start = parseInt(item[1], 10);
-        for (let m = item; i < lines.length && m && /\d/.test(m[1]) === ordered;
-          m = lines[i] === undefined ? null : lines[i].match(LIST_ITEM)) {
+        for (; i < lines.length; i += 1) {
+          const next = lines[i].match(LIST_ITEM);
+          if (!next || /\d/.test(next[1]) !== ordered) break;
           const li = element("li");
-          appendInline(li, m[2]);
+          appendInline(li, next[2]);
           list.append(li);
-          i += 1;
         }
         fragment.append(list);
         continue;

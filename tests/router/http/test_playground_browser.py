@@ -35,7 +35,8 @@ CODE_ANSWER = (
     "## Streaming\n\nCall the **OpenAI** route with `stream=True`:\n\n"
     "```python\nfor chunk in client.chat.completions.create(stream=True):\n"
     "    print(chunk.choices[0].delta.content, end='')\n```\n"
-    "- tokens arrive as they are made\n- *Stop* cancels on the server"
+    "- tokens arrive as they are made\n- *Stop* cancels on the server\n\n"
+    "> see [the docs](https://example.com/docs)\n\n1. first\n2. second"
 )
 INJECTION_ANSWER = (
     'Here: <script>window.__pwned = "script"</script> and '
@@ -242,7 +243,11 @@ async def test_markdown_renders_as_nodes_and_model_html_never_runs(
     tags = await page.evaluate(
         f"[...{LAST_BODY}.querySelectorAll('*')].map(e => e.tagName.toLowerCase())"
     )
-    assert {"h3", "strong", "code", "pre", "ul", "li", "em"} <= set(tags)
+    assert {"h3", "strong", "code", "pre", "ul", "li", "em", "blockquote", "ol"} <= set(tags)
+    link = await page.evaluate(
+        f"(a => [a.href, a.rel, a.textContent])({LAST_BODY}.querySelector('blockquote a'))"
+    )
+    assert link == ["https://example.com/docs", "noopener noreferrer", "the docs"]
     stats = await page.evaluate("[...document.querySelectorAll('.stats')].at(-1).textContent")
     assert f" · {len(pieces(CODE_ANSWER))} tokens" in stats
 
