@@ -1,6 +1,7 @@
 """The native Llama model on the Triton path (attention backend and fused layer ops) gives
 the torch backend's logits, on a tiny random config, over prefill, prefix-cached chunks,
-decodes and mixed steps. On CPU tensors in triton's interpreter, or on CUDA (`-m gpu`)."""
+decodes and mixed steps, with a float or an int8 KV cache. On CPU tensors in triton's
+interpreter, or on CUDA (`-m gpu`)."""
 
 from __future__ import annotations
 
@@ -83,8 +84,11 @@ STEPS = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_logits_match_the_torch_backend(checkpoint, triton_device, monkeypatch, dtype):
+@pytest.mark.parametrize(
+    ("dtype", "kv_dtype"),
+    [(torch.float32, None), (torch.bfloat16, None), (torch.float32, torch.int8)],
+)
+def test_logits_match_the_torch_backend(checkpoint, triton_device, monkeypatch, dtype, kv_dtype):
     monkeypatch.setattr(cpu_build, "load_library", lambda: None)  # no C kernels on either side
     fused_norms = 0
     fused = layers.add_rms_norm
@@ -98,6 +102,8 @@ def test_logits_match_the_torch_backend(checkpoint, triton_device, monkeypatch, 
     def run(dtype: torch.dtype, backend: str, devices: tuple[str, ...]) -> list[torch.Tensor]:
         monkeypatch.setattr(layers, "enabled_devices", devices)
         model = load_model(checkpoint, dtype, triton_device, attention_backend=backend)
+        if kv_dtype is not None:  # both sides read the same quantized cache
+            model.set_kv_cache_dtype(kv_dtype)
         runner = Runner(model, triton_device)
         return [runner.step(step) for step in STEPS]
 
