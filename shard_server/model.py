@@ -14,6 +14,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from textgate.proto import generate_pb2 as pb
+from textgate.shard_server.grammar import GrammarMasks
 from textgate.shard_server.sampler import Sampler, SamplerOutput, SamplingTensors
 from textgate.shard_server.sequence import Sequence, TokenizerInfo
 
@@ -77,8 +78,10 @@ def sample(
     sequences: Seq[Sequence],
     params: SamplingTensors,
     info: TokenizerInfo,
+    grammar: GrammarMasks | None = None,
 ) -> SamplerOutput:
-    """Run the sampler with the penalties and eos suppression the sequences need."""
+    """Run the sampler with the penalties, eos suppression and grammar masks the
+    sequences need."""
     counts = _token_counts(sequences, logits) if params.any_penalty else None
     suppress = None
     if any(s.stopping.suppress_eos for s in sequences) and info.eos_token_ids:
@@ -87,7 +90,7 @@ def sample(
         for row, seq in enumerate(sequences):
             if seq.stopping.suppress_eos:
                 suppress[row, eos] = True
-    return sampler(logits, params, counts, suppress)
+    return sampler(logits, params, counts, suppress, grammar)
 
 
 def _token_counts(sequences: Seq[Sequence], logits: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ from textgate.kernels.kv_quant import KV_CACHE_DTYPES, kv_dtype_name, resolve_kv
 from textgate.proto import generate_pb2 as pb
 from textgate.quantization.resident import resident_bytes
 from textgate.shard_server.autoconfig import DtypeChoice, warmup_measurements
+from textgate.shard_server.grammar import GrammarCompiler, GrammarError, MaskFiller
 from textgate.shard_server.kv_cache import KVCache
 from textgate.shard_server.model import (
     PAGED_ONLY,
@@ -101,6 +102,10 @@ class PagedModel(ShardModel):
         # Raises when the model's attention backend cannot read the quantized cache.
         model.set_kv_cache_dtype(resolve_kv_cache_dtype(cache_config.kv_cache_dtype, model.dtype))
         self.sampler = Sampler()
+        self.grammars = GrammarCompiler(
+            info.tokenizer, model.config.vocab_size, sorted(info.eos_token_ids)
+        )
+        self.mask_filler = MaskFiller()
         self.sequences: dict[int, Sequence] = {}
         self.kv_cache: KVCache | None = None
         self._prompt_logprobs: dict[int, list[float]] = {}
@@ -205,11 +210,17 @@ class PagedModel(ShardModel):
             raise RuntimeError("the KV cache is not allocated: Warmup must run first")
         for request_id in plan.finished_ids:
             self._drop(request_id)
-        for request in new_requests:
-            self.sequences[request.id] = Sequence.from_pb(request, self.info, self.device)
-        if not plan.scheduled:
-            return pb.StepResponse()
-        inputs = self._inputs(plan.scheduled)
+        rejected = self._admit(new_requests)
+        scheduled = list(plan.scheduled)
+        if rejected:
+            refused = {g.request_id for g in rejected}
+            scheduled = [s for s in scheduled if s.request_id not in refused]
+        if not scheduled:
+            return pb.StepResponse(generations=rejected)
+        inputs = self._inputs(scheduled)
+        # Grammar masks are filled on a worker thread while the forward pass runs.
+        states = [seq.grammar for seq in inputs.sampled]
+        masks = self.mask_filler.start(states, self.grammars.vocab_size)
         with torch.inference_mode():
             logits = self.model(
                 inputs.input_ids,
@@ -227,7 +238,8 @@ class PagedModel(ShardModel):
                 # skip copying [S, V] (a decode step's common case).
                 if len(inputs.sample_rows) != logits.shape[0]:
                     rows = logits[inputs.sample_rows]
-                result = sample(self.sampler, rows, inputs.sampled, params, self.info)
+                grammar = masks.result() if masks is not None else None
+                result = sample(self.sampler, rows, inputs.sampled, params, self.info, grammar)
         forward_done = time.perf_counter_ns()
         generations: list[pb.Generation] = []
         if result is not None:
@@ -238,10 +250,23 @@ class PagedModel(ShardModel):
                 if seq.id not in still:
                     self._drop(seq.id)
         return pb.StepResponse(
-            generations=generations,
+            generations=rejected + generations,
             forward_ns=forward_done - start,
             decode_ns=time.perf_counter_ns() - forward_done,
         )
+
+    def _admit(self, requests: Seq[pb.Request]) -> list[pb.Generation]:
+        """Add the new requests' sequences; a request whose grammar does not compile is
+        not added, and answered with an error Generation instead."""
+        rejected = []
+        for request in requests:
+            try:
+                seq = Sequence.from_pb(request, self.info, self.device, self.grammars)
+            except GrammarError as exc:
+                rejected.append(pb.Generation(request_id=request.id, error=str(exc)))
+                continue
+            self.sequences[request.id] = seq
+        return rejected
 
     def _drop(self, request_id: int) -> None:
         self.sequences.pop(request_id, None)

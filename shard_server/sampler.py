@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from textgate.proto import generate_pb2 as pb
+from textgate.shard_server.grammar import GrammarMasks
 
 if TYPE_CHECKING:
     from textgate.shard_server.sequence import Sequence as Seq
@@ -135,12 +136,15 @@ class Sampler:
         params: SamplingTensors,
         token_counts: torch.Tensor | None = None,
         suppress_ids: torch.Tensor | None = None,
+        grammar: GrammarMasks | None = None,
     ) -> SamplerOutput:
         """Choose one token per row.
 
         logits: [B, V] float32. token_counts: [B, V] occurrences of each token in the
         request so far (prompt + generated), needed only when a penalty is active.
         suppress_ids: [B, V] bool, tokens that must not be chosen (eos before min_new_tokens).
+        grammar: the token masks of the rows with a grammar (structured output); the
+        others are left as they are.
         """
         logits = logits.float()
         if any(params.logit_bias):
@@ -149,6 +153,9 @@ class Sampler:
             logits = apply_penalties(logits, token_counts, params)
         if suppress_ids is not None:
             logits = logits.masked_fill(suppress_ids, float("-inf"))
+        if grammar is not None:
+            # Before the warpers: top-k/top-p choose among the tokens the grammar allows.
+            logits = apply_grammar(logits, grammar)
         warped = apply_warpers(logits, params) if any(params.do_sample) else logits
         logprobs = torch.log_softmax(warped, dim=-1)  # [B, V]
         next_ids = logprobs.argmax(dim=-1, keepdim=True)  # [B, 1]
@@ -195,6 +202,15 @@ def apply_logit_bias(logits: torch.Tensor, logit_bias: list[dict[int, float]]) -
         torch.tensor(cols, device=logits.device),
     )
     return logits.index_put(index, torch.tensor(values, device=logits.device), accumulate=True)
+
+
+def apply_grammar(logits: torch.Tensor, grammar: GrammarMasks) -> torch.Tensor:
+    """logits [B, V] with every token a row's grammar forbids at -inf (a new tensor; the
+    rows without a grammar are copied unchanged)."""
+    rows = torch.tensor(grammar.rows, dtype=torch.int64, device=logits.device)  # [G]
+    allowed = grammar.allowed(logits.shape[1], logits.device)  # [G, V]
+    masked = logits.index_select(0, rows).masked_fill(~allowed, float("-inf"))  # [G, V]
+    return logits.index_copy(0, rows, masked)
 
 
 def apply_penalties(

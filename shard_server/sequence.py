@@ -9,6 +9,7 @@ import torch
 
 from textgate.proto import generate_pb2 as pb
 from textgate.shard_server.detokenizer import IncrementalDetokenizer
+from textgate.shard_server.grammar import GrammarCompiler, GrammarError, GrammarState
 from textgate.shard_server.stopping import StoppingCriteria
 
 
@@ -48,11 +49,24 @@ class Sequence:
     detokenizer: IncrementalDetokenizer
     # Seeded once from the request: sampling is reproducible alone or in any batch.
     generator: torch.Generator
+    grammar: GrammarState | None = None
+    """Where the text is in the request's grammar (structured output); None: unconstrained."""
 
     @classmethod
     def from_pb(
-        cls, request: pb.Request, info: TokenizerInfo, device: torch.device | None = None
+        cls,
+        request: pb.Request,
+        info: TokenizerInfo,
+        device: torch.device | None = None,
+        grammars: GrammarCompiler | None = None,
     ) -> Sequence:
+        """The request's state before its first token; GrammarError when its grammar does
+        not compile (or this shard has no `grammars` to compile it with)."""
+        grammar = None
+        if request.HasField("grammar"):
+            if grammars is None:
+                raise GrammarError("grammars need a paged shard (a native model)")
+            grammar = grammars.state(request.grammar)
         ids = list(request.input_ids)
         generator = torch.Generator(device=device or "cpu")
         generator.manual_seed(request.parameters.seed)
@@ -63,6 +77,7 @@ class Sequence:
             stopping=StoppingCriteria.from_pb(request.stopping_parameters, info.eos_token_ids),
             detokenizer=IncrementalDetokenizer.for_prompt(len(ids)),
             generator=generator,
+            grammar=grammar,
         )
 
     @property
@@ -89,6 +104,12 @@ class Sequence:
         self.all_ids.append(token_id)
         text = self.detokenizer.step(info.tokenizer, self.all_ids)
         reason = self.stopping(token_id, text)
+        if self.grammar is not None:
+            # The mask allowed only tokens the grammar accepts. Its end accepts only
+            # end-of-sequence: the text is complete even when the request ignores eos.
+            self.grammar.accept(token_id)
+            if reason is None and self.grammar.terminated:
+                reason = pb.FINISH_REASON_EOS_TOKEN
         generation = pb.Generation(
             request_id=self.id,
             tokens=pb.Tokens(

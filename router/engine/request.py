@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Literal
 
 from textgate.proto import generate_pb2 as pb
 
@@ -48,6 +49,26 @@ class StoppingParams:
         )
 
 
+GrammarKind = Literal["json", "regex", "ebnf"]
+_GRAMMAR_TYPES: dict[str, pb.GrammarType] = {
+    "json": pb.GRAMMAR_TYPE_JSON,
+    "regex": pb.GRAMMAR_TYPE_REGEX,
+    "ebnf": pb.GRAMMAR_TYPE_EBNF,
+}
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A constraint on the generated text (structured output), enforced by the shards."""
+
+    kind: GrammarKind
+    value: str
+    """A JSON schema as JSON text, a regular expression, or an EBNF grammar."""
+
+    def to_pb(self) -> pb.Grammar:
+        return pb.Grammar(type=_GRAMMAR_TYPES[self.kind], value=self.value)
+
+
 @dataclass(frozen=True)
 class ValidRequest:
     """A validated generation request, ready to be queued and sent to the shards."""
@@ -63,6 +84,8 @@ class ValidRequest:
     """Ask the shard for the prompt tokens' logprobs."""
     best_of: int = 1
     """Candidates to generate; the response keeps the one with the highest logprob sum."""
+    grammar: GrammarSpec | None = None
+    """The text must match this grammar; None: unconstrained."""
 
     @property
     def input_length(self) -> int:
@@ -90,4 +113,5 @@ class ValidRequest:
             stopping_parameters=self.stopping.to_pb(),
             prefill_logprobs=self.decoder_input_details,
             top_n_tokens=self.top_n_tokens,
+            grammar=None if self.grammar is None else self.grammar.to_pb(),
         )

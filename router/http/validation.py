@@ -15,7 +15,13 @@ from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 from textgate.router.config import RouterConfig
-from textgate.router.engine.request import SamplingParams, StoppingParams, ValidRequest
+from textgate.router.engine.request import (
+    GrammarSpec,
+    SamplingParams,
+    StoppingParams,
+    ValidRequest,
+)
+from textgate.router.tgi.grammar import GrammarSpecError, parse_grammar
 from textgate.router.tgi.schemas import GenerateParameters, GenerateRequest, SimpleToken
 
 MAX_SEED = 2**64
@@ -105,6 +111,7 @@ class Validator:
             top_n_tokens=params.top_n_tokens or 0,
             decoder_input_details=params.decoder_input_details,
             best_of=best_of,
+            grammar=_grammar(params),
         )
 
     async def tokenize(self, request: GenerateRequest) -> list[SimpleToken]:
@@ -238,8 +245,22 @@ def _check_unsupported(p: GenerateParameters) -> None:
         raise ValidationError("`watermark` is not supported: this server does not watermark")
     if p.adapter_id is not None:
         raise ValidationError("`adapter_id` is not supported: this server loads no adapters")
-    if p.grammar is not None:
-        raise ValidationError("grammar is not supported")
+
+
+def _grammar(p: GenerateParameters) -> GrammarSpec | None:
+    if p.grammar is None:
+        return None
+    if p.min_new_tokens:
+        raise ValidationError(
+            "`min_new_tokens` cannot be combined with `grammar`: the grammar decides where "
+            "the text ends"
+        )
+    if isinstance(p.grammar, GrammarSpec):  # built by the router (OpenAI routes)
+        return p.grammar
+    try:
+        return parse_grammar(p.grammar)
+    except GrammarSpecError as exc:
+        raise ValidationError(f"Grammar is not valid: {exc}") from None
 
 
 def _check_stream(p: GenerateParameters, stream: bool) -> None:

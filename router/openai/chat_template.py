@@ -40,20 +40,24 @@ def render_chat(
     *,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
     """The prompt for `messages`.
 
     `add_generation_prompt` ends it with the template's assistant header, so the model
     answers; `continue_final_message` instead leaves the last (assistant) message open,
-    so the model continues it (prefill). The two exclude each other.
+    so the model continues it (prefill). The two exclude each other. `tools` (OpenAI's
+    shape) go to a template that renders them in its own format.
     """
     _check_request(tokenizer, messages, add_generation_prompt, continue_final_message)
+    extra = {} if tools is None else {"tools": tools}
     try:
         prompt = cast(ChatTokenizer, tokenizer).apply_chat_template(
             [dict(m) for m in messages],
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            **extra,
         )
     except Exception as exc:
         # Templates raise on conversations they refuse (roles that do not alternate, a

@@ -27,6 +27,7 @@ from textgate.router.openai.schemas import (
     TopLogprob,
     Usage,
 )
+from textgate.router.openai.tools import read_answer
 from textgate.router.tgi.output import Generated
 from textgate.router.tgi.schemas import FinishReason
 
@@ -212,22 +213,34 @@ def chat_completion(
     options: TextOptions,
     *,
     logprobs: bool,
+    tools: bool = False,
 ) -> ChatCompletion:
-    """A non-streamed chat answer, one choice per result."""
+    """A non-streamed chat answer, one choice per result; with `tools`, each result's
+    text is a tool call object (router/openai/tools.py) read back into `tool_calls`."""
     choices = [
         ChatChoice(
             index=i,
-            message=AssistantMessage(content=answer_text(g.finished, options)),
+            message=_message(answer_text(g.finished, options), tools),
             logprobs=chat_logprobs(g.tokens, g.top_tokens) if logprobs else None,
             finish_reason=finish_reason(g.finished.finish_reason),
         )
         for i, g in enumerate(results)
     ]
+    for choice in choices:
+        if choice.message.tool_calls and choice.finish_reason == "stop":
+            choice.finish_reason = "tool_calls"
     return ChatCompletion(
         **meta.fields(),
         choices=choices,
         usage=usage(prompt_tokens, sum(g.finished.generated_tokens for g in results)),
     )
+
+
+def _message(text: str, tools: bool) -> AssistantMessage:
+    if not tools:
+        return AssistantMessage(content=text)
+    answer = read_answer(text)
+    return AssistantMessage(content=answer.content, tool_calls=answer.tool_calls)
 
 
 def completion(

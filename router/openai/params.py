@@ -3,7 +3,7 @@
 The validator then applies TGI's own rules (token limits, stop count, seed, ranges);
 what is checked here is what only exists in the OpenAI dialect: `n`/`best_of`,
 OpenAI's ranges (temperature 0 is greedy, top_p may be 1), and the features this
-server does not implement yet, which get a clear 422 instead of being ignored.
+server does not implement, which get a clear 422 instead of being ignored.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from textgate.router.openai.schemas import (
     CompletionRequest,
     SamplingRequest,
 )
+from textgate.router.openai.tools import ToolPlan, response_format_grammar
 from textgate.router.tgi.schemas import GenerateParameters
 
 
@@ -35,15 +36,21 @@ class Fanout:
     """Sequences generated per prompt (`best_of`, >= num_choices); the likeliest are kept."""
 
 
-def chat_parameters(body: ChatCompletionRequest, config: RouterConfig) -> GenerateParameters:
-    """The TGI parameters of a chat request; ValidationError for what cannot be served."""
-    _check_unsupported_chat(body)
+def chat_parameters(
+    body: ChatCompletionRequest, config: RouterConfig, tools: ToolPlan | None = None
+) -> GenerateParameters:
+    """The TGI parameters of a chat request; ValidationError for what cannot be served.
+
+    The grammar is the tool plan's (a call object) or `response_format`'s, if any.
+    """
+    grammar = tools.grammar if tools is not None else response_format_grammar(body.response_format)
     top_n = _chat_top_logprobs(body, config)
     _check_max_tokens(body.max_completion_tokens, "max_completion_tokens")
     max_tokens = body.max_completion_tokens
     if max_tokens is None:
         max_tokens = body.max_tokens
-    return _parameters(body, max_tokens, top_n_tokens=top_n)
+    params = _parameters(body, max_tokens, top_n_tokens=top_n)
+    return params.model_copy(update={"grammar": grammar}) if grammar is not None else params
 
 
 def completion_parameters(body: CompletionRequest, config: RouterConfig) -> GenerateParameters:
@@ -183,16 +190,6 @@ def _token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 def _check_max_tokens(value: int | None, name: str) -> None:
     if value is not None and value < 1:
         raise ValidationError(f"`{name}` must be >= 1. Given: {value}")
-
-
-def _check_unsupported_chat(body: ChatCompletionRequest) -> None:
-    later = "is not supported yet (structured output and tool calling come later)"
-    if body.response_format is not None and body.response_format.get("type") != "text":
-        raise ValidationError(f"`response_format` {later}")
-    if body.tools:
-        raise ValidationError(f"`tools` {later}")
-    if body.tool_choice is not None and body.tool_choice not in ("none", "auto"):
-        raise ValidationError(f"`tool_choice` {later}")
 
 
 def _chat_top_logprobs(body: ChatCompletionRequest, config: RouterConfig) -> int | None:

@@ -76,6 +76,12 @@ from textgate.router.openai.stream import (
     OnEnd,
     openai_frames,
 )
+from textgate.router.openai.tools import (
+    ToolPlan,
+    template_reads_tools,
+    tool_messages,
+    tool_plan,
+)
 from textgate.router.tgi.output import Generated, GenerationError, collect
 from textgate.router.tgi.schemas import GenerateRequest
 
@@ -126,7 +132,7 @@ class _OpenAIHandlers:
     async def chat_tokenize(self, request: Request) -> Response:
         """POST /chat_tokenize: the chat-templated prompt and its tokens with their spans."""
         body = await read_json(request, ChatCompletionRequest, self._config.payload_limit)
-        prompt = await self._render(body)
+        prompt = await self._render(body, tool_plan(body))
         inputs = GenerateRequest(inputs=prompt, add_special_tokens=False)
         tokens = await self._state.validator.tokenize(inputs)
         answer = ChatTokenizeResponse(tokenize_response=tokens, templated_text=prompt)
@@ -135,9 +141,10 @@ class _OpenAIHandlers:
     async def _chat(self, request: Request, received: float) -> Response:
         body = await read_json(request, ChatCompletionRequest, self._config.payload_limit)
         model = served_model(body.model, self._config.model_id)
-        params = chat_parameters(body, self._config)
+        tools = tool_plan(body)
+        params = chat_parameters(body, self._config, tools)
         fanout = chat_fanout(body, self._config)
-        prompt = await self._render(body)
+        prompt = await self._render(body, tools)
         # The template already holds the special tokens the model expects (BOS, markers).
         inputs = GenerateRequest(inputs=prompt, parameters=params, add_special_tokens=False)
         length_field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
@@ -147,12 +154,21 @@ class _OpenAIHandlers:
         meta = ResponseMeta.new("chatcmpl", model)
         options = _text_options(body)
         if body.stream:
-            writer = ChatChunks(meta, len(channels), options, logprobs=body.logprobs)
+            writer = ChatChunks(
+                meta, len(channels), options, logprobs=body.logprobs, tools=tools is not None
+            )
             return self._stream(channels, writer, valid.input_length, body, received)
         results = await self._collect(request, channels, received)
         if results is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        answer = chat_completion(meta, results, valid.input_length, options, logprobs=body.logprobs)
+        answer = chat_completion(
+            meta,
+            results,
+            valid.input_length,
+            options,
+            logprobs=body.logprobs,
+            tools=tools is not None,
+        )
         return JSONResponse(answer.model_dump(mode="json"))
 
     async def _complete(self, request: Request, received: float) -> Response:
@@ -201,19 +217,27 @@ class _OpenAIHandlers:
         )
         return JSONResponse(answer.model_dump(mode="json"))
 
-    async def _render(self, body: ChatCompletionRequest) -> str:
+    async def _render(self, body: ChatCompletionRequest, tools: ToolPlan | None) -> str:
         # Asking to continue the last message implies no new assistant header,
         # unless the client explicitly asked for both (then it is told it cannot).
         implied = (
             body.continue_final_message and "add_generation_prompt" not in body.model_fields_set
         )
+        tokenizer = self._state.tokenizer
+        messages = template_messages(body.messages)
+        template_tools = None
+        if tools is not None:
+            reads_tools = template_reads_tools(tokenizer)
+            messages = tool_messages(messages, tools, reads_tools)
+            template_tools = [t.as_openai() for t in tools.tools] if reads_tools else None
         # Templates are jinja: rendering long conversations is CPU work for a thread.
         return await asyncio.to_thread(
             render_chat,
-            self._state.tokenizer,
-            template_messages(body.messages),
+            tokenizer,
+            messages,
             add_generation_prompt=body.add_generation_prompt and not implied,
             continue_final_message=body.continue_final_message,
+            tools=template_tools,
         )
 
     async def _validate(

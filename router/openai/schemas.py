@@ -10,7 +10,14 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 
 from textgate.router.tgi.schemas import SimpleToken
 
@@ -103,11 +110,14 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
     """Alternatives per token (needs `logprobs`)."""
     response_format: dict[str, Any] | None = None
-    """Only `{"type": "text"}`: structured output is not implemented yet."""
+    """`{"type": "text"}`, `{"type": "json_object"}` or `{"type": "json_schema",
+    "json_schema": {"name", "schema", "strict"}}`: the answer is constrained to match."""
     tools: list[dict[str, Any]] | None = None
-    """Not supported yet (must be empty)."""
+    """Functions the model may call (`{"type": "function", "function": {"name",
+    "description", "parameters"}}`); see router/openai/tools.py."""
     tool_choice: str | dict[str, Any] | None = None
-    """Only "none" or "auto" without tools."""
+    """"auto" (default with tools), "required", "none", or `{"type": "function",
+    "function": {"name": ...}}`."""
     add_generation_prompt: bool = True
     """vLLM extra: end the prompt with the template's assistant header."""
     continue_final_message: bool = False
@@ -160,11 +170,39 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
-class AssistantMessage(BaseModel):
-    """The answer of a chat choice."""
+class ToolCallFunction(BaseModel):
+    """The function a tool call calls."""
+
+    name: str
+    arguments: str
+    """The arguments object as JSON text."""
+
+
+class ToolCall(BaseModel):
+    """One call of a tool in an answer."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class _OmitsNoToolCalls(BaseModel):
+    """Leaves `tool_calls` out when there are none, as OpenAI does."""
+
+    @model_serializer(mode="wrap")
+    def _omit_no_tool_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
+
+
+class AssistantMessage(_OmitsNoToolCalls):
+    """The answer of a chat choice: text, or tool calls (content null)."""
 
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -188,11 +226,14 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
-class ChatDelta(BaseModel):
+class ChatDelta(_OmitsNoToolCalls):
     """What a chunk adds to its choice; `role` is repeated on every chunk, as TGI does."""
 
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None
+    """Tool-call deltas: the first of a call has its `index`, `id`, `type` and
+    `function.name`, the next ones pieces of `function.arguments`."""
 
 
 class ChatChunkChoice(BaseModel):

@@ -36,6 +36,7 @@ from textgate.router.openai.schemas import (
     CompletionChoice,
     Usage,
 )
+from textgate.router.openai.tools import ToolCallStream
 
 DONE_FRAME = b"data: [DONE]\n\n"
 UNPACED = StreamPacing()
@@ -132,11 +133,19 @@ class ChatChunks:
     """`chat.completion.chunk`s: a role chunk per choice, content deltas, the finish reason."""
 
     def __init__(
-        self, meta: ResponseMeta, num_choices: int, options: TextOptions, *, logprobs: bool
+        self,
+        meta: ResponseMeta,
+        num_choices: int,
+        options: TextOptions,
+        *,
+        logprobs: bool,
+        tools: bool = False,
     ) -> None:
         self._meta = meta
         self._texts = [StreamText(options) for _ in range(num_choices)]
         self._logprobs = logprobs
+        # With tools, each choice's text is a tool call object, streamed as call deltas.
+        self._calls = [ToolCallStream() for _ in range(num_choices)] if tools else None
 
     def opening(self, index: int) -> BaseModel | None:
         return self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=""))])
@@ -145,14 +154,22 @@ class ChatChunks:
         done = event.finished
         text = self._texts[index].push(event.tokens, None if done is None else done.finish_reason)
         logprobs = chat_logprobs(event.tokens, event.top_tokens) if self._logprobs else None
-        if not text and done is None and not (logprobs and logprobs.content):
+        reason = None if done is None else finish_reason(done.finish_reason)
+        delta = ChatDelta(content=text)
+        if self._calls is not None:
+            calls = self._calls[index]
+            deltas, text = calls.push(text, done is not None)
+            delta = ChatDelta(content=text or None, tool_calls=deltas or None)
+            if calls.called and reason == "stop":
+                reason = "tool_calls"
+        if (
+            not text
+            and not delta.tool_calls
+            and done is None
+            and not (logprobs and logprobs.content)
+        ):
             return None
-        choice = ChatChunkChoice(
-            index=index,
-            delta=ChatDelta(content=text),
-            logprobs=logprobs,
-            finish_reason=None if done is None else finish_reason(done.finish_reason),
-        )
+        choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=reason)
         return self._chunk([choice])
 
     def usage(self, usage: Usage) -> BaseModel:

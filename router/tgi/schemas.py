@@ -59,7 +59,8 @@ class GenerateParameters(BaseModel):
     adapter_id: str | None = None
     """LoRA adapter id; no adapters are loaded, so setting it is rejected."""
     grammar: Any = None
-    """Guided decoding grammar; not implemented, so setting it is rejected."""
+    """Structured output: `{"type": "json", "value": <JSON schema>}` or `{"type": "regex",
+    "value": "..."}` (router/tgi/grammar.py); the text is constrained to match it."""
     ignore_eos: bool = False
     """Keep generating after the end-of-sequence token (benchmarking)."""
     min_new_tokens: int | None = None

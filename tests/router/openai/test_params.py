@@ -104,9 +104,8 @@ def test_unknown_fields_are_ignored() -> None:
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"response_format": {"type": "json_schema"}}, "`response_format` is not supported yet"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "`tools`"),
-        ({"tool_choice": {"type": "function"}}, "`tool_choice`"),
+        ({"response_format": {"type": "json_schema"}}, "needs `json_schema`"),
+        ({"response_format": {"type": "xml"}}, "`response_format` type must be"),
         ({"top_logprobs": 1}, "needs `logprobs`"),
         ({"logprobs": True, "top_logprobs": 6}, "<= 5"),
         ({"temperature": -0.1}, "`temperature` must be >= 0"),

@@ -1,0 +1,318 @@
+"""OpenAI `tools`, `tool_choice` and `response_format` as grammars, prompts and tool calls.
+
+Tool calls are generated as one JSON object, `{"name": "<function>", "arguments":
+{...}}`, constrained by a JSON schema grammar: the name is one of the tools' and the
+arguments match that tool's `parameters` schema, so they always parse.
+
+- `tool_choice` "required": any of the tools; a named function: that one only.
+- "auto" (the default with tools): the grammar also admits the function `no_tool`
+  with `{"content": "<answer>"}` (TGI's approach); a `no_tool` call is answered as a
+  plain assistant message with that content. Free text beside calls is not admitted:
+  a grammar choosing between "any text" and "a call" would leave a small model free
+  to ramble past the call format.
+- "none": the tools are ignored, the answer is free text.
+
+The prompt: a chat template that knows tools (its source reads `tools`) gets them as
+`apply_chat_template(tools=...)`, in its own format; other templates get a system
+message listing the tools and the answer format. Earlier assistant tool calls and
+`tool` results in `messages` go to a tools template as they are, and to the others as
+text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from textgate.router.engine.request import GrammarSpec
+from textgate.router.http.validation import ValidationError
+from textgate.router.openai.schemas import ChatCompletionRequest, ToolCall, ToolCallFunction
+from textgate.router.tgi.grammar import GrammarSpecError, json_schema_grammar
+
+NO_TOOL = "no_tool"
+"""The function an "auto" answer calls to answer in text instead."""
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+# The compact form the JSON grammar generates (properties in schema order).
+_CALL_PREFIX = re.compile(r'\{"name": "((?:[^"\\]|\\.)*)", "arguments": ')
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A function the model may call."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any]
+    """JSON schema of the arguments object."""
+
+    def as_openai(self) -> dict[str, Any]:
+        """The tool as OpenAI spells it (what chat templates read)."""
+        function = {"name": self.name, "description": self.description}
+        return {"type": "function", "function": {**function, "parameters": self.parameters}}
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """How a chat request with tools is prompted, constrained and read back."""
+
+    tools: tuple[Tool, ...]
+    """The tools shown to the model."""
+    grammar: GrammarSpec
+    """The call object's grammar."""
+    auto: bool
+    """`no_tool` is allowed: the model may answer in text."""
+
+
+def tool_plan(body: ChatCompletionRequest) -> ToolPlan | None:
+    """The request's tool plan; None when it calls no tools (none given, or "none")."""
+    choice = body.tool_choice
+    if not body.tools:
+        if choice not in (None, "none", "auto"):
+            raise ValidationError("`tool_choice` needs `tools`")
+        return None
+    tools = tuple(_tool(i, t) for i, t in enumerate(body.tools))
+    names = [t.name for t in tools]
+    if len(set(names)) != len(names):
+        raise ValidationError("`tools` names must be unique")
+    if NO_TOOL in names:
+        raise ValidationError(f"`{NO_TOOL}` is a reserved tool name")
+    if choice == "none":
+        return None
+    if body.response_format is not None and body.response_format.get("type") != "text":
+        raise ValidationError(
+            '`response_format` cannot be combined with `tools` (unless `tool_choice` is "none")'
+        )
+    auto = choice in (None, "auto")
+    if choice in (None, "auto", "required"):
+        chosen = tools
+    else:
+        name = _named_choice(choice)
+        chosen = tuple(t for t in tools if t.name == name)
+        if not chosen:
+            raise ValidationError(f"`tool_choice` names `{name}`, which is not in `tools`")
+    calls = [_call_schema(t.name, t.parameters) for t in chosen]
+    if auto:
+        calls.append(_call_schema(NO_TOOL, _NO_TOOL_PARAMETERS))
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    try:
+        grammar = json_schema_grammar(schema)
+    except GrammarSpecError as exc:
+        raise ValidationError(f"`tools` parameters: {exc}") from None
+    return ToolPlan(tools=chosen if not auto else tools, grammar=grammar, auto=auto)
+
+
+def response_format_grammar(response_format: Mapping[str, Any] | None) -> GrammarSpec | None:
+    """The grammar of `response_format`: json_object (any JSON object), json_schema."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    try:
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return json_schema_grammar({"type": "object", "additionalProperties": True})
+        if kind == "json_schema":
+            spec = response_format.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+                raise ValidationError(
+                    '`response_format` json_schema needs `json_schema` {"name": ..., '
+                    '"schema": {...}}'
+                )
+            # `strict` or not, the schema is enforced (the grammar admits nothing else).
+            return json_schema_grammar(spec.get("schema", {}))
+    except GrammarSpecError as exc:
+        raise ValidationError(f"`response_format` schema: {exc}") from None
+    raise ValidationError(
+        f'`response_format` type must be "text", "json_object" or "json_schema". Given: {kind!r}'
+    )
+
+
+def template_reads_tools(tokenizer: object) -> bool:
+    """Whether the tokenizer's chat template renders `tools` (its own tool format)."""
+    template = getattr(tokenizer, "chat_template", None)
+    return isinstance(template, str) and "tools" in template
+
+
+def tool_messages(
+    messages: list[dict[str, Any]], plan: ToolPlan, template_tools: bool
+) -> list[dict[str, Any]]:
+    """The messages to render: for a template without tools, the tools and the answer
+    format go in a system message and earlier tool calls become text."""
+    if template_tools:
+        return messages
+    rendered = [_as_text(m) for m in messages]
+    prompt = _tools_prompt(plan)
+    if rendered and rendered[0].get("role") == "system":
+        first = rendered[0]
+        return [{**first, "content": f"{first['content']}\n\n{prompt}"}, *rendered[1:]]
+    return [{"role": "system", "content": prompt}, *rendered]
+
+
+@dataclass(frozen=True)
+class ToolAnswer:
+    """What a tool plan's generated text says: calls, or (no_tool / unparsable) text."""
+
+    tool_calls: list[ToolCall] | None
+    content: str | None
+
+
+def read_answer(text: str) -> ToolAnswer:
+    """The calls in a finished tool-call text; text that is no complete call (cut by
+    max_tokens) is returned as content."""
+    try:
+        call = json.loads(text)
+        name, arguments = call["name"], call["arguments"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return ToolAnswer(None, text)
+    if name == NO_TOOL:
+        content = arguments.get("content") if isinstance(arguments, dict) else None
+        return ToolAnswer(None, content if isinstance(content, str) else text)
+    return ToolAnswer([new_call(name, json.dumps(arguments))], None)
+
+
+def new_call(name: str, arguments: str) -> ToolCall:
+    """A tool call with a fresh id."""
+    return ToolCall(
+        id=f"call_{uuid.uuid4().hex[:24]}",
+        function=ToolCallFunction(name=name, arguments=arguments),
+    )
+
+
+class ToolCallStream:
+    """Turns a streamed tool-call text into OpenAI deltas as it grows.
+
+    The call's name is known once `{"name": "...", "arguments": ` is complete: a first
+    delta carries the id and name, the next ones the arguments text as it comes (the
+    call object's closing brace held back). A `no_tool` answer is held until it is
+    complete and sent as content; so is text that never became a call.
+    """
+
+    def __init__(self) -> None:
+        self._text = ""
+        self._name: str | None = None
+        self._arguments_at = 0
+        """Where the arguments start in the text."""
+        self._sent = 0
+        """Characters of the arguments already sent."""
+        self.called = False
+        """A call was announced (the finish reason is then "tool_calls")."""
+
+    def push(self, delta: str, finished: bool) -> tuple[list[dict[str, Any]], str]:
+        """Add `delta`; the tool-call deltas and the content to send now."""
+        self._text += delta
+        deltas: list[dict[str, Any]] = []
+        if self._name is None:
+            match = _CALL_PREFIX.match(self._text)
+            if match is None:
+                return [], (read_answer(self._text).content or "") if finished else ""
+            self._name = json.loads(f'"{match.group(1)}"')
+            self._arguments_at = match.end()
+            if self._name != NO_TOOL:
+                self.called = True
+                deltas.append({"index": 0, **new_call(self._name, "").model_dump(mode="json")})
+        if self._name == NO_TOOL:
+            return [], (read_answer(self._text).content or "") if finished else ""
+        return deltas + self._arguments(finished), ""
+
+    def _arguments(self, finished: bool) -> list[dict[str, Any]]:
+        arguments = self._text[self._arguments_at :]
+        # The call object's closing brace ends the text: held back until it is known
+        # to be the last character, then left out.
+        end = len(arguments) - 1 if not finished or arguments.endswith("}") else len(arguments)
+        chunk = arguments[self._sent : max(end, self._sent)]
+        self._sent = max(end, self._sent)
+        return [{"index": 0, "function": {"arguments": chunk}}] if chunk else []
+
+
+_NO_TOOL_PARAMETERS: dict[str, Any] = {
+    "type": "object",
+    "properties": {"content": {"type": "string", "description": "Your answer to the user."}},
+    "required": ["content"],
+}
+
+
+def _call_schema(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {"name": {"const": name}, "arguments": parameters},
+        "required": ["name", "arguments"],
+    }
+
+
+def _tool(index: int, tool: Any) -> Tool:
+    where = f"`tools[{index}]`"
+    if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+        raise ValidationError(f'{where} must be {{"type": "function", "function": {{...}}}}')
+    function = tool.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ValidationError(f"{where}.function needs a `name`")
+    name = function["name"]
+    if not _NAME.fullmatch(name):
+        raise ValidationError(
+            f"{where}.function.name must be 1 to 64 letters, digits, _ or -. Given: {name!r}"
+        )
+    parameters = function.get("parameters") or _EMPTY_PARAMETERS
+    if not isinstance(parameters, dict):
+        raise ValidationError(f"{where}.function.parameters must be a JSON schema object")
+    description = function.get("description") or ""
+    return Tool(name=name, description=str(description), parameters=parameters)
+
+
+def _named_choice(choice: Any) -> str:
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        if choice.get("type") == "function" and isinstance(function, dict):
+            name = function.get("name")
+            if isinstance(name, str):
+                return name
+    raise ValidationError(
+        '`tool_choice` must be "none", "auto", "required" or '
+        '{"type": "function", "function": {"name": ...}}'
+    )
+
+
+def _tools_prompt(plan: ToolPlan) -> str:
+    tools = json.dumps([t.as_openai()["function"] for t in plan.tools], indent=1)
+    lines = [
+        "You can call these functions (`parameters` is the JSON schema of `arguments`):",
+        tools,
+        'To call one, answer with only a JSON object: {"name": <function name>, '
+        '"arguments": {<argument>: <value>, ...}}.',
+    ]
+    if plan.auto:
+        lines.append(
+            f'When no function fits, answer {{"name": "{NO_TOOL}", "arguments": '
+            '{"content": <your answer>}}.'
+        )
+    return "\n".join(lines)
+
+
+def _as_text(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as a template without tools renders it: calls and results as text."""
+    calls = message.get("tool_calls")
+    if message.get("role") == "assistant" and calls:
+        text = "\n".join(json.dumps(_call_text(c)) for c in _sequence(calls))
+        rest = {k: v for k, v in message.items() if k != "tool_calls"}
+        return {**rest, "content": text}
+    if message.get("role") == "tool":
+        return {"role": "tool", "content": message.get("content") or ""}
+    return message
+
+
+def _call_text(call: Any) -> dict[str, Any]:
+    function = call.get("function", {}) if isinstance(call, dict) else {}
+    arguments = function.get("arguments", "{}")
+    try:
+        parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except json.JSONDecodeError:
+        parsed = arguments
+    return {"name": function.get("name"), "arguments": parsed}
+
+
+def _sequence(value: Any) -> Sequence[Any]:
+    return value if isinstance(value, list) else []
