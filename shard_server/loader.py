@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 
+from textgate.kernels import select_attention_backend
 from textgate.shard_server.autoconfig import DtypeChoice, pick_dtype
+from textgate.shard_server.layers.tensor_parallel import distributed_backend, rank_device
 from textgate.shard_server.model import ShardModel
 from textgate.shard_server.paged_model import CacheConfig, PagedModel
 from textgate.shard_server.sequence import TokenizerInfo
@@ -36,8 +38,10 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-def shard_device(rank: int) -> torch.device:
-    return torch.device(f"cuda:{rank}" if torch.cuda.is_available() else "cpu")
+def shard_device(rank: int, world_size: int = 1) -> torch.device:
+    """GPU `rank` where GPUs are visible (one per shard), else the CPU."""
+    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return rank_device(rank, world_size, num_gpus)
 
 
 def load_model(
@@ -50,15 +54,17 @@ def load_model(
     cache_config: CacheConfig | None = None,
     native: bool = True,
     quantize: str | None = None,
+    attention: str = "auto",
 ) -> ShardModel:
     """Load `model_path` for this rank: native and paged when the architecture allows.
 
     `quantize` names the weight quantization method (None: the checkpoint's own, if any).
+    `attention` is `--attention` (kernels.select_attention_backend; native models only).
 
     `dtype` "auto" on CPU builds a native model in each candidate dtype and keeps the one
     whose own step measured fastest (`autoconfig.pick_dtype`).
     """
-    device = shard_device(rank)
+    device = shard_device(rank, world_size)
     model_type = json.loads((model_path / "config.json").read_text()).get("model_type")
     from textgate.shard_server.models import load_model as load_native
     from textgate.shard_server.models import supported_model_types
@@ -70,8 +76,13 @@ def load_model(
         tokenizer = load_tokenizer(model_path)
 
         def build(candidate: torch.dtype) -> PagedModel:
-            model = load_native(model_path, candidate, device, group, quantize=quantize)
             config = cache_config or CacheConfig()
+            backend = select_attention_backend(
+                attention, device, candidate, config.block_size, config.kv_cache_dtype != "auto"
+            )
+            model = load_native(
+                model_path, candidate, device, group, quantize=quantize, attention_backend=backend
+            )
             return PagedModel(model, tokenizer, model_id, config, world_size, group)
 
         if dtype == "auto" and device.type == "cpu":
@@ -117,10 +128,15 @@ def init_distributed(rank: int, world_size: int, device: torch.device) -> Any:
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = distributed_backend(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(
-        backend, rank=rank, world_size=world_size, timeout=timedelta(minutes=10)
+        backend,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(minutes=10),
+        # NCCL binds its communicator to this rank's GPU at once (no device guessing).
+        device_id=device if device.type == "cuda" else None,
     )
     return dist.group.WORLD

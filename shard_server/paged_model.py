@@ -12,6 +12,7 @@ Decode / FilterBatch are answered with `UnsupportedCall`.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -23,9 +24,28 @@ from textgate.kernels import AttentionMetadata
 from textgate.kernels.kv_quant import KV_CACHE_DTYPES, kv_dtype_name, resolve_kv_cache_dtype
 from textgate.proto import generate_pb2 as pb
 from textgate.quantization.resident import resident_bytes
-from textgate.shard_server.autoconfig import DtypeChoice, warmup_measurements
+from textgate.shard_server.autoconfig import (
+    DEFAULT_MAX_BATCH,
+    DtypeChoice,
+    warmup_measurements,
+)
+from textgate.shard_server.cuda_graphs import (
+    DEFAULT_CUDA_GRAPHS,
+    CudaGraphCapture,
+    DecodeGraphRunner,
+    GraphCapture,
+    graph_safe,
+)
 from textgate.shard_server.grammar import GrammarCompiler, GrammarError, MaskFiller
 from textgate.shard_server.kv_cache import KVCache
+from textgate.shard_server.memory import (
+    CudaMemoryStats,
+    MemoryStats,
+    agree_on_blocks,
+    kv_cache_budget,
+    measure_warmup,
+    num_kv_blocks,
+)
 from textgate.shard_server.model import (
     PAGED_ONLY,
     ShardModel,
@@ -35,6 +55,8 @@ from textgate.shard_server.model import (
 )
 from textgate.shard_server.sampler import Sampler, SamplingTensors
 from textgate.shard_server.sequence import Sequence, TokenizerInfo
+
+log = logging.getLogger("textgate.shard")
 
 
 @dataclass(frozen=True)
@@ -49,6 +71,8 @@ class CacheConfig:
     """Share of the GPU memory left free after loading that the cache may take."""
     kv_cache_dtype: str = "auto"
     """KV element dtype: auto (the model's), int8, fp8 / fp8_e4m3 (kernels/kv_quant.py)."""
+    cuda_graphs: tuple[int, ...] = DEFAULT_CUDA_GRAPHS
+    """Decode batch sizes captured as CUDA graphs at warmup (empty: none; ignored on CPU)."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -62,6 +86,8 @@ class CacheConfig:
                 f"unknown KV cache dtype {self.kv_cache_dtype!r}; expected one of: "
                 f"{', '.join(KV_CACHE_DTYPES)}"
             )
+        if any(size < 1 for size in self.cuda_graphs):
+            raise ValueError(f"cuda_graphs sizes must be positive, got {self.cuda_graphs}")
 
 
 @dataclass
@@ -89,6 +115,7 @@ class PagedModel(ShardModel):
         cache_config: CacheConfig,
         world_size: int = 1,
         process_group: Any = None,
+        graph_capture: GraphCapture | None = None,
     ) -> None:
         self.model = model
         self.info = info
@@ -108,6 +135,9 @@ class PagedModel(ShardModel):
         self.mask_filler = MaskFiller()
         self.sequences: dict[int, Sequence] = {}
         self.kv_cache: KVCache | None = None
+        self.graph_capture = graph_capture
+        """How decode graphs are recorded; None: real CUDA graphs on a GPU, none on CPU."""
+        self.graphs: DecodeGraphRunner | None = None
         self._prompt_logprobs: dict[int, list[float]] = {}
 
     def describe(self) -> pb.InfoResponse:
@@ -135,15 +165,20 @@ class PagedModel(ShardModel):
 
     # -- warmup -----------------------------------------------------------------------
 
-    def num_blocks(self) -> int:
-        """How many KV blocks fit in the memory the cache may take."""
-        per_block = KVCache.bytes_per_block(
+    def bytes_per_block(self) -> int:
+        """Memory one KV block takes over all layers, K and V."""
+        return KVCache.bytes_per_block(
             num_layers=self.model.num_layers,
             block_size=self.cache_config.block_size,
             num_kv_heads=self.model.num_kv_heads,
             head_dim=self.model.head_dim,
             dtype=self.model.kv_cache_dtype,
         )
+
+    def num_blocks(self) -> int:
+        """How many KV blocks fit in the memory the cache may take (before any warmup
+        pass: on a GPU, warmup sizes the cache from a measured pass instead)."""
+        per_block = self.bytes_per_block()
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * self.cache_config.cuda_memory_fraction)
@@ -152,34 +187,131 @@ class PagedModel(ShardModel):
         return max(budget // per_block, 1)
 
     def warmup(self, request: pb.WarmupRequest) -> pb.WarmupResponse:
-        """Allocate the cache, run one prefill as large as the router allows, then measure
-        the step (`autoconfig.warmup_measurements`) for the router's defaults."""
+        """Size and allocate the cache, run one prefill as large as the router allows,
+        capture the decode graphs, then measure the step (`autoconfig.warmup_measurements`)
+        for the router's defaults.
+
+        On a GPU the cache is sized from what a real pass at the largest prefill and batch
+        left free (memory.py); on CPU it takes `kv_cache_memory`. With decode graphs one
+        extra block, the last, is the padding rows' scratch block: the router never sees it.
+        """
         self.clear(None)
         self.kv_cache = None
-        num_blocks = self.num_blocks()
-        self.kv_cache = self.model.allocate_kv_cache(num_blocks, self.cache_config.block_size)
+        self.graphs = None
+        capture = self._graph_capture()
+        reserved = 1 if capture is not None else 0
         block_size = self.cache_config.block_size
+        if self.device.type == "cuda":
+            num_blocks = self._profiled_num_blocks(request, reserved)
+        else:
+            num_blocks = self.num_blocks() - reserved
+            if num_blocks < 1:
+                raise ValueError("the KV cache memory holds no block beside the scratch block")
+        self.kv_cache = self.model.allocate_kv_cache(num_blocks + reserved, block_size)
         tokens = max(min(request.max_prefill_tokens, num_blocks * block_size), 1)
-        table = list(range(-(-tokens // block_size)))
-        metadata = AttentionMetadata.build(
-            query_lens=[tokens],
-            context_lens=[0],
-            block_tables=[table],
-            block_size=block_size,
-            device=self.device,
-        )
-        with torch.inference_mode():
-            self.model(
-                torch.zeros(tokens, dtype=torch.int64, device=self.device),
-                torch.arange(tokens, device=self.device),
+        self._warmup_pass([tokens])
+        if capture is not None:
+            max_tokens = request.max_total_tokens or self.model.config.max_position_embeddings
+            self.graphs = DecodeGraphRunner(
+                self.model,
                 self.kv_cache,
-                metadata,
-                torch.tensor([tokens - 1], device=self.device),
+                self.cache_config.cuda_graphs,
+                max_blocks_per_seq=min(-(-max_tokens // block_size), num_blocks),
+                scratch_block=num_blocks,
+                capture=capture,
             )
+            self.graphs.capture()
         response = warmup_measurements(self, request)
         response.max_supported_total_tokens = num_blocks * block_size
         response.num_blocks = num_blocks
         return response
+
+    def _graph_capture(self) -> GraphCapture | None:
+        """How this shard records decode graphs, or None when it runs every step eager."""
+        sizes = self.cache_config.cuda_graphs
+        if not sizes:
+            return None
+        if self.graph_capture is not None:
+            return self.graph_capture
+        if self.device.type != "cuda":
+            log.info("--cuda-graphs ignored: CUDA graphs need a GPU, this shard runs on CPU")
+            return None
+        backend = self.model.attention_backend
+        if not graph_safe(backend):
+            log.info(
+                "CUDA graphs off: the %s attention backend reads step lengths on the host "
+                "(graphs need a backend that reads them on the GPU)",
+                type(backend).__name__,
+            )
+            return None
+        return CudaGraphCapture(self.device)
+
+    def _profiled_num_blocks(
+        self, request: pb.WarmupRequest, reserved: int, stats: MemoryStats | None = None
+    ) -> int:
+        """Blocks from the GPU memory a real warmup pass left (memory.py), agreed by all ranks.
+
+        `stats` reads the allocator (default: this CUDA device's; tests inject others).
+        """
+        block_size = self.cache_config.block_size
+        prefill = max(request.max_prefill_tokens, 1)
+        batch = max(request.max_batch_size or DEFAULT_MAX_BATCH, *self.cache_config.cuda_graphs)
+        provisional = max(-(-prefill // block_size), batch) + reserved
+        self.kv_cache = self.model.allocate_kv_cache(provisional, block_size)
+
+        def free_provisional() -> None:
+            self.kv_cache = None
+
+        profile = measure_warmup(
+            stats or CudaMemoryStats(self.device),
+            lambda: self._warmup_pass([prefill]),
+            lambda: self._warmup_pass([1] * batch),
+            free_provisional,
+            with_graphs=reserved > 0,
+        )
+        budget = kv_cache_budget(profile, self.cache_config.cuda_memory_fraction)
+        num_blocks = num_kv_blocks(budget, self.bytes_per_block(), reserved)
+        num_blocks = agree_on_blocks(num_blocks, self.process_group, self.device)
+        log.info(
+            "KV cache: %d blocks (%.2f GiB free after warmup x %.2f, step peak %.2f GiB, "
+            "graph pool %.2f GiB)",
+            num_blocks,
+            profile.free_bytes / 2**30,
+            self.cache_config.cuda_memory_fraction,
+            profile.activation_bytes / 2**30,
+            profile.graph_bytes / 2**30,
+        )
+        return num_blocks
+
+    def _warmup_pass(self, query_lens: list[int]) -> None:
+        """One step of sequences with `query_lens` new tokens each from position 0, in
+        consecutive blocks of the allocated cache (values are irrelevant: shapes only)."""
+        assert self.kv_cache is not None
+        block_size = self.cache_config.block_size
+        tables, first = [], 0
+        for length in query_lens:
+            count = -(-length // block_size)
+            tables.append(list(range(first, first + count)))
+            first += count
+        metadata = AttentionMetadata.build(
+            query_lens=query_lens,
+            context_lens=[0] * len(query_lens),
+            block_tables=tables,
+            block_size=block_size,
+            device=self.device,
+        )
+        ends = torch.tensor(query_lens).cumsum(0) - 1
+        positions = torch.cat([torch.arange(length) for length in query_lens])
+        with torch.inference_mode():
+            self.model(
+                torch.zeros(int(ends[-1]) + 1, dtype=torch.int64, device=self.device),
+                positions.to(self.device),
+                self.kv_cache,
+                metadata,
+                ends.to(self.device),
+            )
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # -- ClearCache, and the padded protocol's calls (unsupported) -------------------------
 
@@ -222,13 +354,7 @@ class PagedModel(ShardModel):
         states = [seq.grammar for seq in inputs.sampled]
         masks = self.mask_filler.start(states, self.grammars.vocab_size)
         with torch.inference_mode():
-            logits = self.model(
-                inputs.input_ids,
-                inputs.positions,
-                self.kv_cache,
-                inputs.metadata,
-                inputs.logits_indices,
-            )  # [N, V]
+            logits = self._forward(inputs)  # [N, V]
             self._record_prompt_logprobs(inputs, logits)
             result = None
             if inputs.sampled:
@@ -254,6 +380,24 @@ class PagedModel(ShardModel):
             forward_ns=forward_done - start,
             decode_ns=time.perf_counter_ns() - forward_done,
         )
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits [N, V] of the step: through a decode graph where one fits, else eager."""
+        assert self.kv_cache is not None
+        if self.graphs is not None and not inputs.prefill_rows:
+            logits = self.graphs.run(
+                inputs.input_ids, inputs.positions, inputs.metadata, inputs.logits_indices
+            )
+            if logits is not None:
+                return logits
+        eager: torch.Tensor = self.model(
+            inputs.input_ids,
+            inputs.positions,
+            self.kv_cache,
+            inputs.metadata,
+            inputs.logits_indices,
+        )
+        return eager
 
     def _admit(self, requests: Seq[pb.Request]) -> list[pb.Generation]:
         """Add the new requests' sequences; a request whose grammar does not compile is

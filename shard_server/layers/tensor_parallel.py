@@ -21,6 +21,28 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 
+def rank_device(rank: int, world_size: int, num_gpus: int) -> torch.device:
+    """The device of shard `rank`: GPU `rank` of the visible ones (TGI's rule; the launcher
+    passes CUDA_VISIBLE_DEVICES through), or the CPU on a machine without GPUs.
+
+    One process per GPU: NCCL refuses two ranks on one device, so a group larger than the
+    visible GPUs is an error here rather than a hang at the first collective.
+    """
+    if num_gpus == 0:
+        return torch.device("cpu")
+    if world_size > num_gpus:
+        raise ValueError(
+            f"--num-shard {world_size} needs {world_size} GPUs, one per shard; "
+            f"{num_gpus} are visible (CUDA_VISIBLE_DEVICES selects them)"
+        )
+    return torch.device("cuda", rank)
+
+
+def distributed_backend(device: torch.device) -> str:
+    """The process group's backend: NCCL between GPUs, gloo between CPU shards."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
 def world_size_of(group: ProcessGroup | None) -> int:
     """Ranks in `group` (1 when there is no group)."""
     return 1 if group is None else group.size()

@@ -39,7 +39,8 @@ def graphed(tiny_model_dir: Path) -> PagedModel:
 
 @pytest.fixture(scope="module")
 def eager(tiny_model_dir: Path) -> PagedModel:
-    return paged_model(tiny_model_dir, (), capture=False)
+    """Sizes set but no capture injected: on CPU that means no graphs (the default)."""
+    return paged_model(tiny_model_dir, SIZES, capture=False)
 
 
 PROMPTS = {1: [5, 17, 42, 8, 9, 10, 11], 2: [9, 3], 3: [11, 12, 13, 14, 15, 16], 4: [7] * 13}
@@ -215,14 +216,14 @@ def test_steps_graphs_cannot_take_run_eager(
 
 
 def test_cuda_graphs_are_ignored_on_cpu_with_a_log_line(
-    tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+    eager: PagedModel, caplog: pytest.LogCaptureFixture
 ) -> None:
+    assert eager.graphs is None
     with caplog.at_level(logging.INFO, logger="textgate.shard"):
-        model = paged_model(tiny_model_dir, (1, 2), capture=False)
-    assert model.graphs is None
+        assert eager._graph_capture() is None
     assert "--cuda-graphs ignored" in caplog.text
     # No scratch block is kept: the router gets every block.
-    assert model.kv_cache is not None and model.kv_cache.num_blocks == model.num_blocks()
+    assert eager.kv_cache is not None and eager.kv_cache.num_blocks == eager.num_blocks()
 
 
 def test_runner_rejects_bad_settings(graphed: PagedModel) -> None:
@@ -248,3 +249,23 @@ def test_runner_rejects_bad_settings(graphed: PagedModel) -> None:
         )
     with pytest.raises(ValueError, match="cuda_graphs sizes must be positive"):
         CacheConfig(cuda_graphs=(1, 0))
+
+
+def test_cuda_graphs_flag_reaches_the_shard_like_tgi(tiny_model_dir: Path) -> None:
+    import argparse
+
+    from textgate import launcher
+    from textgate.shard_server.__main__ import parse_args as shard_args
+
+    assert launcher.parse_args([], env={}).cuda_graphs == (1, 2, 4, 8, 16, 32)
+    assert launcher.parse_args(["--cuda-graphs", "8,1,2,2"], env={}).cuda_graphs == (1, 2, 8)
+    assert launcher.parse_args([], env={"CUDA_GRAPHS": "0"}).cuda_graphs == ()
+    for bad in ("1,x", "0,4", "-1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            launcher.cuda_graph_sizes(bad)
+    for flag, sizes in (("0", ()), ("4,16", (4, 16))):
+        argv = launcher.shard_argv(
+            tiny_model_dir, launcher.parse_args(["--cuda-graphs", flag], env={})
+        )
+        shard = shard_args(argv[argv.index("--model-path") :])
+        assert shard.cuda_graphs == sizes

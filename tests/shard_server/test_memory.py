@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -112,3 +114,48 @@ def test_ranks_agree_on_the_smallest_block_count(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
     assert agree_on_blocks(1234, group, torch.device("cpu")) == 1000
     assert seen == [(dist.ReduceOp.MIN, group)]
+
+
+def test_paged_warmup_pass_runs_in_a_provisional_cache_then_sizes_from_free_memory(
+    tiny_model_dir: Path,
+) -> None:
+    from textgate.proto import generate_pb2 as pb
+    from textgate.shard_server.loader import load_model
+    from textgate.shard_server.paged_model import CacheConfig, PagedModel
+
+    config = CacheConfig(block_size=4, cuda_memory_fraction=0.5, cuda_graphs=(1, 2, 48))
+    paged = load_model(tiny_model_dir, "tiny", "float32", cache_config=config)
+    assert isinstance(paged, PagedModel)
+    MiB = 1 << 20
+    seen: list[object] = []
+
+    class Stats:
+        """Each pass 'peaks' above the baseline: the prefill at 3 MiB, the decode at 1 MiB."""
+
+        def __init__(self) -> None:
+            self.peaks = [3 * MiB, MiB]
+
+        def free_bytes(self) -> int:
+            seen.append(("free", paged.kv_cache))
+            return 64 * MiB
+
+        def allocated_bytes(self) -> int:
+            return 100 * MiB
+
+        def peak_bytes(self) -> int:
+            assert paged.kv_cache is not None
+            seen.append(("peak", paged.kv_cache.num_blocks))
+            return 100 * MiB + self.peaks.pop(0)
+
+        def reset_peak(self) -> None:
+            pass
+
+        def release_cached(self) -> None:
+            pass
+
+    request = pb.WarmupRequest(max_prefill_tokens=40, max_batch_size=8)
+    blocks = paged._profiled_num_blocks(request, reserved=1, stats=Stats())
+    # Provisional: max(40 tokens / 4, the largest batch: 48 (a graph size) > 8) + scratch.
+    assert seen == [("peak", 49), ("peak", 49), ("free", None)]
+    budget = 32 * MiB - 3 * MiB - MiB  # free x 0.5, the step peak, the graph pool
+    assert blocks == budget // paged.bytes_per_block() - 1

@@ -111,3 +111,13 @@ def test_tied_head_shares_an_evenly_split_embedding(checkpoint):
     assert dense is None or dense.data_ptr() == embedding.weight.data_ptr()
     x = torch.randn(2, 6)
     torch.testing.assert_close(head(x), x @ embedding.weight.T)
+
+
+def test_one_gpu_per_shard_over_nccl_and_gloo_between_cpus() -> None:
+    assert tp.rank_device(0, 1, num_gpus=0) == torch.device("cpu")
+    assert tp.rank_device(3, 4, num_gpus=0) == torch.device("cpu")
+    assert tp.rank_device(2, 4, num_gpus=8) == torch.device("cuda", 2)
+    with pytest.raises(ValueError, match=r"--num-shard 4 needs 4 GPUs.*2 are visible"):
+        tp.rank_device(0, 4, num_gpus=2)
+    assert tp.distributed_backend(torch.device("cuda", 1)) == "nccl"
+    assert tp.distributed_backend(torch.device("cpu")) == "gloo"
