@@ -122,7 +122,7 @@ step_pytest() {
 step_kernels() {
   local args=(--json "$OUT/gpu_kernels.json" --markdown "$OUT/gpu_kernels.md")
   if [ "$DRY" = 1 ]; then
-    args+=(--shape tiny --device cpu --batch-sizes 1,4 --context 32 --prefill-tokens 64 --repeats 2)
+    args+=(--shape tiny --device cpu --attention torch --batch-sizes 1,4 --context 32 --prefill-tokens 64 --repeats 1)
   fi
   (cd /tmp && timeout 300 "$PY" -m textgate.bench.gpu_kernels "${args[@]}" >/dev/null)
 }
