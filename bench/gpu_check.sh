@@ -116,7 +116,10 @@ step_pytest() {
     echo "pytest -m gpu: not run in a dry run (no GPU: every gpu test would skip)" >"$OUT/pytest_gpu.log"
     return 0
   fi
-  (cd "$REPO" && timeout 300 "$PY" -m pytest -m gpu -q -p no:cacheprovider -o addopts="--import-mode=importlib --strict-markers -ra" tests) >"$OUT/pytest_gpu.log" 2>&1
+  # The gpu-marked tests live under these two folders. A module whose imports the image
+  # lacks (a dev-only package) is a collection error that must not stop the others.
+  (cd "$REPO" && timeout 300 "$PY" -m pytest -m gpu -q -p no:cacheprovider \
+    --continue-on-collection-errors tests/kernels tests/shard_server) >"$OUT/pytest_gpu.log" 2>&1
 }
 
 step_kernels() {

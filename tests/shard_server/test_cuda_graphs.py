@@ -269,3 +269,36 @@ def test_cuda_graphs_flag_reaches_the_shard_like_tgi(tiny_model_dir: Path) -> No
         )
         shard = shard_args(argv[argv.index("--model-path") :])
         assert shard.cuda_graphs == sizes
+
+
+@pytest.mark.gpu
+def test_real_cuda_graphs_replay_the_eager_logits_on_a_gpu(
+    tiny_model_dir: Path, request_factory: Callable[..., pb.Request]
+) -> None:
+    """The whole GPU path: the cache sized from a measured pass, graphs captured with
+    torch.cuda.CUDAGraph (triton attention), padded replays equal to eager steps."""
+    config = CacheConfig(block_size=16, cuda_memory_fraction=0.01, cuda_graphs=SIZES)
+    model = load_model(tiny_model_dir, "tiny", "float32", cache_config=config, attention="triton")
+    assert isinstance(model, PagedModel) and model.device.type == "cuda"
+    warm = model.warmup(
+        pb.WarmupRequest(max_prefill_tokens=64, max_total_tokens=12 * 16, max_batch_size=4)
+    )
+    runner, cache = model.graphs, model.kv_cache
+    assert runner is not None and cache is not None
+    assert cache.num_blocks == warm.num_blocks + 1  # the scratch block
+    assert all(isinstance(b.graph, torch.cuda.CUDAGraph) for b in runner.buckets.values())
+    table = tables(first_block=0)
+    for ids in ([2], [1, 3], [1, 2, 4]):
+        tokens = prefill(model, ids, table, request_factory)
+        inputs = model._inputs(decode_plan(tokens, table).scheduled)
+        with torch.inference_mode():
+            replayed = runner.run(
+                inputs.input_ids, inputs.positions, inputs.metadata, inputs.logits_indices
+            )
+            assert replayed is not None
+            replayed = replayed.clone()
+            eager = model.model(
+                inputs.input_ids, inputs.positions, cache, inputs.metadata, inputs.logits_indices
+            )
+        torch.testing.assert_close(replayed, eager, rtol=1e-4, atol=1e-4)
+        model.step([], pb.StepPlan(finished_ids=ids))
