@@ -27,10 +27,10 @@ def _dot(a, b, UPCAST: tl.constexpr):
     """a @ b with float32 accumulation. UPCAST: multiply in float32 (the interpreter's
     bfloat16 dot is wrong; float32 caches take the exact path)."""
     if UPCAST:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-        return tl.dot(a, b, input_precision="ieee")
-    return tl.dot(a, b)
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
 
 
 @triton.jit
@@ -59,8 +59,10 @@ def _load_page(
     if QUANTIZED:
         scale_offsets = block * stride_sb + slots * stride_ss + kv_head
         scales = tl.load(scales_ptr + scale_offsets, mask=valid, other=0.0)
-        return (page.to(tl.float32) * scales[:, None]).to(OUT_DTYPE)
-    return page.to(OUT_DTYPE)
+        out = (page.to(tl.float32) * scales[:, None]).to(OUT_DTYPE)
+    else:
+        out = page.to(OUT_DTYPE)
+    return out
 
 
 @triton.jit
