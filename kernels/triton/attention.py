@@ -175,13 +175,13 @@ class TritonAttentionBackend(AttentionBackend[TritonPlan]):
             *launch.query.stride()[:2], *launch.cache_strides, *launch.scale_strides,
             md.block_tables.stride(0), *out.stride()[:2],
             GROUP=launch.group, BLOCK_G=block_g, HEAD_DIM=launch.head_dim,
-            BLOCK_D=launch.block_d, BLOCK_SIZE=launch.block_size, NUM_SPLITS=splits,
+            BLOCK_D=launch.block_d, BLOCK_SIZE=launch.block_size, SPLIT=splits > 1,
             QUANTIZED=launch.quantized, USE_WINDOW=launch.window > 0, UPCAST=launch.upcast,
         )  # fmt: skip
         if splits > 1:
             programs.paged_decode_reduce_kernel[(num_seqs, heads)](
-                part_acc, part_max, part_sum, out, *out.stride()[:2], heads,
-                NUM_SPLITS=splits, BLOCK_S=next_power_of_2(splits),
+                part_acc, part_max, part_sum, out, *out.stride()[:2], heads, splits,
+                BLOCK_S=next_power_of_2(splits),
                 HEAD_DIM=launch.head_dim, BLOCK_D=launch.block_d,
             )  # fmt: skip
 

@@ -74,10 +74,10 @@ def paged_decode_kernel(
     value_scales_ptr,
     block_tables_ptr,  # [B, max_blocks]
     seq_lens_ptr,  # [B]
-    out_ptr,  # [B, H_q, D] (NUM_SPLITS == 1)
-    part_acc_ptr,  # [B, H_q, NUM_SPLITS, BLOCK_D] float32 (NUM_SPLITS > 1)
-    part_max_ptr,  # [B, H_q, NUM_SPLITS] float32
-    part_sum_ptr,  # [B, H_q, NUM_SPLITS] float32
+    out_ptr,  # [B, H_q, D] (one split)
+    part_acc_ptr,  # [B, H_q, splits, BLOCK_D] float32 (SPLIT)
+    part_max_ptr,  # [B, H_q, splits] float32
+    part_sum_ptr,  # [B, H_q, splits] float32
     qk_scale,  # softmax scale * log2(e)
     window,  # sliding window in tokens (USE_WINDOW)
     pages_per_split,
@@ -96,14 +96,16 @@ def paged_decode_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,
     QUANTIZED: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     """Program (sequence, kv head, split): the GROUP queries of the kv head over the
-    split's pages. With one split it writes the output; with more it writes its partial
-    (acc, max, sum) for `paged_decode_reduce_kernel` (split-K over long contexts)."""
+    split's pages. With one split it writes the output; with more (SPLIT; the grid's third
+    dimension) it writes its partial (acc, max, sum) for `paged_decode_reduce_kernel`
+    (split-K over long contexts). The split count is no constexpr: contexts that grow
+    step by step do not compile new variants."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -152,7 +154,7 @@ def paged_decode_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _dot(p.to(values.dtype), values, UPCAST)
         m_i = m_new
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
             out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :],
@@ -160,7 +162,7 @@ def paged_decode_kernel(
             mask=head_mask[:, None] & dim_mask[None, :],
         )
     else:
-        row = (seq * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split  # [BLOCK_G]
+        row = (seq * (GROUP * tl.num_programs(1)) + heads) * tl.num_programs(2) + split
         tl.store(part_max_ptr + row, m_i, mask=head_mask)
         tl.store(part_sum_ptr + row, l_i, mask=head_mask)
         tl.store(
@@ -170,14 +172,14 @@ def paged_decode_kernel(
 
 @triton.jit
 def paged_decode_reduce_kernel(
-    part_acc_ptr,  # [B, H_q, NUM_SPLITS, BLOCK_D] float32
-    part_max_ptr,  # [B, H_q, NUM_SPLITS]
+    part_acc_ptr,  # [B, H_q, num_splits, BLOCK_D] float32
+    part_max_ptr,  # [B, H_q, num_splits]
     part_sum_ptr,
     out_ptr,  # [B, H_q, D]
     stride_ot,
     stride_oh,
     num_heads,
-    NUM_SPLITS: tl.constexpr,
+    num_splits,
     BLOCK_S: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -187,9 +189,9 @@ def paged_decode_reduce_kernel(
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, BLOCK_S)
-    split_mask = splits < NUM_SPLITS
+    split_mask = splits < num_splits
     dims = tl.arange(0, BLOCK_D)
-    row = (seq * num_heads + head) * NUM_SPLITS + splits  # [BLOCK_S]
+    row = (seq * num_heads + head) * num_splits + splits  # [BLOCK_S]
     maxes = tl.load(part_max_ptr + row, mask=split_mask, other=float("-inf"))
     sums = tl.load(part_sum_ptr + row, mask=split_mask, other=0.0)
     accs = tl.load(

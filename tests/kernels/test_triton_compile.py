@@ -49,7 +49,7 @@ for query, cache, quantized, splits, window in [
     ("fp16", "fp8e4nv", True, 8, True),
 ]:
     compile_(ak.paged_decode_kernel, attention_types(query, cache, quantized), dict(
-        GROUP=4, BLOCK_G=16, BLOCK_SIZE=16, NUM_SPLITS=splits, QUANTIZED=quantized,
+        GROUP=4, BLOCK_G=16, BLOCK_SIZE=16, SPLIT=splits > 1, QUANTIZED=quantized,
         USE_WINDOW=window, **common))
 for query, cache, quantized, block_size, window in [
     ("bf16", "bf16", False, 16, False),
@@ -61,7 +61,7 @@ for query, cache, quantized, block_size, window in [
 compile_(ak.paged_decode_reduce_kernel,
          {"part_acc_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32",
           "out_ptr": "*bf16"},
-         dict(NUM_SPLITS=8, BLOCK_S=8, HEAD_DIM=128, BLOCK_D=128))
+         dict(BLOCK_S=8, HEAD_DIM=128, BLOCK_D=128))
 bf16 = lambda *names: {name: "*bf16" for name in names}
 compile_(lk.add_rms_norm_kernel,
          {**bf16("x_ptr", "residual_ptr", "weight_ptr", "normed_ptr", "total_ptr"), "eps": "fp32"},
