@@ -27,8 +27,10 @@
  *
  * Quantized caches (kernels/kv_quant.py): int8 or float8 e4m3 elements, one float32 scale
  * per (slot, kv head); the value is element * scale. Elements are read in place and widened
- * like bf16 ones (fp8 through a 256-entry table); the scale is applied once per key to its
- * dot products and once per value to its softmax weight, never as a dequantized copy.
+ * like bf16 ones (fp8 by moving its bits into a float's, which vectorizes where a table
+ * lookup would not); the scale is applied once per key to its dot products and once per
+ * value to its softmax weight, never as a dequantized copy. textgate_store_kv_quantized
+ * writes them: kv_quant.store_kv's computation, bit for bit.
  */
 
 #include <math.h>
@@ -40,21 +42,36 @@
 
 enum { KV_AS_QUERY = 0, KV_INT8 = 1, KV_FP8_E4M3 = 2 };
 
-/* FP8_E4M3[bits] = the float8 e4m3fn value with these bits (no infinities; S.1111.111 is NaN). */
-static float FP8_E4M3[256];
+/* The float8 e4m3fn value of `bits` (S.EEEE.MMM, exponent bias 7, no infinities). The
+   stored values are finite (kv_quant clamps to +-448): the NaN pattern S.1111.111 reads
+   as +-480 here. */
+static inline float fp8_e4m3_to_float(uint8_t bits) {
+    const uint32_t magnitude = bits & 0x7Fu, sign = (uint32_t)(bits & 0x80u) << 24;
+    /* Normal: exponent and mantissa move into a float's fields, the bias from 7 to 127. */
+    uint32_t normal = sign | ((magnitude << 20) + (120u << 23));
+    /* Subnormal (exponent 0): mantissa * 2^-9. */
+    float small = (float)magnitude * 0x1p-9f;
+    uint32_t subnormal;
+    memcpy(&subnormal, &small, sizeof subnormal);
+    subnormal |= sign;
+    const uint32_t out = magnitude >= 8 ? normal : subnormal;
+    float value;
+    memcpy(&value, &out, sizeof value);
+    return value;
+}
 
-static void __attribute__((constructor)) fill_fp8_table(void) {
-    for (int bits = 0; bits < 256; ++bits) {
-        const int exponent = (bits >> 3) & 0xF, mantissa = bits & 0x7;
-        float magnitude;
-        if (exponent == 0xF && mantissa == 0x7)
-            magnitude = NAN;
-        else if (exponent == 0)
-            magnitude = ldexpf((float)mantissa, -9); /* subnormal: m/8 * 2^-6 */
-        else
-            magnitude = ldexpf(1.0f + mantissa / 8.0f, exponent - 7);
-        FP8_E4M3[bits] = bits & 0x80 ? -magnitude : magnitude;
-    }
+/* The float8 e4m3fn bits of a finite x in [-448, 448], rounded to nearest even (as
+   torch's float -> float8_e4m3fn conversion rounds). */
+static inline uint8_t float_to_fp8_e4m3(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
+    const float a = fabsf(x);
+    if (a < 0x1p-6f) /* subnormal: mantissa * 2^-9; 8 rounds up to the smallest normal */
+        return sign | (uint8_t)rintf(a * 0x1p9f);
+    memcpy(&u, &a, sizeof u);
+    u += 0x7FFFFu + ((u >> 20) & 1u); /* round the 23-bit mantissa to 3 bits, ties to even */
+    return sign | (uint8_t)((u >> 20) - (120u << 3));
 }
 
 /* dst[0..n) = src[offset..offset + n) as float. */
@@ -107,7 +124,7 @@ static inline float widen_kv(float *dst, const Step *s, const void *cache, const
     }
     if (s->kv_kind == KV_FP8_E4M3) {
         const uint8_t *c = (const uint8_t *)cache + index * D;
-        for (int64_t i = 0; i < D; ++i) dst[i] = FP8_E4M3[c[i]];
+        for (int64_t i = 0; i < D; ++i) dst[i] = fp8_e4m3_to_float(c[i]);
         return scales[index];
     }
     widen(dst, cache, index * D, D, s->bf16);
@@ -280,4 +297,35 @@ int textgate_paged_attention(const void *query, const void *key_cache, const voi
     }
     free(chunks);
     return failed;
+}
+
+/* Quantize src [T, H, D] (float32, or bfloat16 when bf16) per (token, head) and write it to
+   slots slot_mapping [T] of cache [N, bs, H, D] (int8 or fp8 e4m3 by kv_kind) and scales
+   [N, bs, H] float32: kv_quant.quantize_kv's arithmetic in the same order, so the same bits
+   (scale = absmax * (1 / QMAX), inverse = 1 / scale, q = round(clamp(x * inverse))). */
+void textgate_store_kv_quantized(const void *src, const int64_t *slot_mapping, void *cache,
+                                 float *scales, int64_t num_tokens, int64_t num_heads,
+                                 int64_t head_dim, int bf16, int kv_kind) {
+    const float qmax = kv_kind == KV_INT8 ? 127.0f : 448.0f;
+    const float step = kv_kind == KV_INT8 ? 1.0f / 127.0f : 1.0f / 448.0f;
+#pragma omp parallel for schedule(static) if (num_tokens * num_heads > 64)
+    for (int64_t item = 0; item < num_tokens * num_heads; ++item) {
+        const int64_t t = item / num_heads, h = item % num_heads, D = head_dim;
+        float row[D];
+        widen(row, src, item * D, D, bf16);
+        float absmax = 0.0f;
+        for (int64_t d = 0; d < D; ++d) absmax = fabsf(row[d]) > absmax ? fabsf(row[d]) : absmax;
+        const float scale = absmax * step;
+        const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
+        const int64_t entry = slot_mapping[t] * num_heads + h;
+        scales[entry] = scale;
+        for (int64_t d = 0; d < D; ++d) {
+            float v = row[d] * inverse;
+            v = v < -qmax ? -qmax : (v > qmax ? qmax : v);
+            if (kv_kind == KV_INT8)
+                ((int8_t *)cache)[entry * D + d] = (int8_t)rintf(v);
+            else
+                ((uint8_t *)cache)[entry * D + d] = float_to_fp8_e4m3(v);
+        }
+    }
 }

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from textgate.kernels import cpu_build
+from textgate.kernels import cpu_build, cpu_layers, kv_quant
 from textgate.kernels.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -214,3 +214,70 @@ class CpuAttentionBackend(AttentionBackend[CpuPlan]):
             and query.shape[1] % key_cache.shape[2] == 0
             and query.shape[2] == key_cache.shape[3]
         )
+
+
+def store_quantized(cache: Tensor, scales: Tensor, x: Tensor, slot_mapping: Tensor) -> bool:
+    """kv_quant.store_kv (quantize x [T, H_kv, D], write slots slot_mapping [T] of cache and
+    scales) in one C pass, writing the same bits; False, having written nothing, where the
+    kernel does not apply (no compiler, not on the CPU, x not float32/bfloat16)."""
+    x = x.contiguous()  # the model's keys and values are strided views of its qkv output
+    if not (
+        cache.device.type == x.device.type == slot_mapping.device.type == "cpu"
+        and cache.dtype in QUANTIZED_KV_KINDS
+        and x.dtype in SUPPORTED_DTYPES
+        and scales.dtype == torch.float32
+        and slot_mapping.dtype == torch.int64
+        and all(t.is_contiguous() for t in (cache, scales, x, slot_mapping))
+    ):
+        return False
+    library = cpu_build.load_library()
+    if library is None:
+        return False
+    num_tokens, heads, dim = x.shape
+    library.textgate_store_kv_quantized(
+        x.data_ptr(),
+        slot_mapping.data_ptr(),
+        cache.data_ptr(),
+        scales.data_ptr(),
+        num_tokens,
+        heads,
+        dim,
+        SUPPORTED_DTYPES[x.dtype],
+        QUANTIZED_KV_KINDS[cache.dtype],
+    )
+    return True
+
+
+def rotary_and_store_quantized(
+    qkv: Tensor,
+    cos: Tensor,
+    sin_signed: Tensor,
+    caches: tuple[Tensor, Tensor],
+    scales: tuple[Tensor | None, Tensor | None],
+    slot_mapping: Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> Tensor | None:
+    """cpu_layers.rotary_and_store for a quantized cache: the fused rotary writes this step's
+    keys and values [T, H_kv, D] to a scratch copy, which store_quantized then quantizes into
+    the caches at `slot_mapping`; returns the rotated queries [T, H_q, D]. None where either
+    C kernel does not apply (the caller then runs the PyTorch reference)."""
+    key_cache, value_cache = caches
+    key_scales, value_scales = scales
+    if key_scales is None or value_scales is None or key_cache.dtype not in QUANTIZED_KV_KINDS:
+        return None
+    num_tokens, head_dim = qkv.shape[0], key_cache.shape[-1]
+    scratch = qkv.new_empty(2, num_tokens, num_kv_heads, head_dim)  # keys, values
+    rows = torch.arange(num_tokens)
+    query = cpu_layers.rotary_and_store(
+        qkv, cos, sin_signed, scratch[0], scratch[1], rows, num_heads, num_kv_heads
+    )
+    if query is None:
+        return None
+    for cache, cache_scales, x in (
+        (key_cache, key_scales, scratch[0]),
+        (value_cache, value_scales, scratch[1]),
+    ):
+        if not store_quantized(cache, cache_scales, x, slot_mapping):
+            kv_quant.store_kv(cache, cache_scales, x, slot_mapping)
+    return query

@@ -110,6 +110,7 @@ def load_library(build_dir: Path | None = None) -> ctypes.CDLL | None:
             ctypes.c_int,
             [*[pointer] * 8, *[int64] * 7, real, int64, flag, pointer, pointer, flag],
         ),
+        "textgate_store_kv_quantized": (None, [*[pointer] * 4, *[int64] * 3, flag, flag]),
         "textgate_add_rms_norm": (None, [*[pointer] * 5, int64, int64, real, flag]),
         "textgate_silu_and_mul": (None, [pointer, pointer, int64, int64, flag]),
         "textgate_rotary_and_store": (None, [*[pointer] * 7, *[int64] * 4, flag]),

@@ -11,10 +11,12 @@ Layout, per layer (block_size slots per block, slot = block_id * block_size + of
 The cache tensors have exactly the shape of an unquantized cache; the scales add one
 float32 per (slot, kv head). Each token's head vector x [head_dim] is quantized on its
 own when it is stored, so writing a token never touches another token's values:
-  scale = max(|x|) / QMAX              QMAX = 127 (int8), 448 (fp8 e4m3)
+  scale = max(|x|) * (1 / QMAX)        QMAX = 127 (int8), 448 (fp8 e4m3); float32 math
   q     = round(x / scale)             int8: round half to even, then clamp to [-127, 127]
           (x / scale).to(float8_e4m3fn)  fp8: round to nearest even, clamped to [-448, 448]
   x'    = float(q) * scale             dequantized, in float32, then cast to the compute dtype
+(q is computed as x * (1 / scale), clamped, then rounded; the C store in cpu_attention.c
+repeats these float32 operations in this order and writes the same bits.)
 An all-zero vector gets scale 0 and q 0 (never a division by zero), so zeroed caches
 dequantize to zeros like unquantized ones: unwritten slots are finite.
 
@@ -70,7 +72,7 @@ def quantize_kv(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         raise ValueError(f"{dtype} is not a quantized KV cache dtype")
     qmax = QMAX[dtype]
     x = x.float()
-    scale = x.abs().amax(dim=-1) / qmax  # [...]
+    scale = x.abs().amax(dim=-1) * (1.0 / qmax)  # [...]
     inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     scaled = (x * inverse[..., None]).clamp_(-qmax, qmax)
     if dtype == torch.int8:

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from textgate.kernels import kv_quant
+from textgate.kernels.cpu_attention import store_quantized
 
 
 @dataclass
@@ -113,13 +114,18 @@ class KVCache:
 
         Every slot must be valid (0 ≤ slot < num_slots); padding tokens need a slot of
         their own (e.g. a reserved scratch block) rather than -1. A quantized cache
-        quantizes each token's head vectors as it stores them (kv_quant.store_kv).
+        quantizes each token's head vectors as it stores them (kv_quant.store_kv; on the
+        CPU one C pass, cpu_attention.store_quantized, writes the same bits).
         """
         key_cache, value_cache = self.layer(layer)
         key_scales, value_scales = self.layer_scales(layer)
         if key_scales is not None and value_scales is not None:
-            kv_quant.store_kv(key_cache, key_scales, key, slot_mapping)
-            kv_quant.store_kv(value_cache, value_scales, value, slot_mapping)
+            for cache, scales, x in (
+                (key_cache, key_scales, key),
+                (value_cache, value_scales, value),
+            ):
+                if not store_quantized(cache, scales, x, slot_mapping):
+                    kv_quant.store_kv(cache, scales, x, slot_mapping)
             return
         slots = slot_mapping.long()
         heads, dim = key_cache.shape[2], key_cache.shape[3]

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from textgate.kernels import cpu_layers, get_attention_backend, kv_quant
+from textgate.kernels import cpu_attention, cpu_layers, get_attention_backend, kv_quant
 from textgate.kernels.attention import AttentionBackend, AttentionMetadata
 from textgate.kernels.triton import layers as gpu_layers
 from textgate.quantization.weights import Weights
@@ -84,7 +84,18 @@ class LlamaAttention(nn.Module):
             ctx.metadata.slot_mapping,
             self.num_heads,
             self.num_kv_heads,
-        )  # [T, H_q, D], or None off the CPU
+        )  # [T, H_q, D], or None off the CPU (and for a quantized cache)
+        if query is None:
+            query = cpu_attention.rotary_and_store_quantized(
+                qkv,
+                ctx.cos,
+                ctx.sin_signed,
+                (key_cache, value_cache),
+                ctx.kv_cache.layer_scales(self.layer_idx),
+                ctx.metadata.slot_mapping,
+                self.num_heads,
+                self.num_kv_heads,
+            )  # the same for an int8 / fp8 cache on the CPU; else None
         if query is None:
             query = gpu_layers.rotary_and_store(
                 qkv,

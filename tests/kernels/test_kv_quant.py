@@ -14,7 +14,7 @@ from textgate.kernels import (
     cpu_build,
     kv_quant,
 )
-from textgate.kernels.cpu_attention import QUANTIZED_KV_KINDS
+from textgate.kernels.cpu_attention import QUANTIZED_KV_KINDS, store_quantized
 from textgate.shard_server.kv_cache import KVCache
 
 QUANTIZED = [torch.int8, torch.float8_e4m3fn]
@@ -210,6 +210,9 @@ def kernel_calls(monkeypatch):
             calls.append(args)
             return library.textgate_paged_attention(*args)
 
+        def __getattr__(self, name):
+            return getattr(library, name)
+
     def no_gather(*args):
         raise AssertionError("the kernel path dequantized a copy of the cache")
 
@@ -305,3 +308,36 @@ def test_missing_or_mismatched_scales_run_sdpa(monkeypatch):
     assert not CpuAttentionBackend._runs_kernel(
         query, key_cache.float(), value_cache.float(), (key_scales, value_scales)
     )
+
+
+# -- the C store (cpu_attention.store_quantized) -------------------------------------------
+
+
+@pytest.mark.parametrize("kv_dtype", QUANTIZED)
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_the_c_store_writes_the_reference_bits(kv_dtype, x_dtype):
+    generator = torch.Generator().manual_seed(4)
+    # Magnitudes over 12 decades, zero vectors, and a dense sweep of [-1, 1] x absmax that
+    # crosses every rounding boundary of both formats (fp8 subnormals included).
+    x = torch.randn(200, 2, 64, generator=generator) * torch.logspace(-6, 6, 200)[:, None, None]
+    x[3] = 0
+    sweep = torch.linspace(-1, 1, 120 * 63).view(120, 1, 63).expand(120, 2, 63)
+    x = torch.cat([x, torch.cat([torch.ones(120, 2, 1), sweep], -1)]).to(x_dtype)
+    slots = torch.randperm(400, generator=generator)[: x.shape[0]]
+    caches = [torch.zeros(25, 16, 2, 64, dtype=kv_dtype) for _ in range(2)]
+    scales = [torch.zeros(25, 16, 2) for _ in range(2)]
+    assert store_quantized(
+        caches[0], scales[0], x.transpose(0, 1).contiguous().transpose(0, 1), slots
+    )
+    kv_quant.store_kv(caches[1], scales[1], x, slots)
+    assert torch.equal(scales[0], scales[1])
+    assert torch.equal(caches[0].view(torch.uint8), caches[1].view(torch.uint8))
+
+
+def test_the_c_store_declines_what_it_does_not_handle():
+    cache, scales = torch.zeros(2, 4, 1, 8, dtype=torch.int8), torch.zeros(2, 4, 1)
+    slots = torch.tensor([1])
+    assert not store_quantized(cache, scales, torch.ones(1, 1, 8, dtype=torch.float16), slots)
+    assert not store_quantized(cache, scales, torch.ones(1, 1, 8), slots.int())
+    assert not store_quantized(cache.float(), scales, torch.ones(1, 1, 8), slots)
+    assert not cache.any() and not scales.any()

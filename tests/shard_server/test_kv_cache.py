@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from textgate.kernels import SdpaAttentionBackend, cpu_build, cpu_layers, kv_quant
+from textgate.kernels import SdpaAttentionBackend, cpu_attention, cpu_build, cpu_layers, kv_quant
 from textgate.proto import generate_pb2 as pb
 from textgate.shard_server.kv_cache import KVCache
 from textgate.shard_server.loader import load_model as load_shard_model
@@ -160,9 +160,19 @@ def test_model_logits_with_a_quantized_cache(tiny_llama, kv_dtype, kernels, monk
     60% at worst, the same greedy tokens. On the C kernels and on the PyTorch references."""
     if kernels == "pytorch":
         monkeypatch.setattr(cpu_build, "load_library", lambda: None)
+    fused = []  # whether each layer's rotary + quantized store ran in C
+    rotary_and_store = cpu_attention.rotary_and_store_quantized
+
+    def spy(*args):
+        query = rotary_and_store(*args)
+        fused.append(query is not None)
+        return query
+
+    monkeypatch.setattr(cpu_attention, "rotary_and_store_quantized", spy)
     model = load_model(tiny_llama, torch.float32, "cpu")
     prompt = torch.randint(0, 101, (22,), generator=torch.Generator().manual_seed(3)).tolist()
     quantized = _generate(model, kv_dtype, prompt)
+    assert fused and set(fused) == {kernels == "cpu"}
     torch.testing.assert_close(
         quantized, _generate(model, kv_dtype, prompt, fake=True), atol=1e-4, rtol=1e-4
     )
