@@ -115,6 +115,11 @@ def load_library(build_dir: Path | None = None) -> ctypes.CDLL | None:
         "textgate_silu_and_mul": (None, [pointer, pointer, int64, int64, flag]),
         "textgate_rotary_and_store": (None, [*[pointer] * 7, *[int64] * 4, flag]),
         "textgate_quantize_rows": (None, [*[pointer] * 3, int64, int64, flag]),
+        "textgate_int8_vnni": (ctypes.c_int, []),
+        "textgate_int8_linear": (
+            ctypes.c_int,
+            [pointer, int64, int64, flag, *[pointer] * 6, int64, flag],
+        ),
     }
     for name, (restype, argtypes) in signatures.items():
         function = getattr(library, name)

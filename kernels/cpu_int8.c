@@ -1,8 +1,18 @@
 /*
- * Per-token int8 quantization of a linear layer's input, in one pass (kernels/int8_linear.py
- * quantize_rows is the reference): for each row x of [rows, cols], m = max(max|x|, 1e-12),
- * out = nearbyint(x * ((1 / m) * 127)) + 128 as uint8 (ties to even, as torch.round), row_max = m.
- * The same float operations as the reference, so the bytes match it exactly.
+ * W8A8 linear layers on the CPU's int8 dot-product units (kernels/int8_linear.py holds the
+ * PyTorch references).
+ *
+ * textgate_quantize_rows: per-token int8 quantization of a linear layer's input, in one pass:
+ * for each row x of [rows, cols] (times the layer's per-column smoothing factors, if any),
+ * m = max(max|x|, 1e-12), out = nearbyint(x * ((1 / m) * 127)) + 128 as uint8 (ties to even,
+ * as torch.round), row_max = m. The same float operations as the reference, so the bytes
+ * match it exactly.
+ *
+ * textgate_int8_linear: the whole layer in one call, y = dequant(q_x @ q_w.T) + bias: the rows
+ * quantized as above, the products summed exactly in int32 (AVX512-VNNI vpdpbusd, unsigned
+ * q_x + 128 times signed q_w; 128 * colsum(q_w) subtracted after), scaled by row_max and the
+ * per-channel weight scale, the bias added and the result stored in the input's dtype.
+ * Weights are packed once by int8_linear.pack_vnni: [N/16][K/4][16][4] int8, N and K padded.
  */
 
 /* Exact float semantics here: the build's -ffast-math may reassociate x * ((1 / m) * 127),
@@ -13,9 +23,21 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define TEXTGATE_VNNI 1
+#else
+#define TEXTGATE_VNNI 0
+#endif
+
 #define GRAIN_SIZE 32768 /* at::internal::GRAIN_SIZE */
+/* Multiply-adds below which one thread is done sooner than two (waking the second costs
+ * a few microseconds, more on a busy machine). */
+#define GEMM_GRAIN (1 << 19)
+#define ROW_CHUNK 16 /* rows per task: a decode batch of 32 gives two tasks per weight tile */
 
 static inline float load_value(const void *base, int64_t i, int bf16) {
     if (!bf16) return ((const float *)base)[i];
@@ -25,20 +47,169 @@ static inline float load_value(const void *base, int64_t i, int bf16) {
     return f;
 }
 
-void textgate_quantize_rows(const void *x, uint8_t *out, float *row_max, int64_t rows,
-                            int64_t cols, int bf16) {
-#pragma omp parallel for schedule(static) if (rows * cols >= GRAIN_SIZE)
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t base = r * cols;
-        float m = 0.0f;
+/* One row: its absmax m (of x * smooth when smooth is given), and q + 128 into out[0, cols);
+ * out[cols, padded) = 128 (zero after the offset). */
+static inline void quantize_row(const void *x, int64_t base, int64_t cols, int bf16,
+                                const float *smooth, uint8_t *out, int64_t padded,
+                                float *row_max) {
+    float m = 0.0f;
+    if (smooth) {
+        for (int64_t c = 0; c < cols; c++) {
+            const float v = fabsf(load_value(x, base + c, bf16) * smooth[c]);
+            m = v > m ? v : m;
+        }
+    } else {
         for (int64_t c = 0; c < cols; c++) {
             const float v = fabsf(load_value(x, base + c, bf16));
             m = v > m ? v : m; /* vectorizes without fast-math, unlike fmaxf */
         }
-        m = fmaxf(m, 1e-12f);
-        row_max[r] = m;
-        const float inv = (1.0f / m) * 127.0f; /* as torch computes 127 / row_max */
+    }
+    m = fmaxf(m, 1e-12f);
+    *row_max = m;
+    const float inv = (1.0f / m) * 127.0f; /* as torch computes 127 / row_max */
+    if (smooth) {
         for (int64_t c = 0; c < cols; c++)
-            out[base + c] = (uint8_t)(int32_t)(nearbyintf(load_value(x, base + c, bf16) * inv) + 128.0f);
+            out[c] = (uint8_t)(int32_t)(nearbyintf(load_value(x, base + c, bf16) * smooth[c] * inv) +
+                                        128.0f);
+    } else {
+        for (int64_t c = 0; c < cols; c++)
+            out[c] = (uint8_t)(int32_t)(nearbyintf(load_value(x, base + c, bf16) * inv) + 128.0f);
+    }
+    for (int64_t c = cols; c < padded; c++) out[c] = 128;
+}
+
+void textgate_quantize_rows(const void *x, uint8_t *out, float *row_max, int64_t rows,
+                            int64_t cols, int bf16) {
+#pragma omp parallel for schedule(static) if (rows * cols >= GRAIN_SIZE)
+    for (int64_t r = 0; r < rows; r++)
+        quantize_row(x, r * cols, cols, bf16, NULL, out + r * cols, cols, row_max + r);
+}
+
+int textgate_int8_vnni(void) { return TEXTGATE_VNNI; }
+
+#if TEXTGATE_VNNI
+
+/* Lane i of v (float) stored to base[i] for i < count, as float or as bfloat16 rounded to
+ * nearest even (what torch's .to(bfloat16) does for finite values). */
+static inline void store16(void *base, int64_t index, __m512 v, int count, int bf16) {
+    const __mmask16 mask = count >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1u);
+    if (!bf16) {
+        _mm512_mask_storeu_ps((float *)base + index, mask, v);
+        return;
+    }
+    __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+    const __m256i half = _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16));
+    _mm256_mask_storeu_epi16((uint16_t *)base + index, mask, half);
+}
+
+/* MB rows x NB blocks of 16 output channels: MB * NB int32 accumulators in registers. */
+static inline __attribute__((always_inline)) void tile(
+    const uint8_t *a, int64_t lda, const float *row_max, const int8_t *w, int64_t k4,
+    const int32_t *wsum, const float *wscale, const float *bias, void *out, int64_t ldo,
+    int64_t n_left, int out_bf16, const int MB, const int NB) {
+    __m512i acc[4][4];
+    for (int i = 0; i < MB; i++)
+        for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_si512();
+    for (int64_t kk = 0; kk < k4; kk++) {
+        __m512i wv[4];
+        for (int j = 0; j < NB; j++) wv[j] = _mm512_loadu_si512(w + (j * k4 + kk) * 64);
+        for (int i = 0; i < MB; i++) {
+            int32_t four;
+            memcpy(&four, a + i * lda + kk * 4, sizeof four);
+            const __m512i av = _mm512_set1_epi32(four);
+            for (int j = 0; j < NB; j++) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], av, wv[j]);
+        }
+    }
+    for (int j = 0; j < NB; j++) {
+        const __m512i offset = _mm512_loadu_si512(wsum + j * 16);
+        const __m512 scale = _mm512_loadu_ps(wscale + j * 16);
+        const __m512 add = bias ? _mm512_loadu_ps(bias + j * 16) : _mm512_setzero_ps();
+        const int64_t left = n_left - j * 16;
+        const int count = left >= 16 ? 16 : (int)left;
+        for (int i = 0; i < MB; i++) {
+            const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][j], offset));
+            __m512 v = _mm512_mul_ps(_mm512_mul_ps(dot, scale), _mm512_set1_ps(row_max[i]));
+            if (bias) v = _mm512_add_ps(v, add);
+            store16(out, i * ldo + j * 16, v, count, out_bf16);
+        }
     }
 }
+
+typedef void (*tile_fn)(const uint8_t *, int64_t, const float *, const int8_t *, int64_t,
+                        const int32_t *, const float *, const float *, void *, int64_t, int64_t,
+                        int);
+
+#define TILE(MB, NB)                                                                            \
+    static void tile_##MB##_##NB(const uint8_t *a, int64_t lda, const float *rm,               \
+                                 const int8_t *w, int64_t k4, const int32_t *ws,               \
+                                 const float *sc, const float *b, void *o, int64_t ldo,        \
+                                 int64_t nl, int bf) {                                         \
+        tile(a, lda, rm, w, k4, ws, sc, b, o, ldo, nl, bf, MB, NB);                            \
+    }
+#define TILE_ROW(MB) TILE(MB, 1) TILE(MB, 2) TILE(MB, 3) TILE(MB, 4)
+TILE_ROW(1) TILE_ROW(2) TILE_ROW(3) TILE_ROW(4)
+static const tile_fn TILES[4][4] = {
+    {tile_1_1, tile_1_2, tile_1_3, tile_1_4},
+    {tile_2_1, tile_2_2, tile_2_3, tile_2_4},
+    {tile_3_1, tile_3_2, tile_3_3, tile_3_4},
+    {tile_4_1, tile_4_2, tile_4_3, tile_4_4},
+};
+
+/* x [rows, k] (float32 or bf16) -> out [rows, n] in out's dtype; smooth [k] and bias [n16]
+ * may be NULL; packed/wsum/wscale as pack_vnni made them (wsum = 128 * colsum, wscale =
+ * s_w / 127, both padded to n16). Returns 0, or -1 when the scratch could not be allocated. */
+int textgate_int8_linear(const void *x, int64_t rows, int64_t k, int x_bf16, const float *smooth,
+                         const int8_t *packed, const int32_t *wsum, const float *wscale,
+                         const float *bias, void *out, int64_t n, int out_bf16) {
+    const int64_t k4 = (k + 3) / 4, lda = k4 * 4;
+    const int64_t n16 = (n + 15) / 16, num_tiles = (n16 + 3) / 4;
+    const int64_t row_chunks = (rows + ROW_CHUNK - 1) / ROW_CHUNK;
+    uint8_t *a = malloc((size_t)(rows * lda) + 64);
+    float *row_max = malloc((size_t)rows * sizeof(float) + 64);
+    if (!a || !row_max) {
+        free(a);
+        free(row_max);
+        return -1;
+    }
+#pragma omp parallel if (rows * n * k >= GEMM_GRAIN)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++)
+            quantize_row(x, r * k, k, x_bf16, smooth, a + r * lda, lda, row_max + r);
+        /* Consecutive tasks share a weight tile, which stays in cache across its row chunks. */
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < num_tiles * row_chunks; task++) {
+            const int64_t t = task / row_chunks, chunk = task % row_chunks;
+            const int64_t first_block = t * 4;
+            const int nb = (int)(n16 - first_block < 4 ? n16 - first_block : 4);
+            const int8_t *w = packed + first_block * k4 * 64;
+            const int64_t n0 = first_block * 16;
+            const int64_t end = (chunk + 1) * ROW_CHUNK < rows ? (chunk + 1) * ROW_CHUNK : rows;
+            for (int64_t r = chunk * ROW_CHUNK; r < end; r += 4) {
+                const int mb = (int)(end - r < 4 ? end - r : 4);
+                void *o = out_bf16 ? (void *)((uint16_t *)out + r * n + n0)
+                                   : (void *)((float *)out + r * n + n0);
+                TILES[mb - 1][nb - 1](a + r * lda, lda, row_max + r, w, k4, wsum + n0,
+                                      wscale + n0, bias ? bias + n0 : NULL, o, n, n - n0,
+                                      out_bf16);
+            }
+        }
+    }
+    free(a);
+    free(row_max);
+    return 0;
+}
+
+#else
+
+int textgate_int8_linear(const void *x, int64_t rows, int64_t k, int x_bf16, const float *smooth,
+                         const int8_t *packed, const int32_t *wsum, const float *wscale,
+                         const float *bias, void *out, int64_t n, int out_bf16) {
+    (void)x, (void)rows, (void)k, (void)x_bf16, (void)smooth, (void)packed, (void)wsum;
+    (void)wscale, (void)bias, (void)out, (void)n, (void)out_bf16;
+    return -2; /* built without AVX512-VNNI: textgate_int8_vnni() says so first */
+}
+
+#endif

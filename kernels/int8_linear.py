@@ -47,8 +47,10 @@ wherever the fast path cannot (GPU, builds without oneDNN, `TEXTGATE_CPU_KERNELS
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from textgate.kernels import cpu_build
@@ -60,19 +62,21 @@ _TINY = 1e-12
 _C_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
-def quantize_weight(weight: Tensor) -> tuple[Tensor, Tensor]:
+def quantize_weight(weight: Tensor, smooth: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Per-output-channel symmetric int8 of a weight [out, in]: (q_w int8 [out, in],
-    s_w float32 [out]) with W ≈ q_w * s_w[:, None]."""
-    weight = weight.float()
+    s_w float32 [out]) with W ≈ q_w * s_w[:, None]; with per-input-channel factors
+    `smooth` [in], of W / smooth instead (the layer then multiplies its input by smooth)."""
+    weight = weight.float() if smooth is None else weight.float() / smooth
     scales = weight.abs().amax(dim=1).clamp(min=_TINY) / INT8_MAX  # [out]
     qweight = torch.round(weight / scales[:, None]).clamp(-INT8_MAX, INT8_MAX)
     return qweight.to(torch.int8), scales
 
 
-def reference_quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-token symmetric int8 of x [M, K], offset to uint8: (q_x + 128 uint8 [M, K],
-    row absmax m float32 [M, 1]) with x ≈ (q - 128) * m / 127."""
-    x = x.float()
+def reference_quantize_rows(x: Tensor, smooth: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Per-token symmetric int8 of x [M, K] (times the per-column factors `smooth` [K] when
+    given), offset to uint8: (q_x + 128 uint8 [M, K], row absmax m float32 [M, 1]) with
+    x * smooth ≈ (q - 128) * m / 127."""
+    x = x.float() if smooth is None else x.float() * smooth
     row_max = x.abs().amax(dim=-1, keepdim=True).clamp(min=_TINY)  # [M, 1]
     quantized = torch.round(x * (row_max.reciprocal() * INT8_MAX)).add_(ZERO_POINT)
     return quantized.to(torch.uint8), row_max
@@ -94,12 +98,17 @@ def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def reference_int8_linear(
-    x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None = None
+    x: Tensor,
+    qweight: Tensor,
+    scales: Tensor,
+    bias: Tensor | None = None,
+    smooth: Tensor | None = None,
 ) -> Tensor:
     """`x @ W.T + bias` for x [..., in] with W8A8: both operands quantized, dequantized,
-    then multiplied in float32; the result in x's dtype [..., out]."""
+    then multiplied in float32; the result in x's dtype [..., out]. With `smooth` [in], the
+    weight was quantized as W / smooth (see `quantize_weight`) and x is multiplied by it."""
     rows = x.reshape(-1, x.shape[-1])  # [M, in]
-    quantized, row_max = reference_quantize_rows(rows)
+    quantized, row_max = reference_quantize_rows(rows, smooth)
     dequantized = (quantized.float() - ZERO_POINT) * (row_max / INT8_MAX)  # [M, in]
     out = dequantized @ (qweight.float() * scales[:, None]).t()  # [M, out]
     if bias is not None:
@@ -123,11 +132,18 @@ def pack(qweight: Tensor) -> Tensor | None:
 
 
 def packed_int8_linear(
-    x: Tensor, packed: Tensor, scales: Tensor, zero_points: Tensor, bias: Tensor | None = None
+    x: Tensor,
+    packed: Tensor,
+    scales: Tensor,
+    zero_points: Tensor,
+    bias: Tensor | None = None,
+    smooth: Tensor | None = None,
 ) -> Tensor:
-    """`reference_int8_linear` on the int8 units: `packed = pack(q_w)`, `zero_points` int32
-    zeros [out]; equal to the reference up to float summation order."""
+    """`reference_int8_linear` on oneDNN's int8 GEMM: `packed = pack(q_w)`, `zero_points`
+    int32 zeros [out]; equal to the reference up to float summation order."""
     rows = x.reshape(-1, x.shape[-1])  # [M, in]
+    if smooth is not None:
+        rows = rows.float() * smooth
     quantized, row_max = quantize_rows(rows)
     out = torch.ops.onednn.qlinear_pointwise(
         quantized, 1.0 / INT8_MAX, ZERO_POINT, packed, scales, zero_points,
@@ -137,14 +153,103 @@ def packed_int8_linear(
     return out.to(x.dtype).reshape(*x.shape[:-1], scales.shape[0])
 
 
+def has_vnni_kernel() -> bool:
+    """Whether cpu_int8.c's fused layer (`vnni_int8_linear`) runs here: kernels built, on a
+    CPU with AVX512-VNNI."""
+    if os.environ.get("TEXTGATE_CPU_KERNELS", "1") == "0":
+        return False
+    library = cpu_build.load_library()
+    return library is not None and bool(library.textgate_int8_vnni())
+
+
+KERNELS = ("vnni", "onednn", "reference")
+
+
+def default_kernel(device: torch.device) -> str:
+    """The fastest int8 kernel that runs on `device` (measured: module docstring)."""
+    if device.type != "cpu":
+        return "reference"
+    if has_vnni_kernel():
+        return "vnni"
+    return "onednn" if can_pack() else "reference"
+
+
+@dataclass(frozen=True)
+class VnniWeight:
+    """q_w in the layout of cpu_int8.c's `textgate_int8_linear`, with its per-channel terms."""
+
+    packed: Tensor  # int8 [N/16, K/4, 16, 4]: 16 output channels x 4 inputs per 64 bytes
+    offsets: Tensor  # int32 [N16]: 128 * sum_k q_w[n, k], what the uint8 offset of q_x adds
+    scales: Tensor  # float32 [N16]: s_w / 127
+    bias: Tensor | None  # float32 [N16]
+    in_features: int
+    out_features: int
+
+
+def pack_vnni(qweight: Tensor, scales: Tensor, bias: Tensor | None = None) -> VnniWeight:
+    """q_w [out, in] and s_w [out] packed for `vnni_int8_linear`, N padded to 16, K to 4."""
+    out_features, in_features = qweight.shape
+    n16, k4 = -(-out_features // 16) * 16, -(-in_features // 4) * 4
+    padded = F.pad(qweight, (0, k4 - in_features, 0, n16 - out_features))  # [N16, K4]
+    packed = padded.view(n16 // 16, 16, k4 // 4, 4).permute(0, 2, 1, 3).contiguous()
+    offsets = padded.sum(dim=1, dtype=torch.int32) * ZERO_POINT
+    padded_scales = F.pad(scales.float() / INT8_MAX, (0, n16 - out_features))
+    padded_bias = None if bias is None else F.pad(bias.float(), (0, n16 - out_features))
+    return VnniWeight(packed, offsets, padded_scales, padded_bias, in_features, out_features)
+
+
+def unpack_vnni(weight: VnniWeight) -> Tensor:
+    """q_w [out, in] back from `pack_vnni`."""
+    blocks, k_quads = weight.packed.shape[:2]
+    plain = weight.packed.permute(0, 2, 1, 3).reshape(blocks * 16, k_quads * 4)
+    return plain[: weight.out_features, : weight.in_features]
+
+
+def _pointer(tensor: Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+def vnni_int8_linear(x: Tensor, weight: VnniWeight, smooth: Tensor | None = None) -> Tensor:
+    """`reference_int8_linear` in one C call (quantize, int8 GEMM, dequantize, bias) for x
+    [..., in] float32 or bfloat16; equal to the reference up to float summation order."""
+    library = cpu_build.load_library()
+    assert library is not None
+    rows = x.reshape(-1, x.shape[-1])  # [M, in]
+    if rows.dtype not in _C_DTYPES:
+        rows = rows.float()
+    rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], weight.out_features, dtype=rows.dtype)  # [M, out]
+    status = library.textgate_int8_linear(
+        rows.data_ptr(), rows.shape[0], weight.in_features, _C_DTYPES[rows.dtype],
+        _pointer(smooth), weight.packed.data_ptr(), weight.offsets.data_ptr(),
+        weight.scales.data_ptr(), _pointer(weight.bias), out.data_ptr(), weight.out_features,
+        _C_DTYPES[rows.dtype],
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError(f"textgate_int8_linear failed ({status}) for {tuple(rows.shape)}")
+    return out.to(x.dtype).reshape(*x.shape[:-1], weight.out_features)
+
+
 class Int8Linear(nn.Module):
     """`x @ W.T + bias` with W kept as per-channel int8 (W8A8, see the module docstring).
 
-    On CPU the weight is packed once for oneDNN and the plain int8 copy dropped;
-    elsewhere the reference runs on the plain copy.
+    `smooth` [in] (optional, float32): SmoothQuant factors, x * smooth is what gets
+    quantized and the weight given must already be quantized as W / smooth
+    (`quantize_weight(W, smooth)`); they move activation outliers into the weights.
+    `kernel` (one of KERNELS; default `default_kernel(device)`) decides how it runs: on
+    CPU the weight is packed once, for cpu_int8.c's VNNI kernel where the CPU has
+    AVX512-VNNI, else for oneDNN, and the plain int8 copy dropped; elsewhere the
+    reference runs on the plain copy.
     """
 
-    def __init__(self, qweight: Tensor, scales: Tensor, bias: Tensor | None = None) -> None:
+    def __init__(
+        self,
+        qweight: Tensor,
+        scales: Tensor,
+        bias: Tensor | None = None,
+        smooth: Tensor | None = None,
+        kernel: str | None = None,
+    ) -> None:
         super().__init__()
         if qweight.dtype != torch.int8 or qweight.dim() != 2:
             raise ValueError(
@@ -152,30 +257,53 @@ class Int8Linear(nn.Module):
             )
         if scales.shape != (qweight.shape[0],):
             raise ValueError(f"expected {qweight.shape[0]} scales, got shape {tuple(scales.shape)}")
+        if smooth is not None and smooth.shape != (qweight.shape[1],):
+            raise ValueError(
+                f"expected {qweight.shape[1]} smoothing factors, got shape {tuple(smooth.shape)}"
+            )
         self.in_features, self.out_features = qweight.shape[1], qweight.shape[0]
         self.scales = scales.float()
-        self.packed = pack(qweight)
-        self.qweight = qweight if self.packed is None else None
-        self.zero_points = torch.zeros(qweight.shape[0], dtype=torch.int32, device=qweight.device)
+        self.smooth = None if smooth is None else smooth.float().contiguous()
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        kernel = kernel or default_kernel(qweight.device)
+        if kernel not in KERNELS:
+            raise ValueError(f"unknown int8 kernel {kernel!r}; use one of {', '.join(KERNELS)}")
+        self.kernel = kernel
+        self.vnni = pack_vnni(qweight, self.scales, bias) if kernel == "vnni" else None
+        self.packed = pack(qweight) if kernel == "onednn" else None
+        if kernel == "onednn" and self.packed is None:
+            raise ValueError("the onednn int8 kernel is not available here")
+        self.qweight = qweight if kernel == "reference" else None
+        self.zero_points = (
+            torch.zeros(qweight.shape[0], dtype=torch.int32) if kernel == "onednn" else None
+        )
 
     @property
     def weight(self) -> Tensor:
-        """The dequantized weight [out, in] in float32 (a copy)."""
-        qweight = self.qweight
-        if qweight is None:
-            assert self.packed is not None
+        """The dequantized weight [out, in] in float32 (a copy), smoothing undone."""
+        if self.vnni is not None:
+            qweight = unpack_vnni(self.vnni)
+        elif self.packed is not None:
+            assert self.zero_points is not None
             # Unpacking goes through the GEMM itself: identity rows give back q_w.T.
             eye = torch.eye(self.in_features) * INT8_MAX
-            return (
-                packed_int8_linear(eye, self.packed, self.scales, self.zero_points).t() / INT8_MAX
-            )
-        return qweight.float() * self.scales[:, None]
+            qweight = packed_int8_linear(eye, self.packed, self.scales, self.zero_points).t()
+            qweight = qweight / self.scales[:, None] / INT8_MAX
+        else:
+            assert self.qweight is not None
+            qweight = self.qweight
+        weight = qweight.float() * self.scales[:, None]
+        return weight if self.smooth is None else weight * self.smooth
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.packed is None:
-            assert self.qweight is not None
-            return reference_int8_linear(x, self.qweight, self.scales, self.bias)
         if not x.numel():
             return x.new_empty(*x.shape[:-1], self.out_features)
-        return packed_int8_linear(x, self.packed, self.scales, self.zero_points, self.bias)
+        if self.vnni is not None:
+            return vnni_int8_linear(x, self.vnni, self.smooth)
+        if self.packed is not None:
+            assert self.zero_points is not None
+            return packed_int8_linear(
+                x, self.packed, self.scales, self.zero_points, self.bias, self.smooth
+            )
+        assert self.qweight is not None
+        return reference_int8_linear(x, self.qweight, self.scales, self.bias, self.smooth)
