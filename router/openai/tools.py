@@ -256,7 +256,9 @@ def _tool(index: int, tool: Any) -> Tool:
         raise ValidationError(
             f"{where}.function.name must be 1 to 64 letters, digits, _ or -. Given: {name!r}"
         )
-    parameters = function.get("parameters") or _EMPTY_PARAMETERS
+    parameters = function.get("parameters")
+    if parameters is None:
+        parameters = _EMPTY_PARAMETERS
     if not isinstance(parameters, dict):
         raise ValidationError(f"{where}.function.parameters must be a JSON schema object")
     description = function.get("description") or ""

@@ -1,0 +1,195 @@
+"""OpenAI tools: plans and their grammars, prompts, reading calls back, streaming call deltas."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+import pytest
+
+from textgate.router.http.validation import ValidationError
+from textgate.router.openai.schemas import ChatCompletionRequest
+from textgate.router.openai.tools import (
+    NO_TOOL,
+    ToolCallStream,
+    read_answer,
+    response_format_grammar,
+    template_reads_tools,
+    tool_messages,
+    tool_plan,
+)
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+NAMED = {"type": "function", "function": {"name": "get_time"}}
+
+
+def chat(**fields: Any) -> ChatCompletionRequest:
+    return ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **fields)
+
+
+def grammar_schema(**fields: Any) -> dict[str, Any]:
+    plan = tool_plan(chat(**fields))
+    assert plan is not None and plan.grammar.kind == "json"
+    schema: dict[str, Any] = json.loads(plan.grammar.value)
+    return schema
+
+
+def call(name: str, arguments: Any) -> dict[str, Any]:
+    return {"name": name, "arguments": arguments}
+
+
+def test_required_admits_a_call_of_any_tool_and_nothing_else() -> None:
+    schema = grammar_schema(tools=[WEATHER, TIME], tool_choice="required")
+    jsonschema.validate(call("get_weather", {"city": "Paris"}), schema)
+    jsonschema.validate(call("get_time", {}), schema)
+    for wrong in (call("get_weather", {}), call(NO_TOOL, {"content": "x"}), call("nope", {})):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(wrong, schema)
+
+
+def test_auto_also_admits_answering_in_text() -> None:
+    schema = grammar_schema(tools=[WEATHER])
+    jsonschema.validate(call(NO_TOOL, {"content": "hello"}), schema)
+    jsonschema.validate(call("get_weather", {"city": "Paris"}), schema)
+
+
+def test_a_named_choice_admits_that_function_only() -> None:
+    schema = grammar_schema(tools=[WEATHER, TIME], tool_choice=NAMED)
+    jsonschema.validate(call("get_time", {}), schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(call("get_weather", {"city": "Paris"}), schema)
+
+
+def test_none_and_no_tools_have_no_plan() -> None:
+    assert tool_plan(chat(tools=[WEATHER], tool_choice="none")) is None
+    assert tool_plan(chat()) is None
+    assert tool_plan(chat(tool_choice="auto")) is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"tool_choice": "required"}, "`tool_choice` needs `tools`"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "`tool_choice` must be"),
+        ({"tools": [WEATHER], "tool_choice": NAMED}, "names `get_time`, which is not"),
+        ({"tools": [WEATHER, WEATHER]}, "unique"),
+        ({"tools": [{"type": "function", "function": {"name": NO_TOOL}}]}, "reserved"),
+        ({"tools": [{"type": "retrieval"}]}, "`tools[0]` must be"),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "letters, digits"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]},
+            "must be a JSON schema object",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 1}}}]},
+            "not a valid JSON schema",
+        ),
+        ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "cannot be combined"),
+    ],
+)
+def test_bad_tool_requests_are_refused(fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValidationError, match=message.replace("[", r"\[")):
+        tool_plan(chat(**fields))
+
+
+def test_response_formats() -> None:
+    assert response_format_grammar(None) is None
+    assert response_format_grammar({"type": "text"}) is None
+    spec = response_format_grammar({"type": "json_object"})
+    assert spec is not None and json.loads(spec.value)["type"] == "object"
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    spec = response_format_grammar(
+        {"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}
+    )
+    assert spec is not None and json.loads(spec.value) == schema
+    with pytest.raises(ValidationError, match="`response_format` schema: not a valid"):
+        response_format_grammar(
+            {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": 2}}}
+        )
+
+
+def test_templates_without_tools_get_a_system_prompt_and_calls_as_text() -> None:
+    plan = tool_plan(chat(tools=[WEATHER]))
+    assert plan is not None
+    history = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "c1", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "cold"},
+    ]
+    rendered = tool_messages(history, plan, template_tools=False)
+    assert rendered[0]["content"].startswith("Be brief.\n\n")
+    assert "get_weather" in rendered[0]["content"] and NO_TOOL in rendered[0]["content"]
+    assert json.loads(rendered[2]["content"]) == call("get_weather", {"city": "Oslo"})
+    assert "tool_calls" not in rendered[2]
+    assert rendered[3] == {"role": "tool", "content": "cold"}
+    assert tool_messages(history, plan, template_tools=True) == history
+
+
+def test_template_reads_tools() -> None:
+    class Tokenizer:
+        chat_template = "{% for tool in tools %}{{ tool }}{% endfor %}"
+
+    assert template_reads_tools(Tokenizer())
+    Tokenizer.chat_template = "{{ messages }}"
+    assert not template_reads_tools(Tokenizer())
+
+
+def test_read_answer() -> None:
+    answer = read_answer('{"name": "get_weather", "arguments": {"city": "Paris"}}')
+    assert answer.content is None and answer.tool_calls is not None
+    (tool_call,) = answer.tool_calls
+    assert tool_call.id.startswith("call_") and tool_call.function.name == "get_weather"
+    assert json.loads(tool_call.function.arguments) == {"city": "Paris"}
+    text = read_answer(json.dumps(call(NO_TOOL, {"content": "Hi there"})))
+    assert text.tool_calls is None and text.content == "Hi there"
+    cut = read_answer('{"name": "get_weather", "argum')  # max_tokens cut it short
+    assert cut.tool_calls is None and cut.content == '{"name": "get_weather", "argum'
+
+
+def _stream(pieces: list[str]) -> tuple[list[dict[str, Any]], str, ToolCallStream]:
+    stream = ToolCallStream()
+    deltas: list[dict[str, Any]] = []
+    content = ""
+    for i, piece in enumerate(pieces):
+        new, text = stream.push(piece, i == len(pieces) - 1)
+        deltas += new
+        content += text
+    return deltas, content, stream
+
+
+def test_streamed_call_deltas_assemble_to_the_arguments() -> None:
+    text = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    deltas, content, stream = _stream([text[i : i + 3] for i in range(0, len(text), 3)])
+    assert stream.called and content == ""
+    first = deltas[0]
+    assert first["id"].startswith("call_") and first["type"] == "function"
+    assert first["function"] == {"name": "get_weather", "arguments": ""}
+    arguments = "".join(d["function"]["arguments"] for d in deltas[1:])
+    assert json.loads(arguments) == {"city": "Paris"}
+    assert all(d["index"] == 0 for d in deltas)
+
+
+def test_streamed_no_tool_answer_is_content() -> None:
+    text = json.dumps(call(NO_TOOL, {"content": "Hello"}))
+    deltas, content, stream = _stream([text[:20], text[20:40], text[40:]])
+    assert deltas == [] and content == "Hello" and not stream.called
