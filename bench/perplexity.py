@@ -3,13 +3,18 @@
     python -m textgate.bench.perplexity                      # the embedded default, fp32
     python -m textgate.bench.perplexity --quantize int8 MODEL
     python -m textgate.bench.perplexity --all                # the table in docs/quantization.md
+    python -m textgate.bench.perplexity --kv-cache-dtype int8 MODEL
+    python -m textgate.bench.perplexity --kv-table           # KV cache table (docs/quantization.md)
 
 The model is loaded exactly as a shard loads it (`shard_server.models.load_model`, with the
 `--quantize` method passed through to the weights loader), and reads the held-out text
 shipped in `quantization/data/heldout.txt` in consecutive windows of `--window` tokens,
 each scored from its own start (no context carried across windows). `--all` quantizes the
 default model with `textgate quantize` (RTN, GPTQ, AWQ; cached under the work folder) and
-prints one markdown row per method.
+prints one markdown row per method. `--kv-cache-dtype` stores the KV cache quantized
+(kernels/kv_quant.py) as a shard with that flag does: each window is one prefill whose
+attention reads its keys and values back from the cache. `--kv-table` prints one row per
+weights dtype and KV cache dtype.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from textgate.kernels import AttentionMetadata
+from textgate.kernels.kv_quant import KV_CACHE_DTYPES, kv_dtype_name, resolve_kv_cache_dtype
 from textgate.quantization.algorithms import QuantizeOptions, QuantSpec, quantize_model
 from textgate.quantization.algorithms.calibration import (
     evaluation_windows,
@@ -34,6 +40,7 @@ from textgate.quantization.algorithms.calibration import (
 )
 from textgate.quantization.registry import registered_methods
 from textgate.quantization.resident import resident_bytes
+from textgate.shard_server.kv_cache import KVCache
 from textgate.shard_server.model_source import resolve_model
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -48,6 +55,8 @@ class PerplexityResult:
     num_tokens: int  # tokens scored (each window's first token has no prediction)
     weight_bytes: int  # resident bytes of the loaded model's weights
     seconds: float  # scoring time, loading excluded
+    kv_cache_dtype: str = ""  # the cache's element dtype, e.g. int8, fp8_e4m3, float32
+    kv_bytes_per_token: int = 0  # KV cache bytes per token, all layers, K and V (+ scales)
 
 
 def perplexity(
@@ -58,8 +67,10 @@ def perplexity(
     text: str | None = None,
     window: int = 512,
     max_windows: int | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> PerplexityResult:
-    """exp(mean negative log-likelihood) of `text` (default: the held-out text)."""
+    """exp(mean negative log-likelihood) of `text` (default: the held-out text), with the
+    KV cache in `kv_cache_dtype` (auto: the weights' dtype; int8, fp8 / fp8_e4m3)."""
     from transformers import AutoTokenizer
 
     from textgate.shard_server.models import load_model
@@ -68,6 +79,7 @@ def perplexity(
         raise ValueError(f"unsupported dtype {dtype!r}; use one of {', '.join(_DTYPES)}")
     model_dir = Path(model_dir)
     model = load_model(model_dir, _DTYPES[dtype], "cpu", quantize=quantize)
+    model.set_kv_cache_dtype(resolve_kv_cache_dtype(kv_cache_dtype, model.dtype))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     windows = evaluation_windows(tokenizer, text or read_text(heldout_text_path()), window)
     if max_windows is not None:
@@ -92,6 +104,14 @@ def perplexity(
         num_tokens=num_tokens,
         weight_bytes=resident_bytes(model),
         seconds=time.perf_counter() - started,
+        kv_cache_dtype=kv_dtype_name(cache.dtype),
+        kv_bytes_per_token=KVCache.bytes_per_block(
+            num_layers=model.num_layers,
+            block_size=1,
+            num_kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim,
+            dtype=cache.dtype,
+        ),
     )
 
 
@@ -171,6 +191,37 @@ def run_table(args: argparse.Namespace) -> int:
     return 0
 
 
+#: The KV cache table's rows: (weights dtype, --kv-cache-dtype).
+KV_TABLE = tuple((dtype, kv) for dtype in ("float32", "bfloat16") for kv in ("auto", "int8", "fp8"))
+
+
+def run_kv_table(args: argparse.Namespace) -> int:
+    """One row per weights dtype and KV cache dtype, on the (unquantized) model."""
+    model_dir = resolve_model(None if args.model in (None, "default") else args.model)
+    text = read_text(args.text) if args.text else None
+    print(f"held-out text: {args.text or heldout_text_path().name}, window {args.window}\n")
+    print("| weights | --kv-cache-dtype | KV element | KV bytes/token | perplexity | vs auto |")
+    print("|---|---|---|---:|---:|---:|")
+    baseline: dict[str, float] = {}
+    for dtype, kv in KV_TABLE:
+        result = perplexity(
+            model_dir,
+            quantize=args.quantize,
+            dtype=dtype,
+            text=text,
+            window=args.window,
+            max_windows=args.max_windows,
+            kv_cache_dtype=kv,
+        )
+        base = baseline.setdefault(dtype, result.perplexity)
+        print(
+            f"| {dtype} | {kv} | {result.kv_cache_dtype} | {result.kv_bytes_per_token:,} | "
+            f"{result.perplexity:.3f} | {100 * (result.perplexity / base - 1):+.2f}% |",
+            flush=True,
+        )
+    return 0
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The evaluator's flags (shared by `textgate perplexity`)."""
     parser.add_argument(
@@ -178,10 +229,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--quantize", default=None, help="weights loader method, as the launcher's")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="KV cache element dtype, as the launcher's (auto: the weights' dtype)",
+    )
     parser.add_argument("--window", type=int, default=512, help="tokens per scored window")
     parser.add_argument("--max-windows", type=int, default=None, help="score only the first N")
     parser.add_argument("--text", default=None, help="text file (default: the held-out text)")
     parser.add_argument("--all", action="store_true", help="the docs table: every method")
+    parser.add_argument(
+        "--kv-table", action="store_true", help="the docs KV table: weights x KV cache dtypes"
+    )
     parser.add_argument("--work-dir", default=None, help="--all: where quantized copies are cached")
 
 
@@ -189,6 +249,8 @@ def run(args: argparse.Namespace) -> int:
     """Run the evaluator for parsed `args`; prints the result, returns the exit code."""
     if args.all:
         return run_table(args)
+    if args.kv_table:
+        return run_kv_table(args)
     model_dir = resolve_model(None if args.model in (None, "default") else args.model)
     result = perplexity(
         model_dir,
@@ -197,10 +259,12 @@ def run(args: argparse.Namespace) -> int:
         text=read_text(args.text) if args.text else None,
         window=args.window,
         max_windows=args.max_windows,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     print(
         f"perplexity {result.perplexity:.3f} over {result.num_tokens} tokens; "
-        f"weights {result.weight_bytes:,} bytes resident; {result.seconds:.1f} s"
+        f"weights {result.weight_bytes:,} bytes resident; KV cache {result.kv_cache_dtype}, "
+        f"{result.kv_bytes_per_token:,} bytes/token; {result.seconds:.1f} s"
     )
     return 0
 

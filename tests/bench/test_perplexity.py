@@ -59,3 +59,12 @@ def test_textgate_perplexity_command(tiny_model_dir, tmp_path, capsys):
         main(["perplexity", "--text", str(text), "--window", "16", str(tiny_model_dir)])
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.startswith("perplexity ")
+
+
+def test_kv_cache_dtype_stores_the_cache_quantized(tiny_model_dir):
+    auto = perplexity(tiny_model_dir, text=TEXT, window=16)
+    int8 = perplexity(tiny_model_dir, text=TEXT, window=16, kv_cache_dtype="int8")
+    assert (auto.kv_cache_dtype, int8.kv_cache_dtype) == ("float32", "int8")
+    assert int8.kv_bytes_per_token < auto.kv_bytes_per_token / 2
+    assert int8.perplexity != auto.perplexity
+    assert int8.perplexity == pytest.approx(auto.perplexity, rel=0.02)
