@@ -5,8 +5,8 @@ Two generators over real loopback HTTP to a router on a fake shard:
 - schemathesis, from the router's own OpenAPI spec (/api-doc/openapi.json): bodies that
   fit the schema and bodies that break it (wrong types, missing fields, junk nesting);
 - hypothesis, by hand, for what a schema cannot express: truncated and non-standard JSON
-  (NaN, 1e999, lone surrogates), coercible look-alikes ("5" for an int), unicode edge
-  cases, wrong content types, deep nesting and oversized bodies.
+  (NaN, 1e999, lone surrogates, a key given twice), coercible look-alikes ("5" for an
+  int), unicode edge cases, wrong content types, deep nesting and oversized bodies.
 
 Counts are bounded for `make test` (FUZZ_EXAMPLES, default below, per generator);
 derandomized so a failure reproduces. `FUZZ_EXAMPLES=5000 pytest tests/router/reliability`
@@ -150,7 +150,12 @@ def raw_bodies() -> st.SearchStrategy[tuple[str, bytes, str]]:
     junk = st.one_of(
         st.text(max_size=50), st.binary(max_size=50).map(lambda b: b.decode("latin-1"))
     )
-    bodies = st.one_of(typed, unicode_inputs, raw_strings, truncated, nested, junk)
+    duplicated = st.builds(
+        lambda field, value: tgi_body(**{field: f'{value}, "{field}": {value}'}),
+        st.sampled_from(INT_FIELDS + FLOAT_FIELDS + BOOL_FIELDS),
+        st.sampled_from(["1", "true", '"x"']),
+    )
+    bodies = st.one_of(typed, unicode_inputs, raw_strings, truncated, nested, junk, duplicated)
     json_type = st.just("application/json")
     content_types = st.one_of(
         json_type, st.sampled_from(["text/plain", "application/x-www-form-urlencoded", ""])
