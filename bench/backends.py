@@ -31,6 +31,8 @@ class GenerationSettings:
     output_len: int
     ignore_eos: bool = True
     model: str = "tgi"
+    json_schema: dict[str, Any] | None = None
+    """Constrain the output to JSON matching this schema (structured output); None: free."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,8 @@ class TgiBackend(StreamBackend):
         }
         if settings.ignore_eos:
             parameters["ignore_eos"] = True
+        if settings.json_schema is not None:
+            parameters["grammar"] = {"type": "json", "value": settings.json_schema}
         return {"inputs": request.prompt, "parameters": parameters}
 
     def parse(self, data: str) -> StreamChunk:
@@ -160,6 +164,8 @@ class OpenAiCompletionsBackend(_OpenAiBackend):
     path = "/v1/completions"
 
     def payload(self, request: BenchRequest, settings: GenerationSettings) -> dict[str, Any]:
+        if settings.json_schema is not None:
+            raise ValueError("openai-completions has no JSON schema field: use tgi or openai-chat")
         return {"prompt": request.prompt, **self.common_fields(settings)}
 
     def token_of(self, choice: dict[str, Any]) -> tuple[bool, str]:
@@ -176,7 +182,11 @@ class OpenAiChatBackend(_OpenAiBackend):
 
     def payload(self, request: BenchRequest, settings: GenerationSettings) -> dict[str, Any]:
         messages = request.messages or [{"role": "user", "content": request.prompt}]
-        return {"messages": messages, **self.common_fields(settings)}
+        fields = self.common_fields(settings)
+        if settings.json_schema is not None:
+            schema = {"name": "bench", "schema": settings.json_schema}
+            fields["response_format"] = {"type": "json_schema", "json_schema": schema}
+        return {"messages": messages, **fields}
 
     def token_of(self, choice: dict[str, Any]) -> tuple[bool, str]:
         delta = choice.get("delta") or {}

@@ -3,6 +3,8 @@
     textgate-bench --url http://127.0.0.1:8080 --backend tgi --concurrency 1,4,16,32,64
     textgate-bench --url URL --request-rate 0.5,1,2 --num-requests 64
     textgate-bench --url URL_A --compare URL_B --concurrency 1,8
+    textgate-bench --url URL --compare URL --grammar-json-schema bench/data/grammar_schema.json \
+        --grammar-on B --concurrency 8        # unconstrained (A) vs JSON-constrained (B)
 
 Prints a throughput table and a latency table (mean/p50/p90/p99 of TTFT, TPOT, ITL, E2E),
 and with `--compare` the A/B ratios; `--json-out` appends one JSON line per run and
@@ -14,7 +16,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import json
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 from textgate.bench.backends import BACKENDS
@@ -71,6 +75,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--rounds", type=int, default=None, help="per level (default 1; 2 with --compare)"
     )
     load.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    grammar = parser.add_argument_group("structured output")
+    grammar.add_argument(
+        "--grammar-json-schema",
+        metavar="FILE",
+        default=None,
+        help="constrain every request to JSON matching this schema (tgi: parameters.grammar,\n"
+        "openai-chat: response_format json_schema)",
+    )
+    grammar.add_argument(
+        "--grammar-on",
+        choices=["A", "B", "both"],
+        default="both",
+        help="which targets get the schema; with --compare <the same URL> and B, one run\n"
+        "measures unconstrained vs constrained",
+    )
     out = parser.add_argument_group("output")
     out.add_argument("--json-out", default=None, help="append one JSON line per run")
     out.add_argument("--plot", default=None, help="write a PNG of the sweep")
@@ -101,7 +120,25 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         rounds=rounds,
         timeout_s=args.timeout,
         api_key=args.api_key,
+        json_schema=_json_schema(args),
+        grammar_on=("A", "B") if args.grammar_on == "both" else (args.grammar_on,),
     )
+
+
+def _json_schema(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The --grammar-json-schema file's schema; ValueError when it is unusable."""
+    if args.grammar_json_schema is None:
+        return None
+    backends = {args.backend, args.compare_backend or args.backend}
+    if "openai-completions" in backends:
+        raise ValueError("--grammar-json-schema needs the tgi or openai-chat backend")
+    try:
+        schema = json.loads(Path(args.grammar_json_schema).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--grammar-json-schema: {exc}") from exc
+    if not isinstance(schema, dict):
+        raise ValueError("--grammar-json-schema: the file must hold a JSON schema object")
+    return schema
 
 
 def targets_from_args(args: argparse.Namespace) -> list[Target]:
@@ -126,6 +163,8 @@ def run_context(args: argparse.Namespace, tokenizer_source: str) -> dict[str, An
         "seed": args.seed,
         "warmup": args.warmup,
         "tokenizer": tokenizer_source,
+        "grammar_json_schema": args.grammar_json_schema,
+        "grammar_on": args.grammar_on if args.grammar_json_schema else None,
     }
 
 

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import httpx
 
@@ -54,6 +55,10 @@ class BenchConfig:
     rounds: int = 1
     timeout_s: float = 600.0
     api_key: str | None = None
+    json_schema: dict[str, Any] | None = None
+    """Structured output: every request of the `grammar_on` targets asks for JSON matching it."""
+    grammar_on: tuple[str, ...] = ("A", "B")
+    """Target names whose requests carry `json_schema`."""
 
     def __post_init__(self) -> None:
         if not self.levels:
@@ -112,7 +117,10 @@ async def run_benchmark(
         settings = {}
         for t in targets:
             model = await resolve_model_name(client, t)
-            settings[t.name] = GenerationSettings(config.output_len, config.ignore_eos, model)
+            schema = config.json_schema if t.name in config.grammar_on else None
+            settings[t.name] = GenerationSettings(
+                config.output_len, config.ignore_eos, model, json_schema=schema
+            )
         session = _Session(client, config, tokenizer, settings, log)
         results: list[RunResult] = []
         for level_index, level in enumerate(config.levels):
