@@ -9,8 +9,8 @@ the block tables, both GQA aware (one program serves all query heads of a kv hea
   prefix-cached and chunked prefills): program (tile of new tokens, kv head), causal
   within the new tokens, over the cached prefix.
 
-Block sizes must be powers of two of at least 16 (Triton's matrix units); head dims are
-padded to a power of two. float16 / bfloat16 / float32 queries; caches in the query's
+Keys are read BLOCK_N (`kv_tile`, 64) tokens at a time whatever the cache's block size;
+head dims are padded to a power of two. float16 / bfloat16 / float32 queries; caches in the query's
 dtype, or int8 / float8 e4m3 with per-slot scales (kernels/kv_quant.py), dequantized
 in the kernel. The step's tiles are built on the device: `prepare` never syncs.
 The SDPA backend (kernels/attention.py) is its reference.
@@ -74,7 +74,8 @@ class TritonPlan:
 class TritonAttentionBackend(AttentionBackend[TritonPlan]):
     """Paged attention in Triton (CUDA, or any device under TRITON_INTERPRET=1).
 
-    `block_rows`: query rows (tokens × heads of a group) per prefill program;
+    `block_rows`: query rows (tokens × heads of a group) per prefill program; `kv_tile`:
+    keys per loop iteration (a power of two >= 16);
     `partition_size`: the fewest tokens a decode split covers; `max_splits`: the most
     splits of one sequence; `target_programs`: decode programs that fill the device
     (None: twice the GPU's multiprocessors). Tests shrink them to reach every path.
@@ -89,11 +90,15 @@ class TritonAttentionBackend(AttentionBackend[TritonPlan]):
         self,
         *,
         block_rows: int = 64,
+        kv_tile: int = 64,
         partition_size: int = 512,
         max_splits: int = 64,
         target_programs: int | None = None,
     ) -> None:
+        if kv_tile < 16 or kv_tile & (kv_tile - 1):
+            raise ValueError(f"kv_tile must be a power of two >= 16, got {kv_tile}")
         self.block_rows = block_rows
+        self.kv_tile = kv_tile
         self.partition_size = partition_size
         self.max_splits = max_splits
         self.target_programs = target_programs
@@ -104,8 +109,8 @@ class TritonAttentionBackend(AttentionBackend[TritonPlan]):
         reason = unavailable_reason(device)
         if reason is None and dtype not in FLOAT_DTYPES:
             reason = f"the kernels compute in float16/bfloat16/float32, not {dtype}"
-        if reason is None and (block_size < 16 or block_size & (block_size - 1)):
-            reason = f"the kernels need a power-of-two block size >= 16 (--block-size {block_size})"
+        if reason is None and block_size < 1:
+            reason = f"a block holds at least one token (--block-size {block_size})"
         return reason
 
     def prepare(self, metadata: AttentionMetadata) -> TritonPlan:
@@ -135,28 +140,26 @@ class TritonAttentionBackend(AttentionBackend[TritonPlan]):
             self._prefill(launch, plan, out)
         return out
 
-    def num_splits(
-        self, max_seqlen_k: int, block_size: int, programs: int, device: torch.device
-    ) -> tuple[int, int]:
-        """(splits, pages per split) of a decode step whose longest sequence has
-        `max_seqlen_k` tokens and that runs `programs` (sequence, kv head) pairs."""
-        pages = -(-max_seqlen_k // block_size)
+    def num_splits(self, max_seqlen_k: int, programs: int, device: torch.device) -> tuple[int, int]:
+        """(splits, tokens per split: a multiple of kv_tile) of a decode step whose longest
+        sequence has `max_seqlen_k` tokens and that runs `programs` (sequence, kv head) pairs."""
+        tiles = -(-max_seqlen_k // self.kv_tile)
         if max_seqlen_k <= self.partition_size:
-            return 1, pages
+            return 1, tiles * self.kv_tile
         target = self.target_programs
         if target is None:
             target = 2 * _multiprocessors(device) if device.type == "cuda" else 128
         splits = min(-(-max_seqlen_k // self.partition_size), -(-target // programs))
         splits = max(1, min(splits, self.max_splits))
-        pages_per_split = -(-pages // splits)
-        return -(-pages // pages_per_split), pages_per_split
+        tiles_per_split = -(-tiles // splits)
+        return -(-tiles // tiles_per_split), tiles_per_split * self.kv_tile
 
     def _decode(self, launch: _Launch, md: AttentionMetadata, out: Tensor) -> None:
         programs = _programs()
         num_seqs, heads = launch.query.shape[0], launch.query.shape[1]
         kv_heads = launch.key_cache.shape[2]
-        splits, pages_per_split = self.num_splits(
-            md.max_seqlen_k, launch.block_size, num_seqs * kv_heads, launch.query.device
+        splits, tokens_per_split = self.num_splits(
+            md.max_seqlen_k, num_seqs * kv_heads, launch.query.device
         )
         # tl.dot needs 16 rows: a group of fewer query heads is padded (masked rows).
         block_g = max(16, next_power_of_2(launch.group))
@@ -171,11 +174,12 @@ class TritonAttentionBackend(AttentionBackend[TritonPlan]):
             launch.query, launch.key_cache, launch.value_cache, launch.key_scales,
             launch.value_scales, md.block_tables, md.seq_lens,
             out, part_acc, part_max, part_sum,
-            launch.qk_scale, launch.window, pages_per_split,
+            launch.qk_scale, launch.window, tokens_per_split,
             *launch.query.stride()[:2], *launch.cache_strides, *launch.scale_strides,
             md.block_tables.stride(0), *out.stride()[:2],
             GROUP=launch.group, BLOCK_G=block_g, HEAD_DIM=launch.head_dim,
-            BLOCK_D=launch.block_d, BLOCK_SIZE=launch.block_size, SPLIT=splits > 1,
+            BLOCK_D=launch.block_d, BLOCK_SIZE=launch.block_size, BLOCK_N=self.kv_tile,
+            SPLIT=splits > 1,
             QUANTIZED=launch.quantized, USE_WINDOW=launch.window > 0, UPCAST=launch.upcast,
         )  # fmt: skip
         if splits > 1:
@@ -200,7 +204,7 @@ class TritonAttentionBackend(AttentionBackend[TritonPlan]):
             *launch.query.stride()[:2], *launch.cache_strides, *launch.scale_strides,
             md.block_tables.stride(0), *out.stride()[:2],
             GROUP=launch.group, BLOCK_G=block_g, BLOCK_Q=block_q, HEAD_DIM=launch.head_dim,
-            BLOCK_D=launch.block_d, BLOCK_SIZE=launch.block_size,
+            BLOCK_D=launch.block_d, BLOCK_SIZE=launch.block_size, BLOCK_N=self.kv_tile,
             QUANTIZED=launch.quantized, USE_WINDOW=launch.window > 0, UPCAST=launch.upcast,
         )  # fmt: skip
 
@@ -249,11 +253,7 @@ def _check_inputs(
         raise ValueError(
             f"triton attention: query dtype {query.dtype} is not float16/bfloat16/float32"
         )
-    _, block_size, kv_heads, head_dim = key_cache.shape
-    if block_size < 16 or block_size & (block_size - 1):
-        raise ValueError(
-            f"triton attention needs a power-of-two block size >= 16, got {block_size}"
-        )
+    _, _, kv_heads, head_dim = key_cache.shape
     if query.shape[1] % kv_heads or query.shape[2] != head_dim:
         raise ValueError(
             f"query heads {tuple(query.shape[1:])} do not fit the cache's "

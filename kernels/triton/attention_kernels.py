@@ -1,10 +1,11 @@
 """The Triton programs of the paged-attention backend (host side: kernels/triton/attention.py).
 
-Every program reads keys and values in place through the block tables, one cache block
-(page) per loop iteration, and keeps a streaming softmax in float32 (running max m,
-running sum l, unnormalized accumulator acc), in base 2: scores are scaled by
-scale * log2(e) so exp2 stands in for exp. GQA: one program serves every query head of
-one kv head, so each key/value page is loaded once per group, not once per query head.
+Every program reads keys and values in place through the block tables, BLOCK_N tokens
+per loop iteration (each token's block looked up, so a tile may span blocks and any
+block size works), and keeps a streaming softmax in float32 (running max m, running sum
+l, unnormalized accumulator acc), in base 2: scores are scaled by scale * log2(e) so
+exp2 stands in for exp. GQA: one program serves every query head of one kv head, so
+each key/value tile is loaded once per group, not once per query head.
 
 Masked scores are -inf; the running max starts at a finite -1e30 so a row that has seen
 only masked keys never computes (-inf) - (-inf).
@@ -34,12 +35,13 @@ def _dot(a, b, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _load_page(
+def _load_tile(
     cache_ptr,
     scales_ptr,
-    block,
-    kv_head,
+    block_table_ptr,
+    positions,
     valid,
+    kv_head,
     dims,
     dim_mask,
     stride_cb,
@@ -51,17 +53,25 @@ def _load_page(
     QUANTIZED: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
 ):
-    """One page of one kv head → [BLOCK_SIZE, BLOCK_D] in OUT_DTYPE; slots that are not
-    `valid` read as zeros. A quantized page is dequantized with its per-slot scales."""
-    slots = tl.arange(0, BLOCK_SIZE)
-    offsets = block * stride_cb + slots[:, None] * stride_cs + kv_head * stride_ch + dims[None, :]
-    page = tl.load(cache_ptr + offsets, mask=valid[:, None] & dim_mask[None, :], other=0.0)
+    """The keys (or values) of one kv head at token `positions` [BLOCK_N] of a sequence whose
+    block table row starts at `block_table_ptr` → [BLOCK_N, BLOCK_D] in OUT_DTYPE; positions
+    that are not `valid` read as zeros. A tile may span several cache blocks. A quantized
+    cache is dequantized with its per-slot scales."""
+    blocks = tl.load(block_table_ptr + positions // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    slots = positions % BLOCK_SIZE
+    rows = blocks * stride_cb + slots * stride_cs + kv_head * stride_ch  # [BLOCK_N]
+    tile = tl.load(
+        cache_ptr + rows[:, None] + dims[None, :],
+        mask=valid[:, None] & dim_mask[None, :],
+        other=0.0,
+    )
     if QUANTIZED:
-        scale_offsets = block * stride_sb + slots * stride_ss + kv_head
-        scales = tl.load(scales_ptr + scale_offsets, mask=valid, other=0.0)
-        out = (page.to(tl.float32) * scales[:, None]).to(OUT_DTYPE)
+        scales = tl.load(
+            scales_ptr + blocks * stride_sb + slots * stride_ss + kv_head, mask=valid, other=0.0
+        )
+        out = (tile.to(tl.float32) * scales[:, None]).to(OUT_DTYPE)
     else:
-        out = page.to(OUT_DTYPE)
+        out = tile.to(OUT_DTYPE)
     return out
 
 
@@ -80,7 +90,7 @@ def paged_decode_kernel(
     part_sum_ptr,  # [B, H_q, splits] float32
     qk_scale,  # softmax scale * log2(e)
     window,  # sliding window in tokens (USE_WINDOW)
-    pages_per_split,
+    tokens_per_split,  # a multiple of BLOCK_N
     stride_qt,
     stride_qh,
     stride_cb,
@@ -96,13 +106,14 @@ def paged_decode_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     QUANTIZED: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     """Program (sequence, kv head, split): the GROUP queries of the kv head over the
-    split's pages. With one split it writes the output; with more (SPLIT; the grid's third
+    split's keys, BLOCK_N at a time. With one split it writes the output; with more (SPLIT; the grid's third
     dimension) it writes its partial (acc, max, sum) for `paged_decode_reduce_kernel`
     (split-K over long contexts). The split count is no constexpr: contexts that grow
     step by step do not compile new variants."""
@@ -120,33 +131,32 @@ def paged_decode_kernel(
         mask=head_mask[:, None] & dim_mask[None, :],
         other=0.0,
     )  # [BLOCK_G, BLOCK_D]
-    num_pages = tl.cdiv(seq_len, BLOCK_SIZE)
-    first_page = split * pages_per_split
-    end_page = tl.minimum(first_page + pages_per_split, num_pages)
+    first = split * tokens_per_split
+    end = tl.minimum(first + tokens_per_split, seq_len)
     if USE_WINDOW:
         # The query at seq_len - 1 sees keys at positions > seq_len - 1 - window.
-        first_page = tl.maximum(first_page, tl.maximum(seq_len - window, 0) // BLOCK_SIZE)
+        first = tl.maximum(first, tl.maximum(seq_len - window, 0) // BLOCK_N * BLOCK_N)
+    table = block_tables_ptr + seq * stride_bt
     m_i = tl.full([BLOCK_G], NO_MAX, tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    slots = tl.arange(0, BLOCK_SIZE)
-    for page in range(first_page, end_page):
-        block = tl.load(block_tables_ptr + seq * stride_bt + page).to(tl.int64)
-        positions = page * BLOCK_SIZE + slots
-        valid = positions < seq_len
+    offsets = tl.arange(0, BLOCK_N)
+    for start in range(first, end, BLOCK_N):
+        positions = start + offsets
+        valid = positions < end
         if USE_WINDOW:
             valid = valid & (positions > seq_len - 1 - window)
-        keys = _load_page(
-            key_cache_ptr, key_scales_ptr, block, kv_head, valid, dims, dim_mask,
+        keys = _load_tile(
+            key_cache_ptr, key_scales_ptr, table, positions, valid, kv_head, dims, dim_mask,
             stride_cb, stride_cs, stride_ch, stride_sb, stride_ss,
             BLOCK_SIZE, QUANTIZED, query.dtype,
         )  # fmt: skip
-        values = _load_page(
-            value_cache_ptr, value_scales_ptr, block, kv_head, valid, dims, dim_mask,
+        values = _load_tile(
+            value_cache_ptr, value_scales_ptr, table, positions, valid, kv_head, dims, dim_mask,
             stride_cb, stride_cs, stride_ch, stride_sb, stride_ss,
             BLOCK_SIZE, QUANTIZED, query.dtype,
         )  # fmt: skip
-        scores = _dot(query, tl.trans(keys), UPCAST) * qk_scale  # [BLOCK_G, BLOCK_SIZE]
+        scores = _dot(query, tl.trans(keys), UPCAST) * qk_scale  # [BLOCK_G, BLOCK_N]
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         p = tl.math.exp2(scores - m_new[:, None])
@@ -239,13 +249,15 @@ def paged_prefill_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     QUANTIZED: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     """Program (tile, kv head): BLOCK_Q consecutive new tokens of one sequence × the GROUP
     query heads of the kv head, as BLOCK_Q * BLOCK_G rows (row r: token r // BLOCK_G,
-    member r % BLOCK_G), over the cached prefix and the new tokens, causally."""
+    member r % BLOCK_G), over the cached prefix and the new tokens, causally, BLOCK_N keys
+    at a time."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.load(tile_seq_ptr + tile)
@@ -271,29 +283,28 @@ def paged_prefill_kernel(
     )  # [BLOCK_Q * BLOCK_G, BLOCK_D]
     query_pos = context_len + tokens  # absolute positions
     last_pos = context_len + tl.minimum(first_query + BLOCK_Q, query_len) - 1
-    end_page = tl.cdiv(last_pos + 1, BLOCK_SIZE)
-    first_page = 0
+    first = 0
     if USE_WINDOW:
-        first_page = tl.maximum(context_len + first_query - window + 1, 0) // BLOCK_SIZE
+        first = tl.maximum(context_len + first_query - window + 1, 0) // BLOCK_N * BLOCK_N
+    table = block_tables_ptr + seq * stride_bt
     m_i = tl.full([BLOCK_Q * BLOCK_G], NO_MAX, tl.float32)
     l_i = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], tl.float32)
-    slots = tl.arange(0, BLOCK_SIZE)
-    for page in range(first_page, end_page):
-        block = tl.load(block_tables_ptr + seq * stride_bt + page).to(tl.int64)
-        positions = page * BLOCK_SIZE + slots
+    offsets = tl.arange(0, BLOCK_N)
+    for start in range(first, last_pos + 1, BLOCK_N):
+        positions = start + offsets
         in_seq = positions <= last_pos
-        keys = _load_page(
-            key_cache_ptr, key_scales_ptr, block, kv_head, in_seq, dims, dim_mask,
+        keys = _load_tile(
+            key_cache_ptr, key_scales_ptr, table, positions, in_seq, kv_head, dims, dim_mask,
             stride_cb, stride_cs, stride_ch, stride_sb, stride_ss,
             BLOCK_SIZE, QUANTIZED, query.dtype,
         )  # fmt: skip
-        values = _load_page(
-            value_cache_ptr, value_scales_ptr, block, kv_head, in_seq, dims, dim_mask,
+        values = _load_tile(
+            value_cache_ptr, value_scales_ptr, table, positions, in_seq, kv_head, dims, dim_mask,
             stride_cb, stride_cs, stride_ch, stride_sb, stride_ss,
             BLOCK_SIZE, QUANTIZED, query.dtype,
         )  # fmt: skip
-        scores = _dot(query, tl.trans(keys), UPCAST) * qk_scale  # [rows, BLOCK_SIZE]
+        scores = _dot(query, tl.trans(keys), UPCAST) * qk_scale  # [rows, BLOCK_N]
         visible = positions[None, :] <= query_pos[:, None]
         if USE_WINDOW:
             visible = visible & (positions[None, :] > query_pos[:, None] - window)

@@ -25,6 +25,7 @@ from textgate.kernels import (
     select_attention_backend,
 )
 from textgate.kernels import flash as flash_module
+from textgate.kernels import triton as triton_package
 from textgate.kernels.flash import FlashAttentionBackend
 
 
@@ -216,8 +217,10 @@ def test_auto_prefers_flash_then_triton_on_cuda(monkeypatch):
     )
     monkeypatch.setattr(flash_module, "flash_attn_installed", lambda: False)
     assert select_attention_backend("auto", cuda, torch.bfloat16, 256) == "triton"
-    # Triton cannot (8-slot blocks): the PyTorch reference.
-    assert select_attention_backend("auto", cuda, torch.bfloat16, 8) == "torch"
+    assert select_attention_backend("auto", cuda, torch.bfloat16, 8) == "triton"  # any size
+    # Without triton: the PyTorch reference.
+    monkeypatch.setattr(triton_package, "triton_installed", lambda: False)
+    assert select_attention_backend("auto", cuda, torch.bfloat16, 16) == "torch"
     assert select_attention_backend("auto", "cpu", torch.bfloat16, 16) == "cpu"
 
 
@@ -230,8 +233,10 @@ def test_a_named_backend_that_cannot_run_is_a_clear_error(monkeypatch):
         select_attention_backend("flash", "cpu", torch.bfloat16, 256)
     with pytest.raises(ValueError, match="--attention cpu cannot run here"):
         select_attention_backend("cpu", cuda, torch.bfloat16, 16)
-    with pytest.raises(ValueError, match="power-of-two block size >= 16"):
-        select_attention_backend("triton", cuda, torch.bfloat16, 24)
+    with pytest.raises(
+        ValueError, match=r"compute in float16/bfloat16/float32, not torch\.float64"
+    ):
+        select_attention_backend("triton", cuda, torch.float64, 16)
     with pytest.raises(ValueError, match="unknown attention backend 'paged'"):
         select_attention_backend("paged", "cpu", torch.float32, 16)
     monkeypatch.setenv("TRITON_INTERPRET", "0")

@@ -135,18 +135,21 @@ def test_decode_split_k_merges_partitions(triton_device, dtype):
         device=triton_device,
         seed=1,
     )
-    backend = TritonAttentionBackend(partition_size=16, target_programs=1024)
-    assert backend.num_splits(83, 16, 6, torch.device(triton_device)) == (6, 1)
+    backend = TritonAttentionBackend(kv_tile=16, partition_size=16, target_programs=1024)
+    assert backend.num_splits(83, 6, torch.device(triton_device)) == (6, 16)
     assert_close(case.run(backend), case.reference(), dtype)
 
 
 def test_split_count_fills_the_device_and_respects_limits():
     backend = TritonAttentionBackend(partition_size=512, max_splits=8, target_programs=64)
     cpu = torch.device("cpu")
-    assert backend.num_splits(512, 16, 4, cpu) == (1, 32)  # short: no split
-    assert backend.num_splits(4096, 16, 4, cpu) == (8, 32)  # long, few programs: max_splits
-    assert backend.num_splits(4096, 16, 64, cpu) == (1, 256)  # the batch fills the device
-    assert backend.num_splits(2000, 16, 16, cpu) == (4, 32)  # 126 pages: 4 × 32 (last short)
+    assert backend.num_splits(512, 4, cpu) == (1, 512)  # short: no split
+    assert backend.num_splits(4096, 4, cpu) == (8, 512)  # long, few programs: max_splits
+    assert backend.num_splits(4096, 64, cpu) == (1, 4096)  # the batch fills the device
+    assert backend.num_splits(2000, 16, cpu) == (4, 512)  # 32 tiles of 64: 4 × 8 (last short)
+    assert TritonAttentionBackend(kv_tile=16).num_splits(1000, 1, cpu) == (2, 512)
+    with pytest.raises(ValueError, match="kv_tile must be a power of two"):
+        TritonAttentionBackend(kv_tile=24)
 
 
 @pytest.mark.parametrize(
@@ -177,6 +180,27 @@ def test_prefill_and_mixed_steps_match_sdpa(triton_device, block_size, heads, kv
     assert_close(out, case.reference(), dtype)
 
 
+@pytest.mark.parametrize(("block_size", "kv_tile"), [(8, 16), (24, 64)])
+def test_any_block_size_under_tiles_that_span_blocks(triton_device, block_size, kv_tile):
+    # Blocks smaller than a tile and of no power of two: each key's block is looked up.
+    case = Case(
+        [1, 6, 3],
+        [29, 11, 0],
+        block_size=block_size,
+        heads=4,
+        kv_heads=2,
+        dtype=torch.float16,
+        device=triton_device,
+        seed=5,
+    )
+    backend = TritonAttentionBackend(kv_tile=kv_tile, block_rows=16)
+    assert_close(case.run(backend), case.reference(), torch.float16)
+    decode = Case([1, 1], [40, 9], block_size=block_size, heads=4, kv_heads=2, seed=6,
+                  device=triton_device)  # fmt: skip
+    backend = TritonAttentionBackend(kv_tile=16, partition_size=16, target_programs=1024)
+    assert_close(decode.run(backend), decode.reference(), torch.float32)
+
+
 @pytest.mark.parametrize("step", ["decode", "prefill"])
 def test_sliding_window_matches_sdpa(triton_device, step):
     query_lens, context_lens = ([1, 1], [44, 7]) if step == "decode" else ([12, 6], [30, 0])
@@ -189,7 +213,9 @@ def test_sliding_window_matches_sdpa(triton_device, step):
         device=triton_device,
         seed=3,
     )
-    backend = TritonAttentionBackend(block_rows=16, partition_size=16, target_programs=1024)
+    backend = TritonAttentionBackend(
+        block_rows=16, kv_tile=16, partition_size=16, target_programs=1024
+    )
     assert_close(case.run(backend, window=9), case.reference(window=9), torch.float32)
 
 
@@ -214,7 +240,9 @@ def test_quantized_cache_matches_sdpa_over_its_dequantized_values(triton_device,
         value_cache=kv_quant.dequantize_kv(values, value_scales, torch.bfloat16),
     )
     case.key_cache, case.value_cache = keys, values
-    backend = TritonAttentionBackend(block_rows=16, partition_size=16, target_programs=1024)
+    backend = TritonAttentionBackend(
+        block_rows=16, kv_tile=16, partition_size=16, target_programs=1024
+    )
     out = case.run(backend, key_scales=key_scales, value_scales=value_scales)
     assert_close(out, reference, torch.bfloat16)
 
@@ -225,10 +253,6 @@ def test_rejects_what_it_cannot_run(triton_device, monkeypatch):
     def run(case: Case, **scales):
         return case.run(backend, **scales)
 
-    small = Case([1], [5], block_size=16, heads=2, kv_heads=1, device=triton_device)
-    small.key_cache = small.value_cache = small.key_cache.view(-1, 8, 1, 16)
-    with pytest.raises(ValueError, match="power-of-two block size >= 16"):
-        run(small)
     case = Case([1], [5], block_size=16, heads=2, kv_heads=1, device=triton_device)
     with pytest.raises(ValueError, match=r"cache dtype torch\.float16 differs"):
         case.key_cache = case.value_cache = case.key_cache.half()

@@ -49,14 +49,14 @@ for query, cache, quantized, splits, window in [
     ("fp16", "fp8e4nv", True, 8, True),
 ]:
     compile_(ak.paged_decode_kernel, attention_types(query, cache, quantized), dict(
-        GROUP=4, BLOCK_G=16, BLOCK_SIZE=16, SPLIT=splits > 1, QUANTIZED=quantized,
+        GROUP=4, BLOCK_G=16, BLOCK_SIZE=16, BLOCK_N=64, SPLIT=splits > 1, QUANTIZED=quantized,
         USE_WINDOW=window, **common))
 for query, cache, quantized, block_size, window in [
     ("bf16", "bf16", False, 16, False),
     ("bf16", "i8", True, 64, True),
 ]:
     compile_(ak.paged_prefill_kernel, attention_types(query, cache, quantized), dict(
-        GROUP=4, BLOCK_G=4, BLOCK_Q=16, BLOCK_SIZE=block_size, QUANTIZED=quantized,
+        GROUP=4, BLOCK_G=4, BLOCK_Q=16, BLOCK_SIZE=block_size, BLOCK_N=64, QUANTIZED=quantized,
         USE_WINDOW=window, **common))
 compile_(ak.paged_decode_reduce_kernel,
          {"part_acc_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32",
