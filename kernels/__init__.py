@@ -53,6 +53,14 @@ def get_attention_backend(name: str = DEFAULT_ATTENTION_BACKEND) -> AttentionBac
     return _ATTENTION_BACKENDS[name]()
 
 
+def attention_backend_name(backend: AttentionBackend[Any]) -> str:
+    """The name `backend` is registered under (`torch` rather than its alias `sdpa`)."""
+    for name in (*ATTENTION_CHOICES[1:], *_ATTENTION_BACKENDS):
+        if type(backend) is _ATTENTION_BACKENDS.get(name):
+            return name
+    return type(backend).__name__
+
+
 def attention_unavailable_reason(
     name: str,
     device: torch.device | str,
@@ -117,6 +125,7 @@ __all__ = [
     "FlashAttentionBackend",
     "SdpaAttentionBackend",
     "TritonAttentionBackend",
+    "attention_backend_name",
     "attention_unavailable_reason",
     "get_attention_backend",
     "register_attention_backend",

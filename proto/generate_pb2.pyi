@@ -34,7 +34,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("requires_padding", "dtype", "device_type", "block_size", "max_position_embeddings", "model_id", "model_type", "world_size", "quantize", "weight_bytes", "kv_cache_dtype", "kv_cache_bytes_per_token")
+    __slots__ = ("requires_padding", "dtype", "device_type", "block_size", "max_position_embeddings", "model_id", "model_type", "world_size", "quantize", "weight_bytes", "kv_cache_dtype", "kv_cache_bytes_per_token", "attention_backend")
     REQUIRES_PADDING_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class InfoResponse(_message.Message):
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
     requires_padding: bool
     dtype: str
     device_type: str
@@ -59,7 +60,8 @@ class InfoResponse(_message.Message):
     weight_bytes: int
     kv_cache_dtype: str
     kv_cache_bytes_per_token: int
-    def __init__(self, requires_padding: _Optional[bool] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., block_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., model_id: _Optional[str] = ..., model_type: _Optional[str] = ..., world_size: _Optional[int] = ..., quantize: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., kv_cache_bytes_per_token: _Optional[int] = ...) -> None: ...
+    attention_backend: str
+    def __init__(self, requires_padding: _Optional[bool] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., block_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., model_id: _Optional[str] = ..., model_type: _Optional[str] = ..., world_size: _Optional[int] = ..., quantize: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., kv_cache_bytes_per_token: _Optional[int] = ..., attention_backend: _Optional[str] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from textgate.kernels import AttentionMetadata
+from textgate.kernels import AttentionMetadata, attention_backend_name
 from textgate.kernels.kv_quant import KV_CACHE_DTYPES, kv_dtype_name, resolve_kv_cache_dtype
 from textgate.proto import generate_pb2 as pb
 from textgate.quantization.resident import resident_bytes
@@ -154,6 +154,7 @@ class PagedModel(ShardModel):
             quantize=getattr(self.model, "quantize", None) or "",
             weight_bytes=resident_bytes(self.model),
             kv_cache_dtype=kv_dtype_name(self.model.kv_cache_dtype),
+            attention_backend=attention_backend_name(self.model.attention_backend),
             kv_cache_bytes_per_token=KVCache.bytes_per_block(
                 num_layers=self.model.num_layers,
                 block_size=1,

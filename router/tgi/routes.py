@@ -220,6 +220,7 @@ def info_response(
         quantize=(shard_info.quantize or None) if shard_info else None,
         model_weight_bytes=(shard_info.weight_bytes or None) if shard_info else None,
         kv_cache_dtype=(shard_info.kv_cache_dtype or None) if shard_info else None,
+        attention_backend=(shard_info.attention_backend or None) if shard_info else None,
         kv_cache_bytes_per_token=(shard_info.kv_cache_bytes_per_token or None)
         if shard_info
         else None,

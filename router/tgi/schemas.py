@@ -223,6 +223,9 @@ class Info(_Response):
     #: included); None without a paged cache.
     kv_cache_dtype: str | None = None
     kv_cache_bytes_per_token: int | None = None
+    #: textgate's: the attention backend the shards run (`--attention` resolved: flash,
+    #: triton, torch or cpu); None for the transformers fallback.
+    attention_backend: str | None = None
     #: textgate's: the startup report (the machine, the dtype and the budgets derived from
     #: the shards' measured step, with their sources; docs/autoconfig.md); None when the
     #: shards measured nothing (the transformers fallback).

@@ -21,7 +21,9 @@ import torch
 from textgate.kernels import (
     AttentionMetadata,
     SdpaAttentionBackend,
+    attention_backend_name,
     attention_unavailable_reason,
+    get_attention_backend,
     select_attention_backend,
 )
 from textgate.kernels import flash as flash_module
@@ -244,3 +246,19 @@ def test_a_named_backend_that_cannot_run_is_a_clear_error(monkeypatch):
         select_attention_backend("triton", "cpu", torch.float32, 16)
     assert select_attention_backend("torch", cuda, torch.float32, 8) == "torch"
     assert attention_unavailable_reason("cpu", "cpu", torch.float32, 16, quantized_kv=True) is None
+
+
+def test_backends_report_their_registered_name():
+    assert attention_backend_name(SdpaAttentionBackend()) == "torch"
+    assert attention_backend_name(FlashAttentionBackend()) == "flash"
+    assert attention_backend_name(get_attention_backend("triton")) == "triton"
+    assert attention_backend_name(get_attention_backend("cpu")) == "cpu"
+
+
+@pytest.mark.parametrize(("flag", "expected"), [("auto", "cpu"), ("torch", "torch")])
+def test_the_shard_runs_and_reports_the_resolved_backend(tiny_model_dir, flag, expected):
+    from textgate.shard_server.loader import load_model
+
+    model = load_model(tiny_model_dir, "tiny", "float32", attention=flag)
+    assert attention_backend_name(model.model.attention_backend) == expected
+    assert model.describe().attention_backend == expected  # InfoResponse, then /info
