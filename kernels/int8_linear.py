@@ -6,42 +6,45 @@ output channel. Activations, per call: each row (token) x is scaled by its own a
 token precision and a request's output does not depend on what it is batched with. Then
 `y = (q_x @ q_w.T) * (m / 127) * s_w + bias`, the product summed exactly in int32.
 
-The fast path (CPU) is oneDNN's int8 GEMM, `onednn::qlinear_pointwise`, on weights
-prepacked once at load: it takes unsigned activations, so `q_x + 128` (quantized in one C
-pass, cpu_int8.c) is passed with the fixed zero point 128 and scale 1/127, which makes its
-per-tensor activation parameters exact for every row; the per-row `m` is applied to its
-float output. Candidates measured in one run (`python -m textgate.bench.int8_linear
---threads 2 --rows 1,32,256 --rounds 15` on the 2-core AVX512-VNNI Xeon, load ~2 from other
-jobs; each candidate's least-disturbed time / fp32 FastLinear's, lower is faster; `ours`
-is this module, `ref` its reference):
+The fast path (CPU with AVX512-VNNI) is one C call per layer, `textgate_int8_linear` in
+cpu_int8.c: it quantizes the rows (times the layer's SmoothQuant factors, if any), sums
+`(q_x + 128) * q_w` exactly in int32 with `vpdpbusd` on weights packed once at load
+(`pack_vnni`), subtracts `128 * colsum(q_w)`, scales by `m / 127 * s_w`, adds the bias and
+stores in the input's dtype. Where the CPU lacks VNNI, oneDNN's int8 GEMM
+(`onednn::qlinear_pointwise`, unsigned activations with the fixed zero point 128 and scale
+1/127, the per-row `m` applied to its float output by PyTorch) runs instead.
 
-    shape      M    fp32 ms  bf16  ao-x86 ao-onednn ao-x86-tok onednn-q ours  int_mm w8pack ref
-    576x576    1    0.039    0.57  0.56   0.72      0.51       1.61     2.47  1.47   2.8    20
-    576x576    32   0.169    0.34  0.22   0.38      0.26       0.62     0.36  0.29   21     2.9
-    576x576    256  0.560    0.40  0.28   0.30      0.32       0.46     0.34  0.33   52     2.5
-    576x1536   1    0.085    0.46  0.23   0.40      0.30       0.97     0.56  0.43   3.4    25
-    576x1536   32   0.233    0.45  0.27   0.38      0.31       0.52     0.38  0.34   41     11
-    576x1536   256  1.521    0.42  0.27   0.23      0.25       0.29     0.24  0.26   51     2.6
-    1536x576   1    0.064    0.60  0.29   0.54      0.38       1.14     0.72  0.51   4.6    2.7
-    1536x576   32   0.212    0.52  0.28   0.46      0.36       0.73     0.46  0.44   45     3.1
-    1536x576   256  1.214    0.47  0.27   0.31      0.32       0.45     0.34  0.34   65     2.2
-    576x49152  1    3.426    0.54  0.28   0.28      0.19       0.32     0.24  0.44   2.7    19
-    576x49152  32   6.047    0.54  0.43   0.34      0.36       0.31     0.31  0.44   58     13
-    576x49152  256  46.20    0.35  0.95   0.52      1.34       0.52     0.56  1.60   54     3.7
+Why our own kernel: oneDNN's path costs six dispatches per layer (quantize, the GEMM, the
+row rescale, the bias, the dtype cast, a reshape), and at decode sizes those dominate.
+Measured in one process, 1 thread (the 2-core AMD EPYC under load ~8 from other jobs,
+which makes 2-thread timings meaningless; best of 40 round-robin windows), time / fp32
+FastLinear's (lower is faster); `onednn` is the previous path, `vnni` this one:
 
-`ao-*` (torch.ao's `quantized::linear_dynamic`) is the fastest at small M but
-quantizes activations per tensor (a loud token costs its batch-mates precision, and a
-request's output depends on its batch) and needs quantized tensor types that torch 2.13
-deprecates; `ours` keeps exact per-token activations at 0.24-0.56x fp32 from M=32 on and
-equals the reference byte for byte before the GEMM. `torch._int_mm` with per-token
-activations quantized by PyTorch ops (int_mm) comes close to `ours` from M=32 on, unlike
-the issue's first measurement, but loses at M=1 and on the head at M=256;
-`aten._weight_int8pack_mm` (w8pack) is not competitive. At M=1 on the smallest shapes
-oneDNN's per-call overhead makes int8 slower than fp32 (a decode step at batch 1 gains
-nothing; see the report in `python -m textgate.bench.step --quantize int8`).
+    shape (in x out)  M    fp32 ms  bf16  onednn  vnni
+    576x960           1    0.038    0.70  0.97    0.33
+    576x960           32   0.157    0.58  0.53    0.41
+    576x960           512  2.957    0.43  0.32    0.31
+    576x576           1    0.029    0.77  1.14    0.33
+    576x576           32   0.102    0.59  0.65    0.42
+    576x576           512  1.362    0.55  0.44    0.46
+    576x3072          1    0.091    0.64  1.33    0.31
+    576x3072          32   0.587    0.51  0.35    0.31
+    1536x576          1    0.053    0.67  0.79    0.34
+    1536x576          32   0.293    0.48  0.42    0.36
+    1536x576          512  3.653    0.53  0.41    0.43
+    576x49152         1    3.141    0.59  0.29    0.34
+
+(Cells whose fp32 baseline was itself disturbed, 576x3072 at M=512 and the head at
+M>=32, are left out; there `vnni` and `onednn` were equal, 0.07-0.36.)
+`vnni` is 2-3x faster than `onednn` at M=1 and as fast or faster at M=32; at M=512 the two
+are within noise, so one kernel serves decode and prefill. Against bf16 (the `--dtype auto`
+pick on AVX512-BF16 CPUs) it is 1.4-2.1x per layer at M=1..32: VNNI does 64 int8
+multiply-adds per 512-bit instruction, `vdpbf16ps` 32 bf16 ones, so 2x is the ceiling.
+The earlier table of torch.ao, `torch._int_mm` and `aten._weight_int8pack_mm` candidates is
+in git history (`python -m textgate.bench.int8_linear`); none beat oneDNN's path at M=32.
 
 `reference_int8_linear` (dequantize then matmul in float32) is the definition; it runs
-wherever the fast path cannot (GPU, builds without oneDNN, `TEXTGATE_CPU_KERNELS=0`).
+wherever the fast paths cannot (GPU, builds without oneDNN, `TEXTGATE_CPU_KERNELS=0`).
 """
 
 from __future__ import annotations

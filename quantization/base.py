@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -86,3 +87,8 @@ class WeightsLoader(ABC):
         from textgate.quantization.unquantized import UnquantizedWeight
 
         return UnquantizedWeight(weight)
+
+    def finish(self, model: nn.Module, model_dir: Path) -> None:
+        """Called once the whole model is built from this loader's layers, before it serves:
+        for methods that calibrate on the assembled model (int8's smoothing). No-op here."""
+        del model, model_dir

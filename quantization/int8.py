@@ -1,33 +1,37 @@
 """`--quantize int8`: per-output-channel int8 weights made at load from a floating-point
-checkpoint, multiplied with per-token dynamic int8 activations (W8A8).
+checkpoint, multiplied with per-token dynamic int8 activations (W8A8), SmoothQuant-smoothed.
 
 Every linear layer becomes a `kernels.int8_linear.Int8Linear`, and so does the lm head
-(the largest matmul of a small model: 576 x 49152 on the default one). On CPU the layer
-runs the int8 units (VNNI); elsewhere its PyTorch reference (see kernels/int8_linear.py).
-Weights take 1 byte per value plus one float32 scale per output channel.
+(the largest matmul of a small model: 576 x 49152 on the default one). The layers are
+built in float first (`smooth.ObservedLinear`); once the model is assembled, `finish` runs
+the shipped calibration text through it and quantizes each layer with smoothing factors
+from the activation maxima it saw (quantization/smooth.py: +3.3% perplexity against fp32
+without them, +1.1% with). On CPU the layer runs the int8 units (VNNI); elsewhere its
+PyTorch reference (see kernels/int8_linear.py). Weights take 1 byte per value plus a few
+float32 numbers per channel.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from torch import Tensor, nn
 
-from textgate.kernels.int8_linear import Int8Linear, quantize_weight
 from textgate.quantization.base import Weight
 from textgate.quantization.from_float import FromFloatWeightsLoader
 from textgate.quantization.registry import register
+from textgate.quantization.smooth import ObservedLinear, smooth_and_quantize
 
 
 @dataclass
 class Int8Weight(Weight):
-    """A float weight [out, in], quantized per output channel when its layer is built."""
+    """A float weight [out, in]; its layer observes activations, then `finish` quantizes it."""
 
     weight: Tensor
 
     def get_linear(self, bias: Tensor | None) -> nn.Module:
-        qweight, scales = quantize_weight(self.weight)
-        return Int8Linear(qweight, scales, bias)
+        return ObservedLinear(self.weight, bias)
 
 
 @register("int8")
@@ -38,3 +42,6 @@ class Int8WeightsLoader(FromFloatWeightsLoader):
 
     def make_weight(self, weight: Tensor) -> Weight:
         return Int8Weight(weight)
+
+    def finish(self, model: nn.Module, model_dir: Path) -> None:
+        smooth_and_quantize(model, model_dir)

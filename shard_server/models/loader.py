@@ -64,6 +64,7 @@ def load_model(
         loader=get_weights_loader(method, quantization_config),
     )
     model = model_class(config, weights, get_attention_backend(attention_backend))
+    weights.loader.finish(model, path)
     model.quantize = method
     model.attention_backend_name = attention_backend
     log.info(
