@@ -40,17 +40,22 @@ class GrammarError(ValueError):
 
 @dataclass(frozen=True)
 class GrammarMasks:
-    """The step's token masks: row i of `bitmask` constrains sampled row `rows[i]`."""
+    """The step's token masks: row r of `bitmask` constrains sampled row r, for r in `rows`."""
 
-    bitmask: torch.Tensor  # [G, ceil(V / 32)] int32, bit set = allowed
-    rows: list[int]  # [G] rows of the sampled logits these masks apply to
+    bitmask: torch.Tensor  # [B, ceil(V / 32)] int32, bit set = allowed; a row per sampled row
+    rows: list[int]  # [G] the rows with a grammar (the others' masks are not read)
 
-    def allowed(self, vocab_size: int, device: torch.device) -> torch.Tensor:
-        """The masks as booleans: [G, vocab_size], True where a token may come next."""
-        words = self.bitmask.to(device, non_blocking=True)  # [G, W]
-        shifts = torch.arange(BITS, dtype=torch.int32, device=device)  # [32]
-        bits = (words[:, :, None] >> shifts) & 1  # [G, W, 32]
-        return bits.reshape(words.shape[0], -1)[:, :vocab_size].bool()  # [G, V]
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [B, V] float32 with every token a row's grammar forbids at -inf (a new
+        tensor; rows without a grammar are copied unchanged)."""
+        import xgrammar as xgr
+
+        masked = logits.contiguous().clone()
+        # xgrammar's kernel (C++ on CPU, CUDA/Triton on GPU): ~10x faster here than
+        # unpacking the bits with torch ops.
+        bitmask = self.bitmask.to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(masked, bitmask, indices=self.rows)
+        return masked
 
 
 class GrammarState:
@@ -194,11 +199,10 @@ class MaskFiller:
         rows = [row for row, state in enumerate(states) if state is not None]
         if not rows:
             return None
-        bitmask = torch.full((len(rows), -(-vocab_size // BITS)), -1, dtype=torch.int32)
-        constrained = [states[row] for row in rows]
+        bitmask = torch.full((len(states), -(-vocab_size // BITS)), -1, dtype=torch.int32)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
-        future = self._executor.submit(_fill, constrained, bitmask)
+        future = self._executor.submit(_fill, list(states), bitmask)
         return PendingMasks(future, bitmask, rows)
 
     def close(self) -> None:

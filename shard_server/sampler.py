@@ -155,7 +155,7 @@ class Sampler:
             logits = logits.masked_fill(suppress_ids, float("-inf"))
         if grammar is not None:
             # Before the warpers: top-k/top-p choose among the tokens the grammar allows.
-            logits = apply_grammar(logits, grammar)
+            logits = grammar.apply(logits)
         warped = apply_warpers(logits, params) if any(params.do_sample) else logits
         logprobs = torch.log_softmax(warped, dim=-1)  # [B, V]
         next_ids = logprobs.argmax(dim=-1, keepdim=True)  # [B, 1]
@@ -202,15 +202,6 @@ def apply_logit_bias(logits: torch.Tensor, logit_bias: list[dict[int, float]]) -
         torch.tensor(cols, device=logits.device),
     )
     return logits.index_put(index, torch.tensor(values, device=logits.device), accumulate=True)
-
-
-def apply_grammar(logits: torch.Tensor, grammar: GrammarMasks) -> torch.Tensor:
-    """logits [B, V] with every token a row's grammar forbids at -inf (a new tensor; the
-    rows without a grammar are copied unchanged)."""
-    rows = torch.tensor(grammar.rows, dtype=torch.int64, device=logits.device)  # [G]
-    allowed = grammar.allowed(logits.shape[1], logits.device)  # [G, V]
-    masked = logits.index_select(0, rows).masked_fill(~allowed, float("-inf"))  # [G, V]
-    return logits.index_copy(0, rows, masked)
 
 
 def apply_penalties(

@@ -48,9 +48,9 @@ def allowed_ids(state: GrammarState, vocab_size: int) -> set[int]:
     filler = MaskFiller()
     pending = filler.start([state], vocab_size)
     assert pending is not None
-    mask = pending.result().allowed(vocab_size, torch.device("cpu"))[0]
+    masked = pending.result().apply(torch.zeros(1, vocab_size))[0]
     filler.close()
-    return set(mask.nonzero().flatten().tolist())
+    return set((masked == 0).nonzero().flatten().tolist())
 
 
 def test_a_grammar_is_compiled_once_and_evicted_least_recent_first(tokenizer: Any) -> None:
@@ -138,9 +138,10 @@ def test_sampler_masks_grammar_rows_and_leaves_the_others(compiler: GrammarCompi
 
 def test_bitmask_words_unpack_to_token_rows() -> None:
     # Token t is bit t % 32 of word t // 32; the sign bit is token 31.
-    words = torch.tensor([[1 | (1 << 31) - (1 << 32), 0b100]], dtype=torch.int32)
-    allowed = GrammarMasks(words, [0]).allowed(40, torch.device("cpu"))
-    assert allowed[0].nonzero().flatten().tolist() == [0, 31, 34]
+    words = torch.tensor([[0, 0], [1 | (1 << 31) - (1 << 32), 0b100]], dtype=torch.int32)
+    masked = GrammarMasks(words, [1]).apply(torch.zeros(2, 40))
+    assert (masked[1] == 0).nonzero().flatten().tolist() == [0, 31, 34]
+    assert masked[0].eq(0).all()  # a row without a mask is unchanged
 
 
 def test_a_sequence_finishes_when_its_grammar_is_complete(
