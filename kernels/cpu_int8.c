@@ -10,7 +10,8 @@
  *
  * textgate_int8_linear: the whole layer in one call, y = dequant(q_x @ q_w.T) + bias: the rows
  * quantized as above, the products summed exactly in int32 (AVX512-VNNI vpdpbusd, unsigned
- * q_x + 128 times signed q_w; 128 * colsum(q_w) subtracted after), scaled by row_max and the
+ * q_x + 128 times signed q_w; 128 * colsum(q_w) subtracted after; exact up to 66,314 inputs,
+ * int8_linear.VNNI_MAX_IN_FEATURES), scaled by row_max and the
  * per-channel weight scale, the bias added and the result stored in the input's dtype.
  * Weights are packed once by int8_linear.pack_vnni: [N/16][K/4][16][4] int8, N and K padded.
  */

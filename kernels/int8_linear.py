@@ -168,11 +168,15 @@ def has_vnni_kernel() -> bool:
 KERNELS = ("vnni", "onednn", "reference")
 
 
-def default_kernel(device: torch.device) -> str:
+# The VNNI kernel sums (q_x + 128) * q_w, each up to 255 * 127, in int32 without saturating.
+VNNI_MAX_IN_FEATURES = (2**31 - 1) // (255 * 127)
+
+
+def default_kernel(device: torch.device, in_features: int = 0) -> str:
     """The fastest int8 kernel that runs on `device` (measured: module docstring)."""
     if device.type != "cpu":
         return "reference"
-    if has_vnni_kernel():
+    if has_vnni_kernel() and in_features <= VNNI_MAX_IN_FEATURES:
         return "vnni"
     return "onednn" if can_pack() else "reference"
 
@@ -268,9 +272,14 @@ class Int8Linear(nn.Module):
         self.scales = scales.float()
         self.smooth = None if smooth is None else smooth.float().contiguous()
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        kernel = kernel or default_kernel(qweight.device)
+        kernel = kernel or default_kernel(qweight.device, qweight.shape[1])
         if kernel not in KERNELS:
             raise ValueError(f"unknown int8 kernel {kernel!r}; use one of {', '.join(KERNELS)}")
+        if kernel == "vnni" and qweight.shape[1] > VNNI_MAX_IN_FEATURES:
+            raise ValueError(
+                f"the vnni int8 kernel sums at most {VNNI_MAX_IN_FEATURES} inputs in int32, "
+                f"got {qweight.shape[1]}"
+            )
         self.kernel = kernel
         self.vnni = pack_vnni(qweight, self.scales, bias) if kernel == "vnni" else None
         self.packed = pack(qweight) if kernel == "onednn" else None

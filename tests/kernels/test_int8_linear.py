@@ -191,5 +191,9 @@ def test_rejects_bad_weights():
         Int8Linear(torch.zeros(4, 4, dtype=torch.int8), torch.ones(3))
     with pytest.raises(ValueError, match="4 smoothing factors"):
         Int8Linear(torch.zeros(4, 4, dtype=torch.int8), torch.ones(4), smooth=torch.ones(5))
+    too_wide = torch.zeros(1, int8_linear.VNNI_MAX_IN_FEATURES + 1, dtype=torch.int8)
+    with pytest.raises(ValueError, match="sums at most"):
+        Int8Linear(too_wide, torch.ones(1), kernel="vnni")
+    assert int8_linear.default_kernel(torch.device("cpu"), too_wide.shape[1]) != "vnni"
     with pytest.raises(ValueError, match="unknown int8 kernel 'amx'"):
         Int8Linear(torch.zeros(4, 4, dtype=torch.int8), torch.ones(4), kernel="amx")
