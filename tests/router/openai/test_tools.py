@@ -193,3 +193,25 @@ def test_streamed_no_tool_answer_is_content() -> None:
     text = json.dumps(call(NO_TOOL, {"content": "Hello"}))
     deltas, content, stream = _stream([text[:20], text[20:40], text[40:]])
     assert deltas == [] and content == "Hello" and not stream.called
+
+
+def test_a_tools_template_renders_the_tools_itself() -> None:
+    from textgate.router.openai.chat_template import render_chat
+
+    seen: dict[str, Any] = {}
+
+    class Tokenizer:
+        chat_template = "{% for tool in tools %}{{ tool }}{% endfor %}"
+
+        def apply_chat_template(self, conversation: list[dict[str, Any]], **kwargs: Any) -> str:
+            seen.update(kwargs)
+            return "prompt"
+
+    plan = tool_plan(chat(tools=[WEATHER]))
+    assert plan is not None
+    tools = [t.as_openai() for t in plan.tools]
+    assert render_chat(Tokenizer(), [{"role": "user", "content": "hi"}], tools=tools) == "prompt"
+    assert seen["tools"] == [WEATHER]
+    seen.clear()
+    render_chat(Tokenizer(), [{"role": "user", "content": "hi"}])
+    assert "tools" not in seen  # templates without tools never get the keyword
