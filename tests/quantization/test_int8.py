@@ -11,7 +11,8 @@ from textgate.kernels.int8_linear import Int8Linear
 from textgate.quantization import get_weights_loader
 from textgate.quantization.int8 import Int8WeightsLoader
 from textgate.quantization.resident import resident_bytes
-from textgate.quantization.smooth import ObservedLinear, smoothing_factors
+from textgate.quantization.smooth import ObservedLinear, alpha_for, smoothing_factors
+from textgate.quantization.weights import Weights
 from textgate.shard_server.models import load_model
 
 
@@ -96,6 +97,16 @@ def test_smoothing_factors_balance_activation_and_weight_ranges():
     torch.testing.assert_close(input_max[:2] * smooth[:2], torch.tensor([10.0, 2.0]))
     torch.testing.assert_close(weight.abs().amax(0)[:2] / smooth[:2], torch.tensor([10.0, 2.0]))
     assert torch.isfinite(smooth).all()  # a silent channel is floored, not divided by 0
+
+
+def test_down_projections_take_more_migration(checkpoint):
+    assert alpha_for("model.layers.3.mlp.down_proj") == 0.65
+    assert alpha_for("model.layers.3.self_attn.o_proj") == 0.5
+    loader = Int8WeightsLoader()
+    files = sorted(checkpoint.glob("*.safetensors"))
+    weights = Weights(files, device="cpu", dtype=torch.float32, loader=loader)
+    assert loader.get_weights_row(weights, "model.layers.0.mlp.down_proj").alpha == 0.65
+    assert loader.get_weights_row(weights, "model.layers.0.self_attn.o_proj").alpha == 0.5
 
 
 def test_head_is_quantized_only_by_methods_that_say_so(checkpoint):
