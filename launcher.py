@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from textgate.logs import setup_logging
+from textgate.shard_server.flag_types import cuda_graph_sizes
 
 log = logging.getLogger("textgate.launcher")
 
@@ -50,23 +51,6 @@ def _bool(text: str) -> bool:
 
 def _origins(text: str) -> tuple[str, ...]:
     return tuple(o.strip() for o in text.split(",") if o.strip())
-
-
-def cuda_graph_sizes(text: str) -> tuple[int, ...]:
-    """`--cuda-graphs`: comma-separated decode batch sizes, ascending; "0" (or "") = none."""
-    if text.strip() in ("", "0"):
-        return ()
-    try:
-        sizes = [int(part) for part in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated batch sizes like 1,2,4,8, or 0, got {text!r}"
-        ) from None
-    if any(size < 1 for size in sizes):
-        raise argparse.ArgumentTypeError(
-            f"batch sizes must be positive (0 alone disables): {text!r}"
-        )
-    return tuple(sorted(set(sizes)))
 
 
 def _graph_sizes_text(sizes: Sequence[int]) -> str:

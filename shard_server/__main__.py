@@ -14,9 +14,9 @@ import signal
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from textgate.launcher import cuda_graph_sizes
 from textgate.logs import setup_logging
 from textgate.shard_server import tracing
+from textgate.shard_server.flag_types import cuda_graph_sizes
 from textgate.shard_server.loader import load_model
 from textgate.shard_server.model import ShardModel
 from textgate.shard_server.paged_model import CacheConfig
