@@ -66,7 +66,6 @@ def load_model(
     model = model_class(config, weights, get_attention_backend(attention_backend))
     weights.loader.finish(model, path)
     model.quantize = method
-    model.attention_backend_name = attention_backend
     log.info(
         "Loaded %s weights (%s) on %s: %.1f MiB resident, attention backend %s",
         method or "unquantized",
