@@ -14,7 +14,10 @@ from textgate.kernels import AttentionMetadata
 from textgate.quantization.resident import resident_bytes
 from textgate.shard_server.models import load_model
 
-QUESTION = "What is the capital of France?"
+# A question the default model answers with a wide margin (top-1 vs top-2 first token:
+# 2.6 nats in fp32, 2.3 with int8): "What is the capital of France?" starts within 0.1 nat
+# of an answer in French even in fp32, so any faithful quantization may flip it.
+QUESTION = "In which city is the Eiffel Tower?"
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +30,12 @@ def chat_prompt(default_model_dir: Path) -> str:
 @pytest.fixture(scope="module")
 def int8_server(tmp_path_factory: pytest.TempPathFactory, launch_server, default_model_dir):
     server = launch_server(
-        tmp_path_factory.mktemp("int8"), "--quantize", "int8", "--dtype", "bfloat16"
+        # float32 activations: exact text is only stable there (bf16 flips this answer).
+        tmp_path_factory.mktemp("int8"),
+        "--quantize",
+        "int8",
+        "--dtype",
+        "float32",
     )
     try:
         server.wait_ready()
@@ -40,8 +48,9 @@ def int8_server(tmp_path_factory: pytest.TempPathFactory, launch_server, default
 def test_int8_server_answers_and_reports_its_weights(int8_server: str, chat_prompt: str) -> None:
     info = httpx.get(f"{int8_server}/info").json()
     assert info["quantize"] == "int8"
-    # 135M parameters: int8 linears and head (~134 MB) plus the bf16 embedding (~57 MB).
-    assert 150e6 < info["model_weight_bytes"] < 260e6
+    # 135M parameters: int8 linears and head (~134 MB) plus the float32 embedding (~113 MB);
+    # unquantized float32 is ~650 MB.
+    assert 200e6 < info["model_weight_bytes"] < 280e6
     body = {"inputs": chat_prompt, "parameters": {"max_new_tokens": 20}}
     response = httpx.post(f"{int8_server}/generate", json=body, timeout=120)
     assert response.status_code == 200, response.text
