@@ -71,7 +71,10 @@ def build_app(
     `shard_info` (rank 0's Info) and `autoconfig` (the startup report) fill /info. The app
     closes the engine on shutdown.
     """
-    validator = Validator(config, tokenizer)
+    # Padded shards (block_size 0: the transformers fallback) cannot enforce grammars.
+    validator = Validator(
+        config, tokenizer, grammars=shard_info is None or shard_info.block_size > 0
+    )
     state = RouterState(
         config, shards, tokenizer, validator, engine, shard_info, metrics, autoconfig
     )

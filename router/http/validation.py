@@ -61,8 +61,14 @@ class Tokenizer(Protocol):
 class Validator:
     """Checks requests against the router's limits and tokenizes them in a thread pool."""
 
-    def __init__(self, config: RouterConfig, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self, config: RouterConfig, tokenizer: Tokenizer, *, grammars: bool = True
+    ) -> None:
         self._config = config
+        # Grammars are enforced by the paged shards' sampler; the transformers fallback
+        # (padded shards) has none, so a grammar there is refused here rather than failing
+        # the batch it would join.
+        self._grammars = grammars
         self._tokenizer = tokenizer
         # transformers' tokenizers know their size; logit_bias ids are checked against it.
         self._vocab_size: int | None = len(tokenizer) if isinstance(tokenizer, Sized) else None
@@ -111,8 +117,17 @@ class Validator:
             top_n_tokens=params.top_n_tokens or 0,
             decoder_input_details=params.decoder_input_details,
             best_of=best_of,
-            grammar=_grammar(params),
+            grammar=self._grammar(params),
         )
+
+    def _grammar(self, params: GenerateParameters) -> GrammarSpec | None:
+        grammar = _grammar(params)
+        if grammar is not None and not self._grammars:
+            raise ValidationError(
+                "`grammar` needs a natively supported model: this one is served by the "
+                "transformers fallback, which cannot constrain its output"
+            )
+        return grammar
 
     async def tokenize(self, request: GenerateRequest) -> list[SimpleToken]:
         """The prompt's tokens with their character spans (TGI's /tokenize).
