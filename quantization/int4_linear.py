@@ -28,8 +28,13 @@ dtypes take the dequantized FastLinear. Act-order's gather costs ~10-20% at M=1.
   a checkpoint group whose size is a multiple of one of them (-1 included, and the last
   group of 64 that g128 leaves on the default model's 576 inputs) becomes several kernel
   groups repeating its scale and zero. 1/4 of bf16's weight bytes.
-- Otherwise (8 bits, out_features not a multiple of 16, unequal groups, non-CPU
-  devices, or `TEXTGATE_CPU_KERNELS=0`): the weight is dequantized once to the model's
+- `TritonInt4Linear` (weights on CUDA, float16/bfloat16, triton importable): the codes
+  repacked once into GPTQ's layout (zeros as they are, v2), AWQ's included, for the
+  Triton dequant-matmul `kernels/triton/int4_matmul.py`; 2-bit codes go as 4-bit ones,
+  8-bit as 8-bit. The weight stays 4-bit in GPU memory; act-order needs no permutation
+  (the program reads each input's group through g_idx).
+- Otherwise (8 bits on CPU, out_features not a multiple of 16, unequal groups, float32
+  on CUDA, or `TEXTGATE_CPU_KERNELS=0`): the weight is dequantized once to the model's
   dtype and served by `FastLinear` (oneDNN prepacked) — the reference, exact to the
   float rounding of the dequantized weight.
 """
@@ -42,7 +47,8 @@ import torch
 from torch import Tensor, nn
 
 from textgate.kernels.linear import FastLinear
-from textgate.quantization.packing import UnpackedWeight, dequantize
+from textgate.kernels.triton import triton_installed
+from textgate.quantization.packing import GPTQ_V2, UnpackedWeight, dequantize, pack_gptq
 
 INT4_GROUP_SIZES = (256, 128, 64, 32)  # what the CPU int4 kernel accepts, largest first
 
@@ -129,11 +135,82 @@ def build_quantized_linear(
 ) -> nn.Module:
     """The layer computing `x @ W.T + bias` for integer codes of `bits` bits.
 
+    On CUDA in float16/bfloat16 the Triton kernel serves every width (`TritonInt4Linear`);
     2- and 4-bit weights the CPU kernel can take stay packed (`Int4PackedLinear`); anything
     else is dequantized once to `dtype` and served by `FastLinear`.
     """
+    triton_layer = TritonInt4Linear.from_unpacked(unpacked, bits, dtype, bias)
+    if triton_layer is not None:
+        return triton_layer
     if bits <= 4:  # 2-bit codes are 4-bit codes that happen to be small
         packed = Int4PackedLinear.from_unpacked(unpacked, dtype, bias)
         if packed is not None:
             return packed
     return FastLinear(dequantize(unpacked, dtype), bias)
+
+
+#: Devices whose weights take the Triton kernel. CUDA only: on the CPU the layers above
+#: serve. Tests add "cpu" to run it in triton's interpreter.
+TRITON_DEVICES: tuple[str, ...] = ("cuda",)
+_TRITON_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class TritonInt4Linear(nn.Module):
+    """`x @ W.T + bias` on the GPU with W kept packed in GPTQ's layout (zeros as they are).
+
+    Build it with `TritonInt4Linear.from_unpacked` (None where the kernel does not apply).
+    """
+
+    def __init__(
+        self,
+        qweight: Tensor,
+        qzeros: Tensor,
+        scales: Tensor,
+        g_idx: Tensor,
+        bits: int,
+        dtype: torch.dtype,
+        bias: Tensor | None,
+    ) -> None:
+        super().__init__()
+        self.register_buffer("qweight", qweight)  # int32 [in / pack, out]
+        self.register_buffer("qzeros", qzeros)  # int32 [groups, out / pack]
+        self.register_buffer("scales", scales)  # [groups, out] float, as stored
+        self.register_buffer("g_idx", g_idx)  # int32 [in]
+        self.bits = bits
+        self.dtype = dtype
+        self.out_features = scales.shape[1]
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def from_unpacked(
+        cls, unpacked: UnpackedWeight, bits: int, dtype: torch.dtype, bias: Tensor | None = None
+    ) -> TritonInt4Linear | None:
+        """The layer for codes of `bits` bits, or None off TRITON_DEVICES, in float32, or
+        without triton."""
+        device = unpacked.intweight.device
+        if device.type not in TRITON_DEVICES or dtype not in _TRITON_DTYPES:
+            return None
+        kernel_bits = 4 if bits <= 4 else 8  # 2-bit codes are 4-bit codes that happen to be small
+        pack = 32 // kernel_bits
+        out_features, in_features = unpacked.intweight.shape
+        if out_features % pack or in_features % pack or not triton_installed():
+            return None
+        cpu = [t.cpu() for t in unpacked]  # packing runs once, at load, on the host
+        tensors = pack_gptq(*cpu, bits=kernel_bits, checkpoint_format=GPTQ_V2)
+        return cls(
+            tensors["qweight"].to(device),
+            tensors["qzeros"].to(device),
+            unpacked.scales.contiguous(),  # as stored (fp16): the reference dequantizes with them
+            tensors["g_idx"].to(device),
+            kernel_bits,
+            dtype,
+            bias,
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        from textgate.kernels.triton.int4_matmul import int4_matmul
+
+        out = int4_matmul(
+            x.to(self.dtype), self.qweight, self.qzeros, self.scales, self.g_idx, self.bits
+        )
+        return out if self.bias is None else out + self.bias
