@@ -27,7 +27,9 @@ import triton.language as tl
 from torch import Tensor
 
 from textgate.kernels.triton import interpreting
-from textgate.quantization.packing import GPTQ_BITS, GPTQ_V2, dequantize_gptq
+
+#: Code widths of GPTQ's layout (32 / bits codes a word).
+BITS = (2, 4, 8)
 
 #: Activation dtypes the program takes (float32 layers keep the dequantized reference).
 DTYPES = (torch.float16, torch.bfloat16)
@@ -103,8 +105,8 @@ def _blocks(num_rows: int) -> tuple[int, int, int]:
 
 def check_layout(qweight: Tensor, qzeros: Tensor, scales: Tensor, g_idx: Tensor, bits: int) -> None:
     """Raise ValueError, naming the tensor, when the five do not describe one GPTQ layer."""
-    if bits not in GPTQ_BITS:
-        raise ValueError(f"{bits}-bit weights are not supported (supported: {GPTQ_BITS})")
+    if bits not in BITS:
+        raise ValueError(f"{bits}-bit weights are not supported (supported: {BITS})")
     pack = 32 // bits
     if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32:
         raise ValueError(f"qweight and qzeros must be int32, got {qweight.dtype}, {qzeros.dtype}")
@@ -160,8 +162,15 @@ def int4_matmul(
 def reference_int4_matmul(
     x: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, g_idx: Tensor, bits: int = 4
 ) -> Tensor:
-    """What `int4_matmul` computes, in PyTorch: dequantize to x's dtype, then matmul."""
-    weight = dequantize_gptq(
-        qweight, qzeros, scales, g_idx, bits, checkpoint_format=GPTQ_V2, dtype=x.dtype
-    )  # [N, K]
-    return x @ weight.T
+    """What `int4_matmul` computes, in PyTorch: unpack, dequantize `scale * (q - zero)` in
+    float32, round to x's dtype, then matmul (quantization/packing.py's `dequantize`)."""
+    check_layout(qweight, qzeros, scales, g_idx, bits)
+    pack, mask = 32 // bits, (1 << bits) - 1
+    shifts = torch.arange(pack, device=qweight.device, dtype=torch.int32) * bits  # [pack]
+    codes = (qweight.unsqueeze(1) >> shifts[None, :, None]) & mask  # [K / pack, pack, N]
+    codes = codes.reshape(-1, qweight.shape[1])  # [K, N]
+    zeros = (qzeros.unsqueeze(-1) >> shifts) & mask  # [groups, N / pack, pack]
+    zeros = zeros.reshape(qzeros.shape[0], -1)  # [groups, N]
+    groups = g_idx.long()
+    weight = scales.float()[groups] * (codes - zeros[groups]).float()  # [K, N]
+    return x @ weight.to(x.dtype)

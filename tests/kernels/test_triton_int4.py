@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from textgate.kernels import AttentionMetadata
 from textgate.kernels.linear import FastLinear
 from textgate.quantization import int4_linear
 from textgate.quantization.int4_linear import TritonInt4Linear, build_quantized_linear
@@ -26,6 +27,8 @@ from textgate.quantization.packing import (
     pack_gptq,
     unpack_awq,
 )
+from textgate.shard_server.models import load_model
+from textgate.tests.quantization.test_gptq_model import write_pair
 
 # The weight is the same in both (dequantized in float32, rounded to the dtype); the sums
 # differ in order and the interpreter truncates float32 -> bfloat16 where a GPU rounds.
@@ -91,8 +94,8 @@ def test_kernel_matches_the_reference_on_ragged_rows(device, dtype, group_size, 
         out = int4_matmul(x, **on_device, bits=4)
         assert out.shape == (rows, OUT_FEATURES) and out.dtype == dtype
         assert_close(out, expected_output(x, unpacked), dtype)
-        if device == "cpu":  # the reference restated beside the kernel agrees
-            assert_close(reference_int4_matmul(x, **packed, bits=4), out, dtype)
+        # the reference restated beside the kernel agrees
+        assert_close(reference_int4_matmul(x, **on_device, bits=4), out, dtype)
 
 
 @pytest.mark.parametrize("bits", [2, 8])
@@ -157,6 +160,35 @@ def test_cpu_float32_and_bad_input_keep_or_refuse(device, monkeypatch):
         int4_matmul(x, **(packed | {"g_idx": packed["g_idx"].long()}))
     with pytest.raises(ValueError, match="needs scales"):
         int4_matmul(x, **(packed | {"scales": packed["scales"][:, :72]}))
+
+
+def prefill_logits(model: torch.nn.Module, tokens: list[int], device: str) -> torch.Tensor:
+    """Logits [T, vocab] (float32, CPU) of one sequence prefilled in one step."""
+    cache = model.allocate_kv_cache(8, 16)
+    metadata = AttentionMetadata.build(
+        query_lens=[len(tokens)], context_lens=[0], block_tables=[[0, 1]], block_size=16,
+        device=device,
+    )  # fmt: skip
+    rows = torch.arange(len(tokens), device=device)
+    with torch.inference_mode():
+        ids = torch.tensor(tokens, device=device)
+        return model(ids, metadata.positions(), cache, metadata, rows).float().cpu()
+
+
+@pytest.mark.parametrize("desc_act", [False, True])
+def test_gptq_model_runs_on_the_triton_layers(device, tmp_path, desc_act):
+    """The tiny GPTQ Llama loaded on the device: its quantized linears are the Triton layer,
+    and the logits are its dequantized twin's."""
+    float_dir, gptq_dir = write_pair(tmp_path, desc_act)
+    tokens = torch.randint(0, 101, (9,), generator=torch.Generator().manual_seed(1)).tolist()
+    model = load_model(gptq_dir, torch.bfloat16, device)
+    triton_layers = [m for m in model.modules() if isinstance(m, TritonInt4Linear)]
+    # Per layer qkv, o, gate_up, down; write_pair's act-order gives q/k/v (gate/up) orders
+    # of their own, which no one int layout fuses: those stay floating point.
+    assert len(triton_layers) == 2 * (2 if desc_act else 4)
+    got = prefill_logits(model, tokens, device)
+    want = prefill_logits(load_model(float_dir, torch.bfloat16, "cpu"), tokens, "cpu")
+    assert (got - want).abs().max().item() <= 0.05 * want.abs().max().item()
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="triton ships Linux wheels only")
