@@ -10,6 +10,7 @@ itself is archived and not a dependency; its format is supported exactly.
 
 Tensor parallel as GPTQ (see `textgate.quantization.gptq`): column-parallel splits must
 fall on whole words of 8 outputs; row-parallel takes any input rows and the groups they use.
+On CUDA the codes are repacked into GPTQ's layout for the Triton layer (see `int4_linear`).
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ Tensor parallel, in the unpacked domain (codes [out, in], groups [groups, out]):
   words, multiples of 32 / bits inputs) and its slice of g_idx; scales and zeros keep the
   groups those inputs use, whole — a group split between two ranks is used by both with
   the same scale, and act-order's scattered groups (TGI's approach) need no special case.
-The resulting `QuantizedWeight` becomes the fastest CPU layer (see `int4_linear`).
+The resulting `QuantizedWeight` becomes the fastest CPU layer, or on CUDA the Triton
+dequant-matmul layer (see `int4_linear`).
 """
 
 from __future__ import annotations

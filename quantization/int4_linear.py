@@ -1,4 +1,4 @@
-"""The linear layer a GPTQ or AWQ weight becomes: int4 kept packed on CPU, else dequantized.
+"""The linear layer a GPTQ or AWQ weight becomes: codes kept packed (CPU kernel, Triton), else dequantized.
 
 At load, once, every quantized weight is turned into the fastest CPU form measured
 (`python -m textgate.bench.int4_linear`, 2-core AVX512-VNNI/BF16 Xeon, 2 threads, random
