@@ -202,12 +202,12 @@ from textgate.kernels.triton.int4_matmul import int4_matmul_kernel as fn
 
 types = {"x_ptr": "*bf16", "out_ptr": "*bf16", "scales_ptr": "*fp16", "qweight_ptr": "*i32",
          "qzeros_ptr": "*i32", "g_idx_ptr": "*i32"}
-for block_m in (16, 64):
-    constexprs = dict(BITS=4, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64)
+for bits, block_m in ((4, 16), (4, 64), (8, 32)):
+    constexprs = dict(BITS=bits, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64, UPCAST=False)
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
     triton.compile(ASTSource(fn, signature, constexprs=constexprs),
                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    print("compiled", block_m, flush=True)
+    print("compiled", bits, block_m, flush=True)
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
@@ -215,4 +215,4 @@ for block_m in (16, 64):
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
-    assert result.stdout.count("compiled") == 2
+    assert result.stdout.count("compiled") == 3

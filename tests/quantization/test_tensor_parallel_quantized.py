@@ -37,8 +37,9 @@ CHECKPOINTS = {
     # bf16: the CPU int4 kernel serves the column-parallel layers, sharded
     "gptq-act-order-bf16": ("gptq", True, False, torch.bfloat16),
 }
-# Of the largest logit: all-reduce sums in another order (bf16: rounds each partial sum).
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 0.05}
+# Of the largest logit (measured: bf16 strays 1.6%): all-reduce sums in another order, and
+# bf16 rounds each rank's partial sum.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 0.03}
 
 
 def round_to_codes(weight: torch.Tensor, g_idx: torch.Tensor, sym: bool):
@@ -179,5 +180,5 @@ def test_two_ranks_match_one_on_gptq_and_awq(checkpoints, tmp_path):
                     reference,
                     atol=tol * scale,
                     rtol=0,
-                    msg=f"{path.name} rank {rank} step {step}",
+                    msg=lambda m, where=f"{path.name} rank {rank} step {step}": f"{where}: {m}",
                 )
