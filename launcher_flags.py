@@ -1,0 +1,244 @@
+"""The launcher's settings: `LauncherConfig`, one field per flag (TGI's names), and the
+flag table derived from it. `textgate.launcher.parse_args` turns argv and the environment
+into a `LauncherConfig`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from textgate.shard_server.flag_types import cuda_graph_sizes
+
+# TGI's spellings, plus int8 (W8A8 quantized at load). The shards' loader registry
+# (textgate.quantization) serves each one; tests/test_launcher.py keeps the two in step.
+QUANTIZE_METHODS = ("awq", "gptq", "bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4", "int8")
+# TGI's other --quantize values, refused by name.
+TGI_ONLY_QUANTIZE = ("compressed-tensors", "eetq", "exl2", "fp8", "marlin")
+
+
+def parse_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off", ""):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean, got {text!r}")
+
+
+def _origins(text: str) -> tuple[str, ...]:
+    return tuple(o.strip() for o in text.split(",") if o.strip())
+
+
+def flag(
+    default: Any,
+    help: str,
+    parse: Callable[[str], Any] = str,
+    choices: Sequence[str] | None = None,
+) -> Any:
+    """A `LauncherConfig` field that is also a flag: `--field-name` and env `FIELD_NAME`."""
+    return field(default=default, metadata={"help": help, "parse": parse, "choices": choices})
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One launcher flag, derived from its `LauncherConfig` field."""
+
+    name: str
+    type: Callable[[str], Any]
+    default: Any
+    help: str
+    choices: Sequence[str] | None = None
+
+
+@dataclass(frozen=True)
+class LauncherConfig:
+    """Validated launcher settings: each field is one flag (TGI's name, `_` as `-`)."""
+
+    model_id: str | None = flag(None, "Local model folder or hub id; unset = embedded SmolLM2-135M")
+    revision: str | None = flag(None, "Hub revision (branch, tag or commit) of --model-id")
+    num_shard: int = flag(1, "Number of shards (tensor-parallel ranks), one process each", int)
+    quantize: str | None = flag(
+        None,
+        "Weight quantization: gptq, awq (checkpoints quantized with them); int8, bitsandbytes, "
+        "bitsandbytes-nf4, bitsandbytes-fp4 (quantized at load); unset = the checkpoint's own",
+    )
+    dtype: str = flag(
+        "auto",
+        "Weights dtype; auto = bf16 on GPU (fp16 without bf16), on CPU whichever of fp32 and "
+        "bf16 measured faster at startup (native models; else fp32)",
+        str,
+        ("auto", "float32", "bfloat16", "float16"),
+    )
+    trust_remote_code: bool = flag(
+        False, "Allow custom model code from the model folder", parse_bool
+    )
+    max_concurrent_requests: int = flag(128, "Requests in flight before answering 429", int)
+    max_best_of: int = flag(2, "Largest best_of a request may ask for", int)
+    max_stop_sequences: int = flag(4, "Most stop sequences per request", int)
+    max_top_n_tokens: int = flag(5, "Largest top_n_tokens a request may ask for", int)
+    max_input_tokens: int | None = flag(
+        None, "Longest prompt in tokens (default: max-total-tokens - 1)", int
+    )
+    max_total_tokens: int | None = flag(
+        None, "Longest prompt + generation (default: min(model, 4096))", int
+    )
+    default_max_new_tokens: int = flag(
+        256, "Tokens generated when a request sets no max_new_tokens/max_tokens", int
+    )
+    max_batch_prefill_tokens: int | None = flag(
+        None,
+        "Tokens one prefill (paged engine: one step) may compute; native models: derived "
+        "from the step measured at startup, else max-input-tokens + 50",
+        int,
+    )
+    max_batch_total_tokens: int | None = flag(
+        None, "Tokens (prompt + generation) a batch may hold", int
+    )
+    max_batch_size: int | None = flag(
+        None, "Most requests in one batch; native models: derived from the measured step", int
+    )
+    waiting_served_ratio: float = flag(0.3, "Waiting/running ratio that triggers a prefill", float)
+    max_waiting_tokens: int = flag(20, "Decode steps before waiting requests are forced in", int)
+    max_client_batch_size: int = flag(4, "Most inputs in one client request", int)
+    block_size: int = flag(16, "Tokens per KV-cache block (native models)", int)
+    prefix_caching: bool = flag(
+        True, "Reuse the KV of shared prompt prefixes (native models)", parse_bool
+    )
+    kv_cache_memory: int = flag(1 << 30, "Bytes of KV cache per shard on CPU", int)
+    kv_cache_dtype: str = flag(
+        "auto",
+        "KV cache element dtype (native models): auto = the weights' dtype; int8 or fp8 "
+        "(= fp8_e4m3) store each token's K/V with a float32 scale per head, ~half of bf16",
+        str,
+        ("auto", "fp8", "fp8_e4m3", "int8"),
+    )
+    target_itl_ms: float | None = flag(
+        None,
+        "Inter-token latency the adaptive batch controller keeps each step under (native "
+        "models); unset = derived from the step measured at startup; 0 = fixed budgets",
+        float,
+    )
+    no_adaptive: bool = flag(
+        False,
+        "Fixed step budgets instead of the adaptive batch controller (= --target-itl-ms 0)",
+        parse_bool,
+    )
+    cuda_memory_fraction: float = flag(0.9, "Share of free GPU memory the KV cache may take", float)
+    attention: str = flag(
+        "auto",
+        "Attention backend (native models): auto = flash where flash-attn runs, else triton "
+        "on GPU, cpu (C kernel) on CPU; torch = the PyTorch reference",
+        str,
+        ("auto", "flash", "triton", "torch", "cpu"),
+    )
+    cuda_graphs: tuple[int, ...] = flag(
+        (1, 2, 4, 8, 16, 32),
+        "Decode batch sizes captured as CUDA graphs (GPU, native models; comma-separated); "
+        "0 = none; ignored on CPU",
+        cuda_graph_sizes,
+    )
+    stream_interval: int = flag(
+        1, "Tokens per SSE write after a stream's first (vLLM's name); 1 = each as it comes", int
+    )
+    max_stream_rate: float | None = flag(
+        None,
+        "Most tokens per second sent to one stream (a steady pace for UIs); unset = unpaced",
+        float,
+    )
+    max_stream_buffer: int = flag(
+        2048, "Tokens a stream may leave unread before its request is cancelled", int
+    )
+    hostname: str = flag("0.0.0.0", "Address the HTTP server binds")
+    port: int = flag(8080, "Port the HTTP server binds", int)
+    shard_uds_path: str = flag("/tmp/textgate-server", "Prefix of the shards' unix sockets")
+    master_addr: str = flag("127.0.0.1", "torch.distributed rendezvous address")
+    master_port: int = flag(29500, "torch.distributed rendezvous port", int)
+    api_key: str | None = flag(
+        None, "Require `Authorization: Bearer <key>` on the routes that generate"
+    )
+    cors_allow_origin: tuple[str, ...] = flag(
+        (), "Comma-separated origins allowed by CORS", _origins
+    )
+    payload_limit: int = flag(2_000_000, "Largest request body in bytes", int)
+    otlp_endpoint: str | None = flag(
+        None,
+        "OpenTelemetry collector (OTLP/gRPC), e.g. http://otel-collector:4317; unset = no tracing",
+    )
+    otlp_service_name: str = flag("textgate", "service.name of the traces (shards: NAME.shard)")
+    graceful_termination_timeout: float = flag(
+        90.0,
+        "Seconds in-flight requests get to finish after SIGTERM before they are ended",
+        float,
+    )
+    shard_step_timeout: float = flag(
+        600.0,
+        "Seconds a shard may take for one call (step, filter, clear) before it counts as hung",
+        float,
+    )
+    header_timeout: float = flag(
+        30.0, "Seconds a client has to send a request's headers, else it is disconnected", float
+    )
+    body_timeout: float = flag(
+        60.0,
+        "Seconds a client has to send a request's body once its headers arrived, else 408",
+        float,
+    )
+    json_output: bool = flag(False, "Log JSON lines", parse_bool)
+
+    def __post_init__(self) -> None:
+        if self.num_shard < 1:
+            raise ValueError("--num-shard must be at least 1")
+        if self.quantize is not None and self.quantize not in QUANTIZE_METHODS:
+            known = (
+                "is TGI's, but not supported by textgate"
+                if self.quantize in TGI_ONLY_QUANTIZE
+                else "is unknown"
+            )
+            raise ValueError(
+                f"--quantize {self.quantize} {known}; use one of: {', '.join(QUANTIZE_METHODS)}"
+            )
+        if self.otlp_endpoint is not None and not self.otlp_endpoint.startswith(
+            ("http://", "https://")
+        ):
+            raise ValueError(
+                f"--otlp-endpoint {self.otlp_endpoint} needs a scheme: http:// (plaintext) "
+                "or https:// (TLS)"
+            )
+        if not self.graceful_termination_timeout >= 0:
+            raise ValueError("--graceful-termination-timeout must be >= 0 seconds")
+        for name in ("shard_step_timeout", "header_timeout", "body_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds")
+        if self.block_size < 1:
+            raise ValueError("--block-size must be at least 1")
+        if self.target_itl_ms is not None and not self.target_itl_ms >= 0:
+            raise ValueError("--target-itl-ms must be >= 0 (0 = fixed budgets)")
+        if self.no_adaptive and self.target_itl_ms:
+            raise ValueError("--no-adaptive contradicts --target-itl-ms > 0")
+        if self.kv_cache_memory < 1:
+            raise ValueError("--kv-cache-memory must be a positive number of bytes")
+        if not 0 < self.cuda_memory_fraction <= 1:
+            raise ValueError("--cuda-memory-fraction must lie in (0, 1]")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port {self.port} is out of range")
+        if (
+            self.max_input_tokens is not None
+            and self.max_total_tokens is not None
+            and self.max_input_tokens >= self.max_total_tokens
+        ):
+            raise ValueError("--max-input-tokens must be smaller than --max-total-tokens")
+
+
+def _flags() -> tuple[Flag, ...]:
+    flags = []
+    for f in fields(LauncherConfig):
+        meta = f.metadata
+        name = f.name.replace("_", "-")
+        flags.append(Flag(name, meta["parse"], f.default, meta["help"], meta["choices"]))
+    return tuple(flags)
+
+
+FLAGS = _flags()
+"""Every launcher flag, in `LauncherConfig`'s field order."""
