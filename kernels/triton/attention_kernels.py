@@ -38,6 +38,36 @@ def _dot(a, b, UPCAST: tl.constexpr):
 def _load_tile(
     cache_ptr,
     scales_ptr,
+    rows,
+    scale_rows,
+    valid,
+    dims,
+    dim_mask,
+    QUANTIZED: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+):
+    """The cache rows `rows` [BLOCK_N] → [BLOCK_N, BLOCK_D] in OUT_DTYPE; rows that are not
+    `valid` read as zeros. A quantized cache is dequantized with its per-slot scales at
+    `scale_rows` [BLOCK_N]."""
+    tile = tl.load(
+        cache_ptr + rows[:, None] + dims[None, :],
+        mask=valid[:, None] & dim_mask[None, :],
+        other=0.0,
+    )
+    if QUANTIZED:
+        scales = tl.load(scales_ptr + scale_rows, mask=valid, other=0.0)
+        out = (tile.to(tl.float32) * scales[:, None]).to(OUT_DTYPE)
+    else:
+        out = tile.to(OUT_DTYPE)
+    return out
+
+
+@triton.jit
+def _load_kv(
+    key_cache_ptr,
+    value_cache_ptr,
+    key_scales_ptr,
+    value_scales_ptr,
     block_table_ptr,
     positions,
     valid,
@@ -53,26 +83,44 @@ def _load_tile(
     QUANTIZED: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
 ):
-    """The keys (or values) of one kv head at token `positions` [BLOCK_N] of a sequence whose
-    block table row starts at `block_table_ptr` → [BLOCK_N, BLOCK_D] in OUT_DTYPE; positions
-    that are not `valid` read as zeros. A tile may span several cache blocks. A quantized
-    cache is dequantized with its per-slot scales."""
+    """The keys and values of one kv head at token `positions` [BLOCK_N] of a sequence whose
+    block table row starts at `block_table_ptr` → two [BLOCK_N, BLOCK_D] tiles in OUT_DTYPE;
+    positions that are not `valid` read as zeros. Each token's block is looked up, so a
+    tile may span several cache blocks."""
     blocks = tl.load(block_table_ptr + positions // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
     slots = positions % BLOCK_SIZE
     rows = blocks * stride_cb + slots * stride_cs + kv_head * stride_ch  # [BLOCK_N]
-    tile = tl.load(
-        cache_ptr + rows[:, None] + dims[None, :],
-        mask=valid[:, None] & dim_mask[None, :],
-        other=0.0,
-    )
-    if QUANTIZED:
-        scales = tl.load(
-            scales_ptr + blocks * stride_sb + slots * stride_ss + kv_head, mask=valid, other=0.0
-        )
-        out = (tile.to(tl.float32) * scales[:, None]).to(OUT_DTYPE)
-    else:
-        out = tile.to(OUT_DTYPE)
-    return out
+    scale_rows = blocks * stride_sb + slots * stride_ss + kv_head  # [BLOCK_N] (QUANTIZED)
+    keys = _load_tile(
+        key_cache_ptr, key_scales_ptr, rows, scale_rows, valid, dims, dim_mask,
+        QUANTIZED, OUT_DTYPE,
+    )  # fmt: skip
+    values = _load_tile(
+        value_cache_ptr, value_scales_ptr, rows, scale_rows, valid, dims, dim_mask,
+        QUANTIZED, OUT_DTYPE,
+    )  # fmt: skip
+    return keys, values
+
+
+@triton.jit
+def _softmax_step(query, keys, values, visible, m_i, l_i, acc, qk_scale, UPCAST: tl.constexpr):
+    """One tile of the streaming softmax: fold keys/values [BLOCK_N, BLOCK_D] into the running
+    (max m_i [rows], sum l_i [rows], accumulator acc [rows, BLOCK_D]) of query [rows, BLOCK_D];
+    keys where `visible` (broadcast to [rows, BLOCK_N]) is false score -inf."""
+    scores = _dot(query, tl.trans(keys), UPCAST) * qk_scale  # [rows, BLOCK_N]
+    scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    p = tl.math.exp2(scores - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(values.dtype), values, UPCAST)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _normalize(acc, l_i):
+    """The attention output acc / l_i [rows, BLOCK_D]; a row that saw no key (l_i 0) is 0."""
+    return acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
 
 
 @triton.jit
@@ -146,29 +194,18 @@ def paged_decode_kernel(
         valid = positions < end
         if USE_WINDOW:
             valid = valid & (positions > seq_len - 1 - window)
-        keys = _load_tile(
-            key_cache_ptr, key_scales_ptr, table, positions, valid, kv_head, dims, dim_mask,
-            stride_cb, stride_cs, stride_ch, stride_sb, stride_ss,
-            BLOCK_SIZE, QUANTIZED, query.dtype,
+        keys, values = _load_kv(
+            key_cache_ptr, value_cache_ptr, key_scales_ptr, value_scales_ptr, table, positions,
+            valid, kv_head, dims, dim_mask, stride_cb, stride_cs, stride_ch, stride_sb,
+            stride_ss, BLOCK_SIZE, QUANTIZED, query.dtype,
         )  # fmt: skip
-        values = _load_tile(
-            value_cache_ptr, value_scales_ptr, table, positions, valid, kv_head, dims, dim_mask,
-            stride_cb, stride_cs, stride_ch, stride_sb, stride_ss,
-            BLOCK_SIZE, QUANTIZED, query.dtype,
-        )  # fmt: skip
-        scores = _dot(query, tl.trans(keys), UPCAST) * qk_scale  # [BLOCK_G, BLOCK_N]
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        p = tl.math.exp2(scores - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(values.dtype), values, UPCAST)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_step(
+            query, keys, values, valid[None, :], m_i, l_i, acc, qk_scale, UPCAST
+        )
     if not SPLIT:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
             out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :],
-            out.to(out_ptr.dtype.element_ty),
+            _normalize(acc, l_i).to(out_ptr.dtype.element_ty),
             mask=head_mask[:, None] & dim_mask[None, :],
         )
     else:
@@ -294,31 +331,18 @@ def paged_prefill_kernel(
     for start in range(first, last_pos + 1, BLOCK_N):
         positions = start + offsets
         in_seq = positions <= last_pos
-        keys = _load_tile(
-            key_cache_ptr, key_scales_ptr, table, positions, in_seq, kv_head, dims, dim_mask,
-            stride_cb, stride_cs, stride_ch, stride_sb, stride_ss,
-            BLOCK_SIZE, QUANTIZED, query.dtype,
+        keys, values = _load_kv(
+            key_cache_ptr, value_cache_ptr, key_scales_ptr, value_scales_ptr, table, positions,
+            in_seq, kv_head, dims, dim_mask, stride_cb, stride_cs, stride_ch, stride_sb,
+            stride_ss, BLOCK_SIZE, QUANTIZED, query.dtype,
         )  # fmt: skip
-        values = _load_tile(
-            value_cache_ptr, value_scales_ptr, table, positions, in_seq, kv_head, dims, dim_mask,
-            stride_cb, stride_cs, stride_ch, stride_sb, stride_ss,
-            BLOCK_SIZE, QUANTIZED, query.dtype,
-        )  # fmt: skip
-        scores = _dot(query, tl.trans(keys), UPCAST) * qk_scale  # [rows, BLOCK_N]
         visible = positions[None, :] <= query_pos[:, None]
         if USE_WINDOW:
             visible = visible & (positions[None, :] > query_pos[:, None] - window)
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        p = tl.math.exp2(scores - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(values.dtype), values, UPCAST)
-        m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        m_i, l_i, acc = _softmax_step(query, keys, values, visible, m_i, l_i, acc, qk_scale, UPCAST)
     out_offsets = (query_start + tokens).to(tl.int64) * stride_ot + heads * stride_oh
     tl.store(
         out_ptr + out_offsets[:, None] + dims[None, :],
-        out.to(out_ptr.dtype.element_ty),
+        _normalize(acc, l_i).to(out_ptr.dtype.element_ty),
         mask=row_mask[:, None] & dim_mask[None, :],
     )
