@@ -9,15 +9,16 @@ import pytest
 import torch
 
 from textgate.bench import gpu_kernels as gk
+from textgate.bench import gpu_model
 
 
 def test_the_8b_shape_is_llama_3_8b() -> None:
-    shape = gk.SHAPES["8b"]
+    shape = gpu_model.SHAPES["8b"]
     params = sum(torch.Size(s).numel() for s in shape.tensor_shapes().values())
     assert params == 8_030_261_248  # Llama-3.1-8B's parameter count
     assert shape.kv_bytes_per_token(2) == 128 * 1024
     # Batch 1 at 1k context moves the weights (less the embedding table) and 128 MiB of KV.
-    moved = gk.decode_bytes(shape, 1, 1024, 2)
+    moved = gpu_model.decode_bytes(shape, 1, 1024, 2)
     assert moved == (shape.linear_params() + 4096) * 2 + 1025 * 128 * 1024
     assert 15.0e9 < moved < 15.2e9  # ~3.1 ms at an H200's 4.8 TB/s
 
@@ -31,10 +32,10 @@ def test_known_gpus_get_their_datasheet_bandwidth(monkeypatch: pytest.MonkeyPatc
         ("NVIDIA A100-SXM4-80GB", 2039.0),
     ]:
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
-        assert gk.bandwidth_for(cuda, None)[0] == gbs
+        assert gpu_model.bandwidth_for(cuda, None)[0] == gbs
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "Some Future GPU")
-    assert gk.bandwidth_for(cuda, None) == (None, "unknown (pass --bandwidth-gbs)")
-    assert gk.bandwidth_for(cuda, 1234.0) == (1234.0, "--bandwidth-gbs")
+    assert gpu_model.bandwidth_for(cuda, None) == (None, "unknown (pass --bandwidth-gbs)")
+    assert gpu_model.bandwidth_for(cuda, 1234.0) == (1234.0, "--bandwidth-gbs")
 
 
 def test_tiny_shape_runs_every_row_on_cpu(
@@ -63,7 +64,7 @@ def test_tiny_shape_runs_every_row_on_cpu(
         assert row["ms"] > 0 and row["tokens_per_s"] == pytest.approx(
             row["batch"] / row["ms"] * 1e3
         )
-        moved = gk.decode_bytes(gk.SHAPES["tiny"], row["batch"], 40, 4)
+        moved = gpu_model.decode_bytes(gpu_model.SHAPES["tiny"], row["batch"], 40, 4)
         assert row["roofline_ms"] == pytest.approx(moved / 50e9 * 1e3)
         assert row["roofline_ratio"] == pytest.approx(row["roofline_ms"] / row["ms"])
     prefill = [r for r in rows if r["kind"] == "prefill"]
