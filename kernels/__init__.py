@@ -19,9 +19,10 @@ from typing import Any
 
 import torch
 
-from textgate.kernels.attention import AttentionBackend, AttentionMetadata, SdpaAttentionBackend
+from textgate.kernels.attention import AttentionBackend, AttentionMetadata
 from textgate.kernels.cpu_attention import CpuAttentionBackend
 from textgate.kernels.flash import FlashAttentionBackend
+from textgate.kernels.sdpa import SdpaAttentionBackend
 from textgate.kernels.triton.attention import TritonAttentionBackend
 
 DEFAULT_ATTENTION_BACKEND = "cpu"
