@@ -13,7 +13,7 @@ Keys are read BLOCK_N (`kv_tile`, 64) tokens at a time whatever the cache's bloc
 head dims are padded to a power of two. float16 / bfloat16 / float32 queries; caches in the query's
 dtype, or int8 / float8 e4m3 with per-slot scales (kernels/kv_quant.py), dequantized
 in the kernel. The step's tiles are built on the device: `prepare` never syncs.
-The SDPA backend (kernels/attention.py) is its reference.
+The SDPA backend (kernels/sdpa.py) is its reference.
 """
 
 from __future__ import annotations
@@ -132,8 +132,9 @@ class TritonAttentionBackend(AttentionBackend[TritonPlan]):
         if query.stride(-1) != 1:
             query = query.contiguous()
         out = torch.empty_like(query)
-        launch = _Launch(query, key_cache, value_cache, key_scales, value_scales, scale)
-        launch.window = sliding_window or 0
+        launch = _Launch(
+            query, key_cache, value_cache, key_scales, value_scales, scale, sliding_window or 0
+        )
         if plan.decode:
             self._decode(launch, plan.metadata, out)
         else:
@@ -212,8 +213,6 @@ class TritonAttentionBackend(AttentionBackend[TritonPlan]):
 class _Launch:
     """The arguments one layer's launch shares between the programs."""
 
-    window = 0
-
     def __init__(
         self,
         query: Tensor,
@@ -222,8 +221,10 @@ class _Launch:
         key_scales: Tensor | None,
         value_scales: Tensor | None,
         scale: float,
+        window: int,
     ) -> None:
         self.query, self.key_cache, self.value_cache = query, key_cache, value_cache
+        self.window = window  # in tokens; 0: no sliding window
         self.quantized = key_scales is not None
         # Unquantized: the scale pointers are never read; any tensor stands in.
         self.key_scales = key_scales if key_scales is not None else key_cache
