@@ -1,7 +1,7 @@
 """textgate.kernels: compute kernels, each beside a pure-PyTorch reference.
 
 Attention backends are registered by name (docs/kernels.md):
-- "torch" (also "sdpa"): the pure-PyTorch reference (SDPA over the paged cache), anywhere;
+- "torch" (also "sdpa"): the pure-PyTorch reference (kernels/sdpa.py), anywhere;
 - "cpu": a C kernel on CPU tensors (SDPA elsewhere);
 - "triton": Triton paged-attention kernels (CUDA; CPU tensors under TRITON_INTERPRET=1);
 - "flash": the flash-attn package's paged kernels (CUDA, float16/bfloat16).
