@@ -23,13 +23,8 @@ import torch
 from torch import Tensor
 
 from textgate.kernels import cpu_build, cpu_layers, kv_quant
-from textgate.kernels.attention import (
-    AttentionBackend,
-    AttentionMetadata,
-    SdpaAttentionBackend,
-    SdpaPlan,
-    SeqGroup,
-)
+from textgate.kernels.attention import AttentionBackend, AttentionMetadata
+from textgate.kernels.sdpa import SdpaAttentionBackend, SdpaPlan, SeqGroup
 
 SUPPORTED_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 #: The kernel's kv_kind for each quantized cache dtype (0: the cache is in the query's dtype).
