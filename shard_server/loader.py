@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -17,9 +18,10 @@ import torch
 
 from textgate.kernels import select_attention_backend
 from textgate.shard_server.autoconfig import DtypeChoice, pick_dtype
+from textgate.shard_server.cache_config import CacheConfig
 from textgate.shard_server.layers.tensor_parallel import distributed_backend, rank_device
 from textgate.shard_server.model import ShardModel
-from textgate.shard_server.paged_model import CacheConfig, PagedModel
+from textgate.shard_server.paged_model import PagedModel
 from textgate.shard_server.sequence import TokenizerInfo
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -65,31 +67,80 @@ def load_model(
     whose own step measured fastest (`autoconfig.pick_dtype`).
     """
     device = shard_device(rank, world_size)
-    model_type = json.loads((model_path / "config.json").read_text()).get("model_type")
-    from textgate.shard_server.models import load_model as load_native
+    model_type = read_model_type(model_path)
+    torch_dtype = resolve_dtype(dtype, device)  # a bad name fails before anything loads
     from textgate.shard_server.models import supported_model_types
 
-    native = native and model_type in supported_model_types()
-    torch_dtype = resolve_dtype(dtype, device)
-    if native:
+    if native and model_type in supported_model_types():
         group = init_distributed(rank, world_size, device) if world_size > 1 else None
-        tokenizer = load_tokenizer(model_path)
+        build = paged_builder(
+            model_path, model_id, device, group, world_size, cache_config, quantize, attention
+        )
+        return load_paged(build, dtype, torch_dtype, device)
+    check_fallback_flags(model_type, world_size, cache_config, quantize)
+    from textgate.shard_server.transformers_model import TransformersModel
 
-        def build(candidate: torch.dtype) -> PagedModel:
-            config = cache_config or CacheConfig()
-            backend = select_attention_backend(
-                attention, device, candidate, config.block_size, config.kv_cache_dtype != "auto"
-            )
-            model = load_native(
-                model_path, candidate, device, group, quantize=quantize, attention_backend=backend
-            )
-            return PagedModel(model, tokenizer, model_id, config, world_size, group)
+    return TransformersModel(model_path, torch_dtype, device, model_id, trust_remote_code)
 
-        if dtype == "auto" and device.type == "cpu":
-            return pick_dtype(build)
-        paged = build(torch_dtype)
-        paged.dtype_choice = DtypeChoice(torch_dtype, "default" if dtype == "auto" else "flag")
-        return paged
+
+def read_model_type(model_path: Path) -> str | None:
+    """`model_type` of the folder's config.json (None where it names none)."""
+    model_type: str | None = json.loads((model_path / "config.json").read_text()).get("model_type")
+    return model_type
+
+
+def paged_builder(
+    model_path: Path,
+    model_id: str,
+    device: torch.device,
+    group: Any,
+    world_size: int,
+    cache_config: CacheConfig | None,
+    quantize: str | None,
+    attention: str,
+) -> Callable[[torch.dtype], PagedModel]:
+    """A function that loads the native model in a given dtype and wraps it paged (the
+    attention backend depends on the dtype, so it is picked per candidate)."""
+    from textgate.shard_server.models import load_model as load_native
+
+    tokenizer = load_tokenizer(model_path)
+    config = cache_config or CacheConfig()
+
+    def build(dtype: torch.dtype) -> PagedModel:
+        backend = select_attention_backend(
+            attention, device, dtype, config.block_size, config.kv_cache_dtype != "auto"
+        )
+        model = load_native(
+            model_path, dtype, device, group, quantize=quantize, attention_backend=backend
+        )
+        return PagedModel(model, tokenizer, model_id, config, world_size, group)
+
+    return build
+
+
+def load_paged(
+    build: Callable[[torch.dtype], PagedModel],
+    dtype: str,
+    torch_dtype: torch.dtype,
+    device: torch.device,
+) -> PagedModel:
+    """`build` in `torch_dtype` (what the `dtype` flag resolved to); "auto" on CPU measures
+    every candidate instead (`autoconfig.pick_dtype`). The model records how its dtype was
+    chosen."""
+    if dtype == "auto" and device.type == "cpu":
+        return pick_dtype(build)
+    paged = build(torch_dtype)
+    paged.dtype_choice = DtypeChoice(torch_dtype, "default" if dtype == "auto" else "flag")
+    return paged
+
+
+def check_fallback_flags(
+    model_type: str | None,
+    world_size: int,
+    cache_config: CacheConfig | None,
+    quantize: str | None,
+) -> None:
+    """Refuse flags the transformers fallback cannot honour, naming the model type."""
     if quantize is not None:
         raise ValueError(
             f"--quantize needs a native implementation; model type {model_type!r} is served "
@@ -106,9 +157,6 @@ def load_model(
             f"tensor parallel (--num-shard > 1) needs a native implementation; model type "
             f"{model_type!r} is served by the transformers fallback, which runs one shard"
         )
-    from textgate.shard_server.transformers_model import TransformersModel
-
-    return TransformersModel(model_path, torch_dtype, device, model_id, trust_remote_code)
 
 
 def load_tokenizer(model_path: Path) -> TokenizerInfo:

@@ -15,13 +15,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from textgate.kernels import AttentionMetadata, attention_backend_name
-from textgate.kernels.kv_quant import KV_CACHE_DTYPES, kv_dtype_name, resolve_kv_cache_dtype
+from textgate.kernels import attention_backend_name
+from textgate.kernels.kv_quant import kv_dtype_name, resolve_kv_cache_dtype
 from textgate.proto import generate_pb2 as pb
 from textgate.quantization.resident import resident_bytes
 from textgate.shard_server.autoconfig import (
@@ -29,13 +28,8 @@ from textgate.shard_server.autoconfig import (
     DtypeChoice,
     warmup_measurements,
 )
-from textgate.shard_server.cuda_graphs import (
-    DEFAULT_CUDA_GRAPHS,
-    CudaGraphCapture,
-    DecodeGraphRunner,
-    GraphCapture,
-    graph_safe,
-)
+from textgate.shard_server.cache_config import CacheConfig
+from textgate.shard_server.cuda_graphs import DecodeGraphRunner, GraphCapture
 from textgate.shard_server.grammar import GrammarCompiler, GrammarError, MaskFiller
 from textgate.shard_server.kv_cache import KVCache
 from textgate.shard_server.memory import (
@@ -53,55 +47,15 @@ from textgate.shard_server.model import (
     append_tokens,
     sample,
 )
+from textgate.shard_server.paged_warmup import pick_graph_capture, warmup_pass
+from textgate.shard_server.prompt_logprobs import PromptLogprobs
 from textgate.shard_server.sampler import Sampler, SamplingTensors
 from textgate.shard_server.sequence import Sequence, TokenizerInfo
+from textgate.shard_server.step_inputs import StepInputs, build_step_inputs
+
+__all__ = ["CacheConfig", "PagedModel", "StepInputs"]
 
 log = logging.getLogger("textgate.shard")
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    """How the shard sizes its KV cache at warmup."""
-
-    block_size: int = 16
-    """Tokens per KV block."""
-    kv_cache_memory: int = 1 << 30
-    """Bytes of KV cache on CPU."""
-    cuda_memory_fraction: float = 0.9
-    """Share of the GPU memory left free after loading that the cache may take."""
-    kv_cache_dtype: str = "auto"
-    """KV element dtype: auto (the model's), int8, fp8 / fp8_e4m3 (kernels/kv_quant.py)."""
-    cuda_graphs: tuple[int, ...] = DEFAULT_CUDA_GRAPHS
-    """Decode batch sizes captured as CUDA graphs at warmup (empty: none; ignored on CPU)."""
-
-    def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be at least 1, got {self.block_size}")
-        if self.kv_cache_memory < 1:
-            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
-        if not 0 < self.cuda_memory_fraction <= 1:
-            raise ValueError("cuda_memory_fraction must lie in (0, 1]")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(
-                f"unknown KV cache dtype {self.kv_cache_dtype!r}; expected one of: "
-                f"{', '.join(KV_CACHE_DTYPES)}"
-            )
-        if any(size < 1 for size in self.cuda_graphs):
-            raise ValueError(f"cuda_graphs sizes must be positive, got {self.cuda_graphs}")
-
-
-@dataclass
-class StepInputs:
-    """The flat varlen batch of one step, and where each sequence's results are."""
-
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # [N] token rows whose logits are needed
-    sample_rows: list[int] = field(default_factory=list)  # rows of logits to sample from
-    sampled: list[Sequence] = field(default_factory=list)  # their sequences, same order
-    # seq id -> (position of its first token this step, its logits rows)
-    prefill_rows: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
 
 
 class PagedModel(ShardModel):
@@ -138,7 +92,7 @@ class PagedModel(ShardModel):
         self.graph_capture = graph_capture
         """How decode graphs are recorded; None: real CUDA graphs on a GPU, none on CPU."""
         self.graphs: DecodeGraphRunner | None = None
-        self._prompt_logprobs: dict[int, list[float]] = {}
+        self.prompt_logprobs = PromptLogprobs()
 
     def describe(self) -> pb.InfoResponse:
         config = self.model.config
@@ -155,22 +109,19 @@ class PagedModel(ShardModel):
             weight_bytes=resident_bytes(self.model),
             kv_cache_dtype=kv_dtype_name(self.model.kv_cache_dtype),
             attention_backend=attention_backend_name(self.model.attention_backend),
-            kv_cache_bytes_per_token=KVCache.bytes_per_block(
-                num_layers=self.model.num_layers,
-                block_size=1,
-                num_kv_heads=self.model.num_kv_heads,
-                head_dim=self.model.head_dim,
-                dtype=self.model.kv_cache_dtype,
-            ),
+            kv_cache_bytes_per_token=self._kv_bytes(block_size=1),
         )
 
     # -- warmup -----------------------------------------------------------------------
 
     def bytes_per_block(self) -> int:
         """Memory one KV block takes over all layers, K and V."""
+        return self._kv_bytes(self.cache_config.block_size)
+
+    def _kv_bytes(self, block_size: int) -> int:
         return KVCache.bytes_per_block(
             num_layers=self.model.num_layers,
-            block_size=self.cache_config.block_size,
+            block_size=block_size,
             num_kv_heads=self.model.num_kv_heads,
             head_dim=self.model.head_dim,
             dtype=self.model.kv_cache_dtype,
@@ -229,23 +180,12 @@ class PagedModel(ShardModel):
 
     def _graph_capture(self) -> GraphCapture | None:
         """How this shard records decode graphs, or None when it runs every step eager."""
-        sizes = self.cache_config.cuda_graphs
-        if not sizes:
-            return None
-        if self.graph_capture is not None:
-            return self.graph_capture
-        if self.device.type != "cuda":
-            log.info("--cuda-graphs ignored: CUDA graphs need a GPU, this shard runs on CPU")
-            return None
-        backend = self.model.attention_backend
-        if not graph_safe(backend):
-            log.info(
-                "CUDA graphs off: the %s attention backend reads step lengths on the host "
-                "(graphs need a backend that reads them on the GPU)",
-                type(backend).__name__,
-            )
-            return None
-        return CudaGraphCapture(self.device)
+        return pick_graph_capture(
+            self.cache_config.cuda_graphs,
+            self.graph_capture,
+            self.device,
+            self.model.attention_backend,
+        )
 
     def _profiled_num_blocks(
         self, request: pb.WarmupRequest, reserved: int, stats: MemoryStats | None = None
@@ -285,34 +225,10 @@ class PagedModel(ShardModel):
         return num_blocks
 
     def _warmup_pass(self, query_lens: list[int]) -> None:
-        """One step of sequences with `query_lens` new tokens each from position 0, in
-        consecutive blocks of the allocated cache (values are irrelevant: shapes only)."""
         assert self.kv_cache is not None
-        block_size = self.cache_config.block_size
-        tables, first = [], 0
-        for length in query_lens:
-            count = -(-length // block_size)
-            tables.append(list(range(first, first + count)))
-            first += count
-        metadata = AttentionMetadata.build(
-            query_lens=query_lens,
-            context_lens=[0] * len(query_lens),
-            block_tables=tables,
-            block_size=block_size,
-            device=self.device,
+        warmup_pass(
+            self.model, self.kv_cache, query_lens, self.cache_config.block_size, self.device
         )
-        ends = torch.tensor(query_lens).cumsum(0) - 1
-        positions = torch.cat([torch.arange(length) for length in query_lens])
-        with torch.inference_mode():
-            self.model(
-                torch.zeros(int(ends[-1]) + 1, dtype=torch.int64, device=self.device),
-                positions.to(self.device),
-                self.kv_cache,
-                metadata,
-                ends.to(self.device),
-            )
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     # -- ClearCache, and the padded protocol's calls (unsupported) -------------------------
 
@@ -323,7 +239,7 @@ class PagedModel(ShardModel):
         """
         if batch_id is None:
             self.sequences.clear()
-            self._prompt_logprobs.clear()
+            self.prompt_logprobs.clear()
 
     def filter(self, batch_id: int, request_ids: Seq[int]) -> pb.CachedBatch:
         raise UnsupportedCall(PAGED_ONLY.format(call="FilterBatch"))
@@ -356,7 +272,7 @@ class PagedModel(ShardModel):
         masks = self.mask_filler.start(states, self.grammars.vocab_size)
         with torch.inference_mode():
             logits = self._forward(inputs)  # [N, V]
-            self._record_prompt_logprobs(inputs, logits)
+            self.prompt_logprobs.record(inputs.prefill_rows, self.sequences, logits)
             result = None
             if inputs.sampled:
                 params = SamplingTensors.from_sequences(inputs.sampled, self.device)
@@ -371,7 +287,7 @@ class PagedModel(ShardModel):
         generations: list[pb.Generation] = []
         if result is not None:
             generations, running = append_tokens(inputs.sampled, result, self.info)
-            self._attach_prompt_logprobs(inputs.sampled, generations)
+            self.prompt_logprobs.attach(inputs.sampled, generations, self.info)
             still = set(running)
             for seq in inputs.sampled:
                 if seq.id not in still:
@@ -415,71 +331,9 @@ class PagedModel(ShardModel):
 
     def _drop(self, request_id: int) -> None:
         self.sequences.pop(request_id, None)
-        self._prompt_logprobs.pop(request_id, None)
+        self.prompt_logprobs.drop(request_id)
 
     def _inputs(self, scheduled: Seq[pb.ScheduledRequest]) -> StepInputs:
-        ids: list[int] = []
-        positions: list[int] = []
-        indices: list[int] = []
-        inputs_rows: list[tuple[Sequence, int, int, bool]] = []
-        for item in scheduled:
-            seq = self.sequences.get(item.request_id)
-            if seq is None:
-                raise KeyError(f"request {item.request_id} is not known to this shard")
-            offset, count = len(ids), len(item.token_ids)
-            ids.extend(item.token_ids)
-            positions.extend(range(item.start_position, item.start_position + count))
-            inputs_rows.append((seq, offset, count, item.produces_token))
-        metadata = AttentionMetadata.build(
-            query_lens=[len(s.token_ids) for s in scheduled],
-            context_lens=[s.start_position for s in scheduled],
-            block_tables=[list(s.block_table) for s in scheduled],
-            block_size=self.cache_config.block_size,
-            device=self.device,
+        return build_step_inputs(
+            scheduled, self.sequences, self.cache_config.block_size, self.device
         )
-        step = StepInputs(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=self.device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
-            metadata=metadata,
-            logits_indices=torch.empty(0),
-        )
-        for (seq, offset, count, produces), item in zip(inputs_rows, scheduled, strict=True):
-            if self._wants_prompt_logprobs(seq, item.start_position):
-                rows = list(range(len(indices), len(indices) + count))
-                step.prefill_rows[seq.id] = (item.start_position, rows)
-                indices.extend(range(offset, offset + count))
-            elif produces:
-                indices.append(offset + count - 1)
-            if produces:
-                step.sample_rows.append(len(indices) - 1)
-                step.sampled.append(seq)
-        step.logits_indices = torch.tensor(indices, dtype=torch.int64, device=self.device)
-        return step
-
-    def _wants_prompt_logprobs(self, seq: Sequence, start: int) -> bool:
-        return seq.request.prefill_logprobs and not seq.generated_ids and start < seq.prompt_len
-
-    def _record_prompt_logprobs(self, inputs: StepInputs, logits: torch.Tensor) -> None:
-        """Logprob of each next prompt token, accumulated over the prompt's chunks.
-
-        Row j of a chunk starting at position p predicts the token at p + j + 1. Positions
-        computed before (a prefix-cache hit) have no logits here: they get NaN.
-        """
-        for seq_id, (start, rows) in inputs.prefill_rows.items():
-            seq = self.sequences[seq_id]
-            done = self._prompt_logprobs.setdefault(seq_id, [])
-            done.extend([float("nan")] * (start - len(done)))
-            targets = seq.all_ids[start + 1 : min(start + 1 + len(rows), seq.prompt_len)]
-            if not targets:
-                continue
-            logprobs = logits[rows[: len(targets)]].log_softmax(-1)  # [n, V]
-            index = torch.tensor(targets, device=logits.device)[:, None]
-            done.extend(logprobs.gather(1, index).squeeze(1).tolist())
-
-    def _attach_prompt_logprobs(
-        self, sequences: Seq[Sequence], generations: list[pb.Generation]
-    ) -> None:
-        for seq, generation in zip(sequences, generations, strict=True):
-            values = self._prompt_logprobs.pop(seq.id, None)
-            if values is not None and len(seq.generated_ids) == 1:
-                generation.prefill_tokens.CopyFrom(seq.prefill_tokens(values, self.info))

@@ -75,38 +75,7 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, (H_q + 2 H_kv) * D]
         key_cache, value_cache = ctx.kv_cache.layer(self.layer_idx)
-        query = cpu_layers.rotary_and_store(
-            qkv,
-            ctx.cos,
-            ctx.sin_signed,
-            key_cache,
-            value_cache,
-            ctx.metadata.slot_mapping,
-            self.num_heads,
-            self.num_kv_heads,
-        )  # [T, H_q, D], or None off the CPU (and for a quantized cache)
-        if query is None:
-            query = cpu_attention.rotary_and_store_quantized(
-                qkv,
-                ctx.cos,
-                ctx.sin_signed,
-                (key_cache, value_cache),
-                ctx.kv_cache.layer_scales(self.layer_idx),
-                ctx.metadata.slot_mapping,
-                self.num_heads,
-                self.num_kv_heads,
-            )  # the same for an int8 / fp8 cache on the CPU; else None
-        if query is None:
-            query = gpu_layers.rotary_and_store(
-                qkv,
-                ctx.cos,
-                ctx.sin_signed,
-                key_cache,
-                value_cache,
-                ctx.metadata.slot_mapping,
-                self.num_heads,
-                self.num_kv_heads,
-            )  # [T, H_q, D], or None off the GPU (and for a quantized cache)
+        query = self._fused_rotary_and_store(qkv, ctx, key_cache, value_cache)  # [T, H_q, D]
         if query is None:
             query = self._rotary_and_store(qkv, ctx)
         key_scales, value_scales = ctx.kv_cache.layer_scales(self.layer_idx)
@@ -121,6 +90,31 @@ class LlamaAttention(nn.Module):
             value_scales=value_scales,
         )  # [T, H_q, D]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+    def _fused_rotary_and_store(
+        self, qkv: Tensor, ctx: ForwardContext, key_cache: Tensor, value_cache: Tensor
+    ) -> Tensor | None:
+        """Rotated queries [T, H_q, D] from the first fused kernel that runs here (C on the
+        CPU, its int8 / fp8 cache variant, Triton on the GPU), keys and values stored; None
+        where none does (the caller then runs `_rotary_and_store`)."""
+        slots = ctx.metadata.slot_mapping
+        # The plain CPU and GPU kernels share one signature: one argument list for both.
+        heads = (self.num_heads, self.num_kv_heads)
+        args = (qkv, ctx.cos, ctx.sin_signed, key_cache, value_cache, slots, *heads)
+        query = cpu_layers.rotary_and_store(*args)
+        if query is None:
+            query = cpu_attention.rotary_and_store_quantized(
+                qkv,
+                ctx.cos,
+                ctx.sin_signed,
+                (key_cache, value_cache),
+                ctx.kv_cache.layer_scales(self.layer_idx),
+                slots,
+                *heads,
+            )
+        if query is None:
+            query = gpu_layers.rotary_and_store(*args)
+        return query
 
     def _rotary_and_store(self, qkv: Tensor, ctx: ForwardContext) -> Tensor:
         """The reference of cpu_layers.rotary_and_store: rotated queries [T, H_q, D]."""
