@@ -7,7 +7,9 @@ prefix-cache hits, decode and recompute after preemption are all the same thing 
 compute `token_ids` at their positions, and sample where the plan says so.
 
 `PagedModel` serves the Step call of generate.proto; the padded protocol's Prefill /
-Decode / FilterBatch are answered with `UnsupportedCall`.
+Decode / FilterBatch are answered with `UnsupportedCall`. Its parts live beside it:
+`step_inputs` (the plan as a flat batch), `prompt_logprobs`, `paged_warmup` (graph
+capture choice, shapes-only passes) and `cache_config`.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from textgate.shard_server.autoconfig import (
 )
 from textgate.shard_server.cache_config import CacheConfig
 from textgate.shard_server.cuda_graphs import DecodeGraphRunner, GraphCapture
-from textgate.shard_server.grammar import GrammarCompiler, GrammarError, MaskFiller
+from textgate.shard_server.grammar import GrammarCompiler, GrammarError, MaskFiller, PendingMasks
 from textgate.shard_server.kv_cache import KVCache
 from textgate.shard_server.memory import (
     CudaMemoryStats,
@@ -49,7 +51,7 @@ from textgate.shard_server.model import (
 )
 from textgate.shard_server.paged_warmup import pick_graph_capture, warmup_pass
 from textgate.shard_server.prompt_logprobs import PromptLogprobs
-from textgate.shard_server.sampler import Sampler, SamplingTensors
+from textgate.shard_server.sampler import Sampler, SamplerOutput, SamplingTensors
 from textgate.shard_server.sequence import Sequence, TokenizerInfo
 from textgate.shard_server.step_inputs import StepInputs, build_step_inputs
 
@@ -273,25 +275,9 @@ class PagedModel(ShardModel):
         with torch.inference_mode():
             logits = self._forward(inputs)  # [N, V]
             self.prompt_logprobs.record(inputs.prefill_rows, self.sequences, logits)
-            result = None
-            if inputs.sampled:
-                params = SamplingTensors.from_sequences(inputs.sampled, self.device)
-                rows = logits  # [S, V]
-                # sample_rows ascend, so as many of them as logits rows means all rows:
-                # skip copying [S, V] (a decode step's common case).
-                if len(inputs.sample_rows) != logits.shape[0]:
-                    rows = logits[inputs.sample_rows]
-                grammar = masks.result() if masks is not None else None
-                result = sample(self.sampler, rows, inputs.sampled, params, self.info, grammar)
+            result = self._sample(inputs, logits, masks) if inputs.sampled else None
         forward_done = time.perf_counter_ns()
-        generations: list[pb.Generation] = []
-        if result is not None:
-            generations, running = append_tokens(inputs.sampled, result, self.info)
-            self.prompt_logprobs.attach(inputs.sampled, generations, self.info)
-            still = set(running)
-            for seq in inputs.sampled:
-                if seq.id not in still:
-                    self._drop(seq.id)
+        generations = self._append(inputs.sampled, result) if result is not None else []
         return pb.StepResponse(
             generations=rejected + generations,
             forward_ns=forward_done - start,
@@ -315,6 +301,29 @@ class PagedModel(ShardModel):
             inputs.logits_indices,
         )
         return eager
+
+    def _sample(
+        self, inputs: StepInputs, logits: torch.Tensor, masks: PendingMasks | None
+    ) -> SamplerOutput:
+        """Next tokens of the sequences that sample this step, from their logits rows."""
+        params = SamplingTensors.from_sequences(inputs.sampled, self.device)
+        rows = logits  # [S, V]
+        # sample_rows ascend, so as many of them as logits rows means all rows:
+        # skip copying [S, V] (a decode step's common case).
+        if len(inputs.sample_rows) != logits.shape[0]:
+            rows = logits[inputs.sample_rows]
+        grammar = masks.result() if masks is not None else None
+        return sample(self.sampler, rows, inputs.sampled, params, self.info, grammar)
+
+    def _append(self, sampled: list[Sequence], result: SamplerOutput) -> list[pb.Generation]:
+        """Feed the sampled tokens to their sequences; drop the ones that finished."""
+        generations, running = append_tokens(sampled, result, self.info)
+        self.prompt_logprobs.attach(sampled, generations, self.info)
+        still = set(running)
+        for seq in sampled:
+            if seq.id not in still:
+                self._drop(seq.id)
+        return generations
 
     def _admit(self, requests: Seq[pb.Request]) -> list[pb.Generation]:
         """Add the new requests' sequences; a request whose grammar does not compile is

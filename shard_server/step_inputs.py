@@ -39,16 +39,25 @@ def build_step_inputs(
     logprobs (`prompt_logprobs.wants_prompt_logprobs`)."""
     ids: list[int] = []
     positions: list[int] = []
-    indices: list[int] = []
-    inputs_rows: list[tuple[Sequence, int, int, bool]] = []
+    indices: list[int] = []  # token rows whose logits are needed
+    sample_rows: list[int] = []
+    sampled: list[Sequence] = []
+    prefill_rows: dict[int, tuple[int, list[int]]] = {}
     for item in scheduled:
         seq = sequences.get(item.request_id)
         if seq is None:
             raise KeyError(f"request {item.request_id} is not known to this shard")
-        offset, count = len(ids), len(item.token_ids)
+        start, offset, count = item.start_position, len(ids), len(item.token_ids)
         ids.extend(item.token_ids)
-        positions.extend(range(item.start_position, item.start_position + count))
-        inputs_rows.append((seq, offset, count, item.produces_token))
+        positions.extend(range(start, start + count))
+        if wants_prompt_logprobs(seq, start):
+            prefill_rows[seq.id] = (start, list(range(len(indices), len(indices) + count)))
+            indices.extend(range(offset, offset + count))
+        elif item.produces_token:
+            indices.append(offset + count - 1)
+        if item.produces_token:
+            sample_rows.append(len(indices) - 1)
+            sampled.append(seq)
     metadata = AttentionMetadata.build(
         query_lens=[len(s.token_ids) for s in scheduled],
         context_lens=[s.start_position for s in scheduled],
@@ -56,21 +65,12 @@ def build_step_inputs(
         block_size=block_size,
         device=device,
     )
-    step = StepInputs(
+    return StepInputs(
         input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
         positions=torch.tensor(positions, dtype=torch.int64, device=device),
         metadata=metadata,
-        logits_indices=torch.empty(0),
+        logits_indices=torch.tensor(indices, dtype=torch.int64, device=device),
+        sample_rows=sample_rows,
+        sampled=sampled,
+        prefill_rows=prefill_rows,
     )
-    for (seq, offset, count, produces), item in zip(inputs_rows, scheduled, strict=True):
-        if wants_prompt_logprobs(seq, item.start_position):
-            rows = list(range(len(indices), len(indices) + count))
-            step.prefill_rows[seq.id] = (item.start_position, rows)
-            indices.extend(range(offset, offset + count))
-        elif produces:
-            indices.append(offset + count - 1)
-        if produces:
-            step.sample_rows.append(len(indices) - 1)
-            step.sampled.append(seq)
-    step.logits_indices = torch.tensor(indices, dtype=torch.int64, device=device)
-    return step
