@@ -1,42 +1,37 @@
 """`textgate quantize`: a floating-point checkpoint in, a GPTQ or AWQ checkpoint out.
 
 The model is loaded with transformers (float32, CPU) and quantized one decoder layer at a
-time. Each method is a `LayerQuantizer` registered by name: it sees the layer and the
-calibration hidden states entering it, returns the layer's quantized linear weights and
-the hidden states for the next layer.
+time. Each method is a `LayerQuantizer` registered by name (`layer_quantizers.py`): it
+sees the layer and the calibration hidden states entering it, returns the layer's
+quantized linear weights and the hidden states for the next layer.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 
-from textgate.quantization.algorithms.awq import apply_clip, search_clip, search_scales
 from textgate.quantization.algorithms.calibration import (
     calibration_samples,
     calibration_text_path,
     read_text,
 )
 from textgate.quantization.algorithms.checkpoint import write_checkpoint
-from textgate.quantization.algorithms.gptq import HessianAccumulator, gptq_quantize, split_rows
+from textgate.quantization.algorithms.layer_quantizers import LAYER_QUANTIZERS
 from textgate.quantization.algorithms.layers import (
     LINEAR_NAMES,
     CalibrationBatch,
     embed_calibration,
     linear,
-    observe_inputs,
 )
-from textgate.quantization.algorithms.rtn import QuantSpec, rtn_quantize
-from textgate.quantization.packing import UnpackedWeight, dequantize
+from textgate.quantization.algorithms.rtn import QuantSpec
+from textgate.quantization.packing import UnpackedWeight
 
 METHODS = ("rtn", "gptq", "awq")
 
@@ -92,23 +87,6 @@ class QuantizeReport:
     seconds: float
 
 
-#: A method's per-layer step: (decoder layer, calibration batch, options, model config)
-#: -> (quantized linears by name under the layer, hidden states for the next layer).
-LayerQuantizer = Callable[
-    [nn.Module, CalibrationBatch | None, QuantizeOptions, Mapping[str, Any]],
-    tuple[dict[str, UnpackedWeight], Tensor | None],
-]
-_LAYER_QUANTIZERS: dict[str, LayerQuantizer] = {}
-
-
-def register(name: str) -> Callable[[LayerQuantizer], LayerQuantizer]:
-    def wrap(fn: LayerQuantizer) -> LayerQuantizer:
-        _LAYER_QUANTIZERS[name] = fn
-        return fn
-
-    return wrap
-
-
 def quantize_model(
     model_dir: str | Path,
     output_dir: str | Path,
@@ -137,9 +115,7 @@ def quantize_model(
         quantized: dict[str, UnpackedWeight] = {}
         config = model.config.to_dict()
         for index, layer in _progress(layers, options.method, progress):
-            per_layer, next_hidden = _LAYER_QUANTIZERS[options.method](
-                layer, batch, options, config
-            )
+            per_layer, next_hidden = LAYER_QUANTIZERS[options.method](layer, batch, options, config)
             quantized.update({f"model.layers.{index}.{n}": w for n, w in per_layer.items()})
             if batch is not None and next_hidden is not None:
                 batch.hidden = next_hidden
@@ -204,203 +180,3 @@ def _progress(layers: list[nn.Module], method: str, enabled: bool) -> Any:
     from tqdm import tqdm
 
     return tqdm(items, desc=f"{method} layers", unit="layer", file=sys.stderr)
-
-
-@contextmanager
-def _one_thread() -> Iterator[None]:
-    """Run the per-column and per-candidate loops on one thread.
-
-    They are thousands of small ops, where OpenMP's barriers cost more than the work as
-    soon as the cores are shared: measured on the 2-core CI machine under load, one GPTQ
-    decoder layer 0.6-0.9 s on one thread vs 1.2-7.9 s on two; one AWQ layer 3.7 s vs
-    15-22 s. The forward passes and Hessian products keep every thread.
-    """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _set_weight(layer: nn.Module, name: str, weight: UnpackedWeight) -> None:
-    """Replace a linear's float weight by its quantized values (what a loader rebuilds)."""
-    module = linear(layer, name)
-    module.weight.data = dequantize(weight, module.weight.dtype)
-
-
-@register("rtn")
-def _rtn_layer(
-    layer: nn.Module,
-    batch: CalibrationBatch | None,
-    options: QuantizeOptions,
-    config: Mapping[str, Any],
-) -> tuple[dict[str, UnpackedWeight], Tensor | None]:
-    return {n: rtn_quantize(linear(layer, n).weight, options.spec) for n in LINEAR_NAMES}, None
-
-
-# Linears that read the same input, quantized together on that input's Hessian.
-_INPUT_GROUPS = (
-    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    ("self_attn.o_proj",),
-    ("mlp.gate_proj", "mlp.up_proj"),
-    ("mlp.down_proj",),
-)
-
-
-@register("gptq")
-def _gptq_layer(
-    layer: nn.Module,
-    batch: CalibrationBatch | None,
-    options: QuantizeOptions,
-    config: Mapping[str, Any],
-) -> tuple[dict[str, UnpackedWeight], Tensor | None]:
-    """Hessians from the float layer, GPTQ per input group, then the quantized layer's outputs."""
-    assert batch is not None
-    observed = [group[0] for group in _INPUT_GROUPS]
-    hessians = {n: HessianAccumulator(linear(layer, n).in_features) for n in observed}
-    with observe_inputs(layer, observed, lambda name, x: hessians[name].add(x)):
-        batch.run(layer)
-    quantized = {}
-    for group in _INPUT_GROUPS:
-        modules = [linear(layer, name) for name in group]
-        with _one_thread():
-            stacked = gptq_quantize(
-                torch.cat([m.weight for m in modules]),  # [Σ out, in]
-                hessians[group[0]].result(),
-                options.spec,
-                desc_act=options.desc_act,
-                percdamp=options.percdamp,
-            )
-        parts = split_rows(stacked, [m.out_features for m in modules])
-        for name, part in zip(group, parts, strict=True):
-            quantized[name] = part
-            _set_weight(layer, name, part)
-    # The next layer calibrates on what this quantized layer really outputs.
-    return quantized, batch.run(layer)
-
-
-class _InputStats:
-    """Per observed linear: mean |x| over every calibration row, and a fixed row sample."""
-
-    def __init__(self, sample_rows: int, total_rows: int) -> None:
-        self.stride = max(1, total_rows // sample_rows)
-        self.abs_sum: dict[str, Tensor] = {}
-        self.rows: dict[str, list[Tensor]] = {}
-        self.count: dict[str, int] = {}
-
-    def observe(self, name: str, inputs: Tensor) -> None:
-        rows = inputs.reshape(-1, inputs.shape[-1]).float()
-        self.abs_sum[name] = self.abs_sum.get(name, 0) + rows.abs().sum(dim=0)
-        self.count[name] = self.count.get(name, 0) + rows.shape[0]
-        self.rows.setdefault(name, []).append(rows[:: self.stride].clone())
-
-    def mean_abs(self, name: str) -> Tensor:
-        return self.abs_sum[name] / self.count[name]
-
-    def sample(self, name: str) -> Tensor:
-        return torch.cat(self.rows[name])
-
-
-@register("awq")
-def _awq_layer(
-    layer: nn.Module,
-    batch: CalibrationBatch | None,
-    options: QuantizeOptions,
-    config: Mapping[str, Any],
-) -> tuple[dict[str, UnpackedWeight], Tensor | None]:
-    """Scale search per input-sharing group, folded into the op before it; clip; round.
-
-    As AutoAWQ does, the next layer calibrates on this layer's float outputs.
-    """
-    assert batch is not None
-    observed = ["self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj"]
-    stats = _InputStats(options.search_tokens, batch.hidden.shape[0] * batch.hidden.shape[1])
-    with observe_inputs(layer, observed, stats.observe):
-        next_hidden = batch.run(layer)
-    with _one_thread():
-        return _awq_search_and_round(layer, stats, options), next_hidden
-
-
-def _awq_search_and_round(
-    layer: nn.Module, stats: _InputStats, options: QuantizeOptions
-) -> dict[str, UnpackedWeight]:
-    observed = list(stats.rows)
-    spec = options.spec
-    attn, mlp = layer.self_attn, layer.mlp
-    inputs = {name: stats.sample(name) for name in observed}
-
-    def scale_group(
-        source: str, names: list[str], fold: Callable[[Tensor], None], **kw: Any
-    ) -> None:
-        weights = [linear(layer, n).weight for n in names]
-        scales = _awq_scales(inputs[source], stats.mean_abs(source), weights, spec, **kw)
-        fold(scales)
-        for weight in weights:
-            weight.data *= scales  # columns: W·diag(s)
-        inputs[source] = inputs[source] / scales  # what the scaled layers now receive
-
-    scale_group(
-        "self_attn.q_proj",
-        ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
-        lambda s: _divide_(layer.input_layernorm.weight, s),
-    )
-    if attn.v_proj.out_features == attn.o_proj.in_features:
-        # v's output channels are o's input channels only without grouped-query attention.
-        scale_group(
-            "self_attn.o_proj", ["self_attn.o_proj"], lambda s: _divide_rows(attn.v_proj, s)
-        )
-    scale_group(
-        "mlp.gate_proj",
-        ["mlp.gate_proj", "mlp.up_proj"],
-        lambda s: _divide_(layer.post_attention_layernorm.weight, s),
-        inspect=_mlp_output(mlp.down_proj.weight.detach().clone()),
-    )
-    scale_group("mlp.down_proj", ["mlp.down_proj"], lambda s: _divide_rows(mlp.up_proj, s))
-
-    if options.clip:
-        clip_inputs = {
-            "self_attn.v_proj": "self_attn.q_proj",
-            "self_attn.o_proj": "self_attn.o_proj",
-            "mlp.gate_proj": "mlp.gate_proj",
-            "mlp.up_proj": "mlp.gate_proj",
-            "mlp.down_proj": "mlp.down_proj",
-        }  # q/k are left unclipped: attention scores amplify their errors (as AutoAWQ)
-        for name, source in clip_inputs.items():
-            module = linear(layer, name)
-            clip_rows = inputs[source][:_CLIP_TOKENS]
-            bounds = search_clip(clip_rows, module.weight, spec)
-            module.weight.data = apply_clip(module.weight, bounds, spec)
-    return {n: rtn_quantize(linear(layer, n).weight, spec) for n in LINEAR_NAMES}
-
-
-# Rows the clipping search evaluates on (AutoAWQ uses 512 tokens).
-_CLIP_TOKENS = 512
-
-
-def _awq_scales(
-    inputs: Tensor, mean_abs: Tensor, weights: list[Tensor], spec: QuantSpec, **kw: Any
-) -> Tensor:
-    scales, _, _ = search_scales(inputs, weights, spec, mean_abs=mean_abs, **kw)
-    return scales
-
-
-def _mlp_output(down: Tensor) -> Callable[[Tensor, list[Tensor]], Tensor]:
-    """The MLP's output with candidate gate/up weights (down kept in float)."""
-
-    def inspect(x: Tensor, weights: list[Tensor]) -> Tensor:
-        gate, up = weights
-        return (F.silu(x @ gate.T) * (x @ up.T)) @ down.T
-
-    return inspect
-
-
-def _divide_(weight: Tensor, scales: Tensor) -> None:
-    weight.data /= scales
-
-
-def _divide_rows(module: nn.Linear, scales: Tensor) -> None:
-    """Divide the output rows of `module` (and its bias) by the next layer's input scales."""
-    module.weight.data /= scales.unsqueeze(1)
-    if module.bias is not None:
-        module.bias.data /= scales
