@@ -11,6 +11,14 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
+
+# The Triton kernels' tests run on CUDA where there is a GPU, else on CPU tensors through
+# triton's interpreter, which must be chosen before any `@triton.jit` program is defined:
+# here, the root conftest, so that no test module collected earlier (tests/shard_server
+# runs the model through the Triton layers too) defines them compiled.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -6,15 +6,10 @@ import os
 import sys
 
 import pytest
-import torch
 
 from textgate.kernels.cpu_build import load_library
 
-# The Triton kernels' tests run on CUDA where there is a GPU, else on CPU tensors through
-# triton's interpreter, which must be chosen before any `@triton.jit` program is defined
-# (textgate.kernels loads its Triton programs on first use, never at import).
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# TRITON_INTERPRET is chosen in tests/conftest.py, before any test module is imported.
 
 #: Where the Triton tests run: "cuda" marked `gpu`, "cpu" in the interpreter (skipped when
 #: the programs are compiled for a GPU in this process).
