@@ -9,24 +9,20 @@ and by one, for a prefill and a mixed decode/prefill step.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import zlib
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from textgate.kernels import AttentionMetadata
 from textgate.quantization.int4_linear import Int4PackedLinear
 from textgate.quantization.packing import contiguous_g_idx, pack_awq, pack_gptq
 from textgate.shard_server.models import load_model
+from textgate.tests.tp_ranks import WORLD_SIZE, rank_outputs, spawn_ranks, step_logits
 
-WORLD_SIZE = 2
 GROUP = 32
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # name -> (method, act-order, symmetric, dtype the model runs in)
@@ -118,62 +114,24 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     return paths
 
 
-def _steps() -> list[AttentionMetadata]:
-    """A prefill of two sequences, then a mixed step: one decodes, one prefills on a prefix."""
-    first = AttentionMetadata.build(
-        query_lens=[6, 9], context_lens=[0, 0], block_tables=[[3, 0], [5, 1, 7]], block_size=4
-    )
-    second = AttentionMetadata.build(
-        query_lens=[1, 3], context_lens=[6, 9], block_tables=[[3, 0], [5, 1, 7]], block_size=4
-    )
-    return [first, second]
-
-
 def run_steps(path: Path, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
-    """Float32 logits of each step of `_steps` for the quantized model in `path`."""
+    """Float32 logits of each step of `tp_ranks.steps` for the quantized model in `path`."""
     method, _, _, dtype = CHECKPOINTS[path.name]
     model = load_model(path, dtype, "cpu", group)
     assert model.quantize == method
     if dtype == torch.bfloat16:
         assert any(isinstance(m, Int4PackedLinear) for m in model.modules())
-    cache = model.allocate_kv_cache(num_blocks=8, block_size=4)
-    ids = torch.randint(0, 100, (15 + 4,), generator=torch.Generator().manual_seed(0))
-    outputs, offset = [], 0
-    with torch.inference_mode():
-        for metadata in _steps():
-            step_ids = ids[offset : offset + metadata.num_tokens]
-            offset += metadata.num_tokens
-            rows = torch.arange(metadata.num_tokens)
-            logits = model(step_ids, metadata.positions(), cache, metadata, rows)
-            outputs.append(logits.float())
-    return outputs
-
-
-def _worker(rank: int, port: int, paths: list[Path], out_dir: Path) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
-    try:
-        for path in paths:
-            torch.save(run_steps(path, dist.group.WORLD), out_dir / f"{path.name}-{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return [logits.float() for logits in step_logits(model)]
 
 
 def test_two_ranks_match_one_on_gptq_and_awq(checkpoints, tmp_path):
-    mp.spawn(_worker, args=(_free_port(), checkpoints, tmp_path), nprocs=WORLD_SIZE, join=True)
+    spawn_ranks(run_steps, checkpoints, tmp_path)
     for path in checkpoints:
         expected = run_steps(path, None)
         tol = TOLERANCE[CHECKPOINTS[path.name][3]]
         scale = max(step.abs().max().item() for step in expected)
         for rank in range(WORLD_SIZE):
-            got = torch.load(tmp_path / f"{path.name}-{rank}.pt")
+            got = rank_outputs(tmp_path, path, rank)
             for step, (logits, reference) in enumerate(zip(got, expected, strict=True)):
                 torch.testing.assert_close(
                     logits,
