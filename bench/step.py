@@ -114,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
              round(batch / median, 1)]
         )  # fmt: skip
     print(
-        f"{model_dir.name}: {model.model.dtype}, {args.quantize or 'unquantized'}, "
+        f"{model_dir.name}: {model.model.dtype}, {getattr(model.model, 'quantize', None) or 'unquantized'}, "
         f"{torch.get_num_threads()} threads, "
         f"prompts of {args.prompt_len} tokens, {args.steps} decode steps"
     )

@@ -27,7 +27,7 @@ from textgate.paths import cache_dir
 log = logging.getLogger("textgate.kernels")
 
 SOURCES = tuple(
-    Path(__file__).with_name(name) for name in ("cpu_attention.c", "cpu_layers.c", "cpu_int8.c")
+    Path(__file__).with_name(name) for name in ("cpu_attention.c", "cpu_layers.c", "cpu_int8.c", "cpu_int4.c")
 )
 # -ffast-math lets the compiler vectorize expf and the float sums. It is given to
 # the compile step only: linking with it adds crtfastmath.o, whose constructor would put
@@ -116,6 +116,7 @@ def load_library(build_dir: Path | None = None) -> ctypes.CDLL | None:
         "textgate_rotary_and_store": (None, [*[pointer] * 7, *[int64] * 4, flag]),
         "textgate_quantize_rows": (None, [*[pointer] * 3, int64, int64, flag]),
         "textgate_int8_vnni": (ctypes.c_int, []),
+        "textgate_int4_dequantize": (None, [pointer, pointer, *[int64] * 3, pointer]),
         "textgate_int8_linear": (
             ctypes.c_int,
             [pointer, int64, int64, flag, *[pointer] * 6, int64, flag],

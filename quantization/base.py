@@ -46,6 +46,11 @@ class WeightsLoader(ABC):
         """Raise ValueError, saying why, when the method cannot run on `device`."""
         del device
 
+    def cpu_dtype(self) -> torch.dtype | None:
+        """The dtype `--dtype auto` serves this method in on a CPU, where only one keeps the
+        method's fast path; None (the default): time the candidates and keep the faster."""
+        return None
+
     @classmethod
     def from_config(cls, quantization_config: Mapping[str, Any]) -> WeightsLoader:
         """Build the loader from the checkpoint's quantization config (empty if none)."""

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from textgate.quantization.base import Weight, WeightsLoader
-from textgate.quantization.int4_linear import build_quantized_linear
+from textgate.quantization.int4_linear import build_quantized_linear, int4_kernel_enabled
 from textgate.quantization.packing import (
     GPTQ_BITS,
     GPTQ_V1,
@@ -100,6 +100,12 @@ class GroupQuantizedLoader(WeightsLoader):
     """
 
     bits: int
+
+    def cpu_dtype(self) -> torch.dtype | None:
+        """bfloat16 for 4-bit (and 2-bit) codes where the CPU int4 kernel runs: the only
+        dtype it serves (`int4_linear`); in float32 the codes would be dequantized to 8x
+        their bytes, and run at the speed of unquantized float32."""
+        return torch.bfloat16 if self.bits <= 4 and int4_kernel_enabled() else None
 
     @abstractmethod
     def _read(

@@ -46,6 +46,7 @@ import os
 import torch
 from torch import Tensor, nn
 
+from textgate.kernels.cpu_build import load_library
 from textgate.kernels.linear import FastLinear
 from textgate.kernels.triton import triton_installed
 from textgate.quantization.packing import GPTQ_V2, UnpackedWeight, dequantize, pack_gptq
@@ -110,16 +111,73 @@ class Int4PackedLinear(nn.Module):
             x = x.index_select(-1, self.perm)
         lead = x.shape[:-1]
         x2d = x.reshape(-1, x.shape[-1]).to(self.scales_and_zeros.dtype).contiguous()  # [M, in]
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x2d, self.packed, self.group_size, self.scales_and_zeros
-        )  # [M, out]
+        dense = None
+        if x2d.shape[0] >= PROMPT_ROWS:
+            dense = expand_int4(self.packed, self.scales_and_zeros, self.group_size)
+        if dense is not None:
+            out = torch.mm(x2d, dense)
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x2d, self.packed, self.group_size, self.scales_and_zeros
+            )  # [M, out]
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*lead, self.out_features)
 
 
+PROMPT_ROWS = 128
+"""Rows from which `Int4PackedLinear` expands its weight to bfloat16 (`expand_int4`) and
+runs a dense matmul: the int4 kernel is fast for a few rows and 2-4x slower than a dense
+bf16 matmul for many. On the 2-core EPYC (2 threads, 4-bit g64, same process, ms):
+
+    shape      M  int4 kernel  expand + mm
+    576x1536   64     0.51         0.57
+    576x1536  128     1.21         0.88
+    576x1536  512     4.71         2.17
+    1536x576  128     1.23         0.91
+    1536x576  512     4.83         2.40
+
+(the expansion itself: 0.07 ms for 576x1536.)"""
+
+
+def expand_int4(packed: Tensor, scales_and_zeros: Tensor, group_size: int) -> Tensor | None:
+    """The bfloat16 weight [in, out] that packed int4 codes stand for (`cpu_int4.c`), or None
+    where the C kernels do not run, or the layer's layout is not the one it reads."""
+    out_features, in_features = packed.shape[0], packed.shape[1] * 2
+    library = load_library()
+    if library is None or out_features % 64 or scales_and_zeros.dtype != torch.bfloat16:
+        return None
+    dense = torch.empty(in_features, out_features, dtype=torch.bfloat16)
+    library.textgate_int4_dequantize(
+        packed.data_ptr(),
+        scales_and_zeros.data_ptr(),
+        out_features,
+        in_features,
+        group_size,
+        dense.data_ptr(),
+    )
+    return dense
+
+
+def reference_expand_int4(packed: Tensor, scales_and_zeros: Tensor, group_size: int) -> Tensor:
+    """`expand_int4` in PyTorch: undo the kernel's packing ([out / 64][in][32] bytes, column
+    64b + j in byte j's low nibble, 64b + 32 + j in its high one), then (code - 8) * s + z."""
+    out_features, in_features = packed.shape[0], packed.shape[1] * 2
+    blocks = packed.view(out_features // 64, in_features, 32).to(torch.int32)
+    codes = torch.cat([blocks & 15, blocks >> 4], dim=2)  # [out / 64, in, 64]
+    codes = codes.permute(1, 0, 2).reshape(in_features, out_features)
+    groups = scales_and_zeros.float().repeat_interleave(group_size, dim=0)  # [in, out, 2]
+    return ((codes - 8).float() * groups[..., 0] + groups[..., 1]).to(torch.bfloat16)
+
+
+def int4_kernel_enabled() -> bool:
+    """Whether 4-bit weights on the CPU may take the int4 kernel (`TEXTGATE_CPU_KERNELS=0`
+    sends every layer to its reference instead)."""
+    return os.environ.get("TEXTGATE_CPU_KERNELS", "1") != "0"
+
+
 def _int4_kernel_available(unpacked: UnpackedWeight, dtype: torch.dtype) -> bool:
-    if os.environ.get("TEXTGATE_CPU_KERNELS", "1") == "0":
+    if not int4_kernel_enabled():
         return False
     if unpacked.intweight.device.type != "cpu" or dtype not in _KERNEL_DTYPES:
         return False

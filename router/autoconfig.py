@@ -63,7 +63,8 @@ class Measurements:
     num_threads: int
     dtype: str
     dtype_source: str
-    """How the dtype was picked: "flag", "default" or "measured" (see generate.proto)."""
+    """How the dtype was picked: "flag", "default", "measured" or "quantization" (see
+    generate.proto)."""
     dtype_trials: tuple[dict[str, Any], ...] = ()
     """`--dtype auto` on CPU: each candidate's trial as /info shows it, the chosen first."""
 

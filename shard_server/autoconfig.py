@@ -119,7 +119,8 @@ class DtypeChoice:
 
     dtype: torch.dtype
     source: str
-    """One of "flag" (an explicit --dtype), "default" (auto, not measured), "measured"."""
+    """One of "flag" (an explicit --dtype), "default" (auto, not measured), "measured",
+    "quantization" (auto: the dtype the quantization method's CPU kernel runs in)."""
     trials: tuple[DtypeTrial, ...] = ()
     """Source "measured": every candidate's trial, the chosen one first."""
 

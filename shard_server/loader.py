@@ -8,6 +8,7 @@ fallback on one shard.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable
 from datetime import timedelta
@@ -23,6 +24,8 @@ from textgate.shard_server.layers.tensor_parallel import distributed_backend, ra
 from textgate.shard_server.model import ShardModel
 from textgate.shard_server.paged_model import PagedModel
 from textgate.shard_server.sequence import TokenizerInfo
+
+log = logging.getLogger("textgate.shard")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -76,7 +79,10 @@ def load_model(
         build = paged_builder(
             model_path, model_id, device, group, world_size, cache_config, quantize, attention
         )
-        return load_paged(build, dtype, torch_dtype, device)
+        from textgate.shard_server.models.loader import quantized_cpu_dtype
+
+        method_dtype = quantized_cpu_dtype(model_path, quantize) if device.type == "cpu" else None
+        return load_paged(build, dtype, torch_dtype, device, method_dtype)
     check_fallback_flags(model_type, world_size, cache_config, quantize)
     from textgate.shard_server.transformers_model import TransformersModel
 
@@ -123,12 +129,18 @@ def load_paged(
     dtype: str,
     torch_dtype: torch.dtype,
     device: torch.device,
+    method_dtype: torch.dtype | None = None,
 ) -> PagedModel:
-    """`build` in `torch_dtype` (what the `dtype` flag resolved to); "auto" on CPU measures
-    every candidate instead (`autoconfig.pick_dtype`). The model records how its dtype was
-    chosen."""
+    """`build` in `torch_dtype` (what the `dtype` flag resolved to); "auto" on CPU takes
+    `method_dtype` where the quantization method needs one (its kernel's), else measures
+    every candidate (`autoconfig.pick_dtype`). The model records how its dtype was chosen."""
     if dtype == "auto" and device.type == "cpu":
-        return pick_dtype(build)
+        if method_dtype is None:
+            return pick_dtype(build)
+        log.info("--dtype auto: %s, the dtype of the quantization method's CPU kernel", method_dtype)
+        paged = build(method_dtype)
+        paged.dtype_choice = DtypeChoice(method_dtype, "quantization")
+        return paged
     paged = build(torch_dtype)
     paged.dtype_choice = DtypeChoice(torch_dtype, "default" if dtype == "auto" else "flag")
     return paged

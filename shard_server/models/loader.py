@@ -77,6 +77,14 @@ def load_model(
     return model
 
 
+def quantized_cpu_dtype(model_path: str | Path, quantize: str | None) -> torch.dtype | None:
+    """The dtype `--dtype auto` must serve `model_path` in on a CPU for its quantization
+    method's fast path (`WeightsLoader.cpu_dtype`); None: unquantized, or any dtype."""
+    path = Path(model_path)
+    method, quantization_config = resolve_quantization(path, read_config(path), quantize)
+    return get_weights_loader(method, quantization_config).cpu_dtype()
+
+
 def resolve_quantization(
     path: Path, config: dict[str, Any], quantize: str | None
 ) -> tuple[str | None, dict[str, Any]]:

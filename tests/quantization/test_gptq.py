@@ -13,7 +13,13 @@ from safetensors.torch import save_file
 from textgate.kernels.linear import FastLinear
 from textgate.quantization import Weights, get_weights_loader
 from textgate.quantization.gptq import GptqConfig, QuantizedWeight
-from textgate.quantization.int4_linear import Int4PackedLinear, build_quantized_linear
+from textgate.quantization.int4_linear import (
+    PROMPT_ROWS,
+    Int4PackedLinear,
+    build_quantized_linear,
+    expand_int4,
+    reference_expand_int4,
+)
 from textgate.quantization.packing import (
     GPTQ_V1,
     GPTQ_V2,
@@ -152,6 +158,40 @@ def test_int4_kernel_matches_the_reference_and_the_switch_selects_it(monkeypatch
     slow = build_quantized_linear(unpacked, 4, torch.bfloat16)
     assert isinstance(slow, FastLinear)
     check_close(slow(x), want, torch.bfloat16)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_prompt_sized_inputs_expand_the_codes_exactly(group):
+    # From PROMPT_ROWS rows the layer expands its codes to bf16 (cpu_int4.c) and runs a
+    # dense matmul: the expansion equals its PyTorch reference (to one bf16 rounding, where
+    # the compiler fuses the multiply-add) and both row counts compute the same layer.
+    layer = make_layer(192, 320, 4, group, True, False, seed=group)
+    fast = build_quantized_linear(unpack_gptq(**layer, bits=4), 4, torch.bfloat16)
+    assert isinstance(fast, Int4PackedLinear)
+    dense = expand_int4(fast.packed, fast.scales_and_zeros, fast.group_size)
+    assert dense is not None and dense.shape == (320, 192)
+    want = reference_expand_int4(fast.packed, fast.scales_and_zeros, fast.group_size)
+    torch.testing.assert_close(dense.float(), want.float(), rtol=2**-8, atol=0)
+    perm = fast.perm if fast.perm is not None else torch.arange(320)
+    full = reference(layer, 4)  # [out, in], the checkpoint's input order
+    # bf16 scales and zeros: within a few bf16 steps of the largest weight.
+    atol = full.abs().max().item() * 2**-6
+    torch.testing.assert_close(want.float(), full[:, perm].T, rtol=0, atol=atol)
+    x = torch.randn(PROMPT_ROWS + 3, 320).bfloat16()
+    want_out = x.float() @ full.T
+    check_close(fast(x), want_out, torch.bfloat16)  # expanded
+    check_close(fast(x[:5]), want_out[:5], torch.bfloat16)  # the int4 kernel
+
+
+def test_four_bit_methods_ask_for_bfloat16_under_auto_on_cpu(monkeypatch):
+    # The int4 kernel runs in bf16 only: `--dtype auto` must not time float32, where the
+    # codes would be dequantized to 8x their bytes. 8-bit codes leave the choice open.
+    assert get_weights_loader("gptq", {"bits": 4, "group_size": 128}).cpu_dtype() == torch.bfloat16
+    assert get_weights_loader("awq", {"bits": 4, "group_size": 64}).cpu_dtype() == torch.bfloat16
+    assert get_weights_loader("gptq", {"bits": 8, "group_size": 128}).cpu_dtype() is None
+    assert get_weights_loader(None).cpu_dtype() is None
+    monkeypatch.setenv("TEXTGATE_CPU_KERNELS", "0")
+    assert get_weights_loader("gptq", {"bits": 4, "group_size": 128}).cpu_dtype() is None
 
 
 @pytest.mark.parametrize("desc_act", [False, True])

@@ -162,3 +162,26 @@ def test_auto_without_a_measurement_is_float32_on_cpu() -> None:
     assert loader.resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
     with pytest.raises(ValueError, match="unsupported dtype"):
         loader.resolve_dtype("int3", torch.device("cpu"))
+
+
+def test_auto_on_cpu_takes_the_quantization_methods_dtype_without_trials(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A method whose CPU kernel runs in one dtype (4-bit GPTQ/AWQ: bf16) is built in it
+    # alone; nothing else is built or timed.
+    def no_trials(*args: Any) -> None:
+        raise AssertionError("the method's dtype needs no trial")
+
+    monkeypatch.setattr(autoconfig, "trial_timings", no_trials)
+    built: list[torch.dtype] = []
+
+    def build(dtype: torch.dtype) -> PagedModel:
+        built.append(dtype)
+        return load(tiny_model_dir, "bfloat16")
+
+    cpu = torch.device("cpu")
+    model = loader.load_paged(build, "auto", torch.float32, cpu, method_dtype=torch.bfloat16)
+    assert built == [torch.bfloat16]
+    assert (model.dtype_choice.source, model.dtype_choice.trials) == ("quantization", ())
+    explicit = loader.load_paged(build, "float32", torch.float32, cpu, torch.bfloat16)
+    assert built[-1] == torch.float32 and explicit.dtype_choice.source == "flag"

@@ -1,0 +1,51 @@
+/*
+ * Groupwise int4 weights, as aten._convert_weight_to_int4pack_for_cpu packs them, expanded to
+ * a dense [k, n] matrix for the prompt-sized matmuls where the int4 kernel itself is slow
+ * (quantization/int4_linear.py holds the PyTorch reference and says when this runs).
+ *
+ * The packed layout (for n a multiple of 64): uint8 [n / 64][k][32]; byte j of block b, row
+ * k holds the code of output column 64b + j in its low nibble and of column 64b + 32 + j in
+ * its high nibble. Column c, input i is worth (code - 8) * scale + zero, with scale and zero
+ * at scales_and_zeros[g][c][0] and [1] (bfloat16, g = i / group_size) — what the int4 kernel
+ * computes. out[i][c] gets that value rounded to bfloat16 (nearest even).
+ */
+
+#include <stdint.h>
+#include <string.h>
+
+#define COLUMN_BLOCK 64
+#define GRAIN_SIZE 32768 /* at::internal::GRAIN_SIZE */
+
+static inline uint16_t to_bf16(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+static inline float from_bf16(uint16_t value) {
+    const uint32_t bits = (uint32_t)value << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+void textgate_int4_dequantize(const uint8_t *packed, const uint16_t *scales_and_zeros, int64_t n,
+                              int64_t k, int64_t group_size, uint16_t *out) {
+    const int64_t blocks = n / COLUMN_BLOCK;
+#pragma omp parallel for schedule(static) if (n * k >= GRAIN_SIZE)
+    for (int64_t i = 0; i < k; i++) {
+        const uint16_t *group = scales_and_zeros + (i / group_size) * n * 2;
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t *codes = packed + (b * k + i) * (COLUMN_BLOCK / 2);
+            const uint16_t *sz = group + b * COLUMN_BLOCK * 2;
+            uint16_t *dst = out + i * n + b * COLUMN_BLOCK;
+            for (int j = 0; j < COLUMN_BLOCK / 2; j++) {
+                const int lo = j, hi = j + COLUMN_BLOCK / 2;
+                dst[lo] = to_bf16((float)((codes[j] & 15) - 8) * from_bf16(sz[2 * lo]) +
+                                  from_bf16(sz[2 * lo + 1]));
+                dst[hi] = to_bf16((float)((codes[j] >> 4) - 8) * from_bf16(sz[2 * hi]) +
+                                  from_bf16(sz[2 * hi + 1]));
+            }
+        }
+    }
+}
