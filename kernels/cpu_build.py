@@ -27,7 +27,8 @@ from textgate.paths import cache_dir
 log = logging.getLogger("textgate.kernels")
 
 SOURCES = tuple(
-    Path(__file__).with_name(name) for name in ("cpu_attention.c", "cpu_layers.c", "cpu_int8.c", "cpu_int4.c")
+    Path(__file__).with_name(name)
+    for name in ("cpu_attention.c", "cpu_layers.c", "cpu_int8.c", "cpu_int4.c")
 )
 # -ffast-math lets the compiler vectorize expf and the float sums. It is given to
 # the compile step only: linking with it adds crtfastmath.o, whose constructor would put

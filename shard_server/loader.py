@@ -137,7 +137,9 @@ def load_paged(
     if dtype == "auto" and device.type == "cpu":
         if method_dtype is None:
             return pick_dtype(build)
-        log.info("--dtype auto: %s, the dtype of the quantization method's CPU kernel", method_dtype)
+        log.info(
+            "--dtype auto: %s, the dtype of the quantization method's CPU kernel", method_dtype
+        )
         paged = build(method_dtype)
         paged.dtype_choice = DtypeChoice(method_dtype, "quantization")
         return paged
