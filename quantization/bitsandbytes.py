@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from textgate.quantization.base import Weight
+from textgate.quantization.codebook_linear import CodebookLinear
 from textgate.quantization.from_float import FromFloatWeightsLoader
 from textgate.quantization.registry import register
 
@@ -99,7 +100,8 @@ class FourBitBnbWeight(Weight):
         )
         if bias is not None:
             linear.bias = nn.Parameter(bias.cpu(), requires_grad=False)
-        return _on(linear, self.weight.device)
+        linear = _on(linear, self.weight.device)
+        return CodebookLinear.wrap(linear) or linear
 
 
 class BnbWeightsLoader(FromFloatWeightsLoader):
