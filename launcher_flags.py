@@ -12,9 +12,18 @@ from typing import Any
 
 from textgate.shard_server.flag_types import cuda_graph_sizes
 
-# TGI's spellings, plus int8 (W8A8 quantized at load). The shards' loader registry
+# TGI's spellings, plus int8 (W8A8 quantized at load) and gguf (a GGUF's 4-bit layers kept
+# quantized). The shards' loader registry
 # (textgate.quantization) serves each one; tests/test_launcher.py keeps the two in step.
-QUANTIZE_METHODS = ("awq", "gptq", "bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4", "int8")
+QUANTIZE_METHODS = (
+    "awq",
+    "gptq",
+    "bitsandbytes",
+    "bitsandbytes-nf4",
+    "bitsandbytes-fp4",
+    "int8",
+    "gguf",
+)
 # TGI's other --quantize values, refused by name.
 TGI_ONLY_QUANTIZE = ("compressed-tensors", "eetq", "exl2", "fp8", "marlin")
 
@@ -62,7 +71,8 @@ class LauncherConfig:
     quantize: str | None = flag(
         None,
         "Weight quantization: gptq, awq (checkpoints quantized with them); int8, bitsandbytes, "
-        "bitsandbytes-nf4, bitsandbytes-fp4 (quantized at load); unset = the checkpoint's own",
+        "bitsandbytes-nf4, bitsandbytes-fp4 (quantized at load); gguf (a GGUF model's Q4_0/Q4_1 "
+        "layers kept quantized); unset = the checkpoint's own",
     )
     dtype: str = flag(
         "auto",

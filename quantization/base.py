@@ -57,6 +57,13 @@ class WeightsLoader(ABC):
         del quantization_config
         return cls()
 
+    @classmethod
+    def from_checkpoint(cls, path: Path, quantization_config: Mapping[str, Any]) -> WeightsLoader:
+        """Build the loader for the checkpoint folder `path`: `from_config` by default;
+        loaders that read files beside the folder's config (gguf) override it."""
+        del path
+        return cls.from_config(quantization_config)
+
     @abstractmethod
     def get_weights(self, weights: Weights, prefix: str) -> Weight:
         """The whole, unsharded weight (replicated on every rank)."""

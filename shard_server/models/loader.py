@@ -14,7 +14,6 @@ from textgate.kernels import DEFAULT_ATTENTION_BACKEND, get_attention_backend
 from textgate.quantization.registry import (
     UNQUANTIZED,
     UnsupportedQuantizationError,
-    get_weights_loader,
     loader_class,
     registered_methods,
 )
@@ -61,7 +60,7 @@ def load_model(
         device=device,
         dtype=_DTYPES[dtype] if isinstance(dtype, str) else dtype,
         process_group=process_group,
-        loader=get_weights_loader(method, quantization_config),
+        loader=loader_class(method).from_checkpoint(path, quantization_config),
     )
     model = model_class(config, weights, get_attention_backend(attention_backend))
     weights.loader.finish(model, path)
@@ -82,7 +81,7 @@ def quantized_cpu_dtype(model_path: str | Path, quantize: str | None) -> torch.d
     method's fast path (`WeightsLoader.cpu_dtype`); None: unquantized, or any dtype."""
     path = Path(model_path)
     method, quantization_config = resolve_quantization(path, read_config(path), quantize)
-    return get_weights_loader(method, quantization_config).cpu_dtype()
+    return loader_class(method).from_checkpoint(path, quantization_config).cpu_dtype()
 
 
 def resolve_quantization(

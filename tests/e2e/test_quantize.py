@@ -1,5 +1,5 @@
-"""End to end: `--quantize int8` serving the embedded default model over the real HTTP routes;
-the bitsandbytes methods on the default model's weights, one shard in-process."""
+"""End to end: `--quantize int8` and `--quantize gguf` serving the embedded default model over
+the real HTTP routes; the bitsandbytes methods on the default model's weights, one shard in-process."""
 
 from __future__ import annotations
 
@@ -59,6 +59,32 @@ def test_int8_server_answers_and_reports_its_weights(int8_server: str, chat_prom
     chat = {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 20, "temperature": 0}
     response = httpx.post(f"{int8_server}/v1/chat/completions", json=chat, timeout=120)
     assert "Paris" in response.json()["choices"][0]["message"]["content"]
+
+
+@pytest.mark.e2e
+def test_gguf_server_keeps_the_embedded_models_4_bit_layers(
+    tmp_path_factory: pytest.TempPathFactory, launch_server, chat_prompt: str
+) -> None:
+    # `--dtype auto` serves gguf in bf16 (the int4 kernel's dtype) without timing float32.
+    server = launch_server(tmp_path_factory.mktemp("gguf"), "--quantize", "gguf")
+    try:
+        server.wait_ready()
+        info = httpx.get(f"{server.url}/info").json()
+        assert info["quantize"] == "gguf"
+        # The Q4_1 linears stay 4-bit: ~173 MB against the dense bf16 model's ~326 MB.
+        assert info["model_weight_bytes"] < 200e6
+        assert info["model_dtype"] == "bfloat16"
+        assert info["autoconfig"]["dtype"] == {
+            "value": "bfloat16",
+            "source": "quantization",
+            "trials": [],
+        }
+        body = {"inputs": chat_prompt, "parameters": {"max_new_tokens": 20}}
+        response = httpx.post(f"{server.url}/generate", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        assert "Paris" in response.json()["generated_text"]
+    finally:
+        server.stop()
 
 
 @pytest.mark.slow

@@ -1,0 +1,111 @@
+"""`--quantize gguf`: the embedded Q4_1 GGUF's linears read as codes, checked against the
+folder transformers dequantized from the same file, and served by the int4 layers."""
+
+from __future__ import annotations
+
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from textgate.kernels import AttentionMetadata
+from textgate.quantization.gguf import GgufFile, decode_q4, gguf_tensor_name
+from textgate.quantization.int4_linear import Int4PackedLinear
+from textgate.quantization.packing import UnpackedWeight, contiguous_g_idx, dequantize
+from textgate.quantization.resident import resident_bytes
+from textgate.quantization.weights import Weights
+from textgate.shard_server import model_source
+from textgate.shard_server.models import load_model
+
+pytest.importorskip("gguf")
+
+
+def test_blocks_decode_low_nibbles_first():
+    # One Q4_1 block: d = 0.5, m = -1, codes 0..15 then 15..0; and one Q4_0 block, d = 2.
+    codes = list(range(16)) + list(range(15, -1, -1))
+    packed = bytes(codes[j] | codes[j + 16] << 4 for j in range(16))
+    q4_1 = torch.tensor(list(struct.pack("<ee", 0.5, -1.0) + packed), dtype=torch.uint8)
+    got, d, m = decode_q4(q4_1.reshape(1, 20), "Q4_1")
+    assert got[0].tolist() == codes and d.item() == 0.5 and m.item() == -1.0
+    q4_0 = torch.tensor(list(struct.pack("<e", 2.0) + packed), dtype=torch.uint8)
+    got, d, m = decode_q4(q4_0.reshape(1, 18), "Q4_0")
+    assert got[0].tolist() == codes and (d.item(), m.item()) == (2.0, -16.0)  # 2 (q - 8)
+
+
+def test_module_names_map_to_gguf_tensors():
+    assert gguf_tensor_name("model.layers.3.self_attn.q_proj") == "blk.3.attn_q.weight"
+    assert gguf_tensor_name("model.layers.0.mlp.down_proj") == "blk.0.ffn_down.weight"
+    assert gguf_tensor_name("lm_head") is None
+
+
+@pytest.fixture(scope="module")
+def gguf_file(default_model_dir: Path) -> GgufFile:
+    source = model_source.gguf_source(default_model_dir)
+    assert source is not None and source.name == model_source.EMBEDDED_GGUF
+    return GgufFile(source)
+
+
+@pytest.mark.parametrize("layer", [0, 29])
+@pytest.mark.parametrize(
+    "module",
+    [
+        *("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"),
+        *("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+    ],
+)
+def test_codes_stand_for_the_folders_weights(gguf_file, default_model_dir, layer, module):
+    # The folder holds transformers' dequantization of the same GGUF (q/k rows put back in
+    # rotary order): our codes, scales and zero points give the same weights.
+    prefix = f"model.layers.{layer}.{module}"
+    codes, d, m = gguf_file.read(gguf_tensor_name(prefix))
+    files = sorted(default_model_dir.glob("*.safetensors"))
+    weights = Weights(files, device="cpu", dtype=torch.float32)
+    folder = weights.get_tensor(f"{prefix}.weight")
+    ours = codes.float() * d.repeat_interleave(32, dim=1) + m.repeat_interleave(32, dim=1)
+    torch.testing.assert_close(ours, folder, rtol=0, atol=1e-6)
+    # ... and so does the UnpackedWeight the loader builds from them (fractional zeros).
+    zeros = -m / d
+    unpacked = UnpackedWeight(codes, d.T, zeros.T, contiguous_g_idx(codes.shape[1], 32))
+    torch.testing.assert_close(dequantize(unpacked), folder, rtol=0, atol=1e-5)
+
+
+def _logits(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
+    metadata = AttentionMetadata.build(
+        query_lens=[len(tokens)], context_lens=[0], block_tables=[[0]], block_size=64
+    )
+    cache = model.allocate_kv_cache(num_blocks=1, block_size=64)
+    with torch.inference_mode():
+        rows = torch.arange(len(tokens))
+        return model(torch.tensor(tokens), metadata.positions(), cache, metadata, rows).float()
+
+
+def test_gguf_model_keeps_its_linears_quantized_and_matches_the_folder(default_model_dir):
+    # Same weights both ways: only bf16's rounding of the int4 kernel's scales and offsets
+    # separates the two models.
+    quantized = load_model(default_model_dir, torch.bfloat16, "cpu", quantize="gguf")
+    assert quantized.quantize == "gguf"
+    layer = quantized.layers[0].mlp.down_proj.linear
+    assert isinstance(layer, Int4PackedLinear)
+    dense = load_model(default_model_dir, torch.bfloat16, "cpu")
+    tokens = list(range(100, 140))
+    got, want = _logits(quantized, tokens), _logits(dense, tokens)
+    assert (got - want).norm() / want.norm() < 0.05
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+    # Linears at 4 bits (+ fp scales): well under the dense bf16 model's bytes.
+    assert resident_bytes(quantized) < 0.7 * resident_bytes(dense)
+
+
+def test_gguf_needs_a_model_converted_from_a_gguf(tiny_model_dir):
+    with pytest.raises(ValueError, match="was not converted from one"):
+        load_model(tiny_model_dir, torch.bfloat16, "cpu", quantize="gguf")
+
+
+def test_a_gguf_model_id_is_converted_once_and_remembers_its_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("TEXTGATE_CACHE", str(tmp_path / "cache"))
+    copy = tmp_path / "my-model.gguf"
+    shutil.copy(model_source.embedded_gguf_path(), copy)
+    folder = model_source.resolve_model(str(copy))
+    assert (folder / "config.json").is_file() and model_source.gguf_source(folder) == copy
+    assert model_source.resolve_model(str(copy)) == folder  # converted once
