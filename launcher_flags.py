@@ -65,7 +65,9 @@ class Flag:
 class LauncherConfig:
     """Validated launcher settings: each field is one flag (TGI's name, `_` as `-`)."""
 
-    model_id: str | None = flag(None, "Local model folder or hub id; unset = embedded SmolLM2-135M")
+    model_id: str | None = flag(
+        None, "Local model folder, .gguf file or hub id; unset = embedded SmolLM2-135M"
+    )
     revision: str | None = flag(None, "Hub revision (branch, tag or commit) of --model-id")
     num_shard: int = flag(1, "Number of shards (tensor-parallel ranks), one process each", int)
     quantize: str | None = flag(

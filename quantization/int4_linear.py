@@ -27,7 +27,9 @@ dtypes take the dequantized FastLinear. Act-order's gather costs ~10-20% at M=1.
   (`x[..., perm]`) at run time. The kernel's groups are equal and of 32/64/128/256 inputs:
   a checkpoint group whose size is a multiple of one of them (-1 included, and the last
   group of 64 that g128 leaves on the default model's 576 inputs) becomes several kernel
-  groups repeating its scale and zero. 1/4 of bf16's weight bytes.
+  groups repeating its scale and zero. 1/4 of bf16's weight bytes. From `PROMPT_ROWS`
+  rows (a prompt chunk) the codes are expanded to bf16 (`expand_int4`, kernels/cpu_int4.c)
+  for a dense matmul instead, where the int4 kernel is 2-4x slower than dense.
 - `TritonInt4Linear` (weights on CUDA, float16/bfloat16, triton importable): the codes
   repacked once into GPTQ's layout (zeros as they are, v2), AWQ's included, for the
   Triton dequant-matmul `kernels/triton/int4_matmul.py`; 2-bit codes go as 4-bit ones,
