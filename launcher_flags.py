@@ -73,8 +73,8 @@ class LauncherConfig:
     quantize: str | None = flag(
         None,
         "Weight quantization: gptq, awq (checkpoints quantized with them); int8, bitsandbytes, "
-        "bitsandbytes-nf4, bitsandbytes-fp4 (quantized at load); gguf (a GGUF model's Q4_0/Q4_1 "
-        "layers kept quantized); unset = the checkpoint's own",
+        "bitsandbytes-nf4, bitsandbytes-fp4 (quantized at load); gguf (a GGUF model's "
+        "Q4_0/Q4_1/Q4_K layers kept quantized); unset = the checkpoint's own",
     )
     dtype: str = flag(
         "auto",

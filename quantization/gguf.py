@@ -2,26 +2,31 @@
 
 A GGUF file (`--model-id model.gguf`, or the embedded default, itself a Q4_1 GGUF) is
 converted once into a floating-point folder (`shard_server/model_source.py`), which
-remembers the file it came from. With `--quantize gguf` the linear layers stored as Q4_0 or
-Q4_1 are read from the GGUF itself, as codes, and served by the same int4 layers as GPTQ
-and AWQ (`int4_linear.build_quantized_linear`: the CPU int4 kernel in bfloat16, the Triton
-kernel on CUDA for Q4_0); every other tensor (norms, the embedding and a tied head, layers
-in other GGUF types: Q8_0, K-quants, floats) comes from the folder, dequantized there by
-transformers' GGUF reader, exactly as without the flag.
+remembers the file it came from. With `--quantize gguf` the linear layers stored as Q4_0,
+Q4_1 or Q4_K are read from the GGUF itself, as codes, and served by the same int4 layers
+as GPTQ and AWQ (`int4_linear.build_quantized_linear`: the CPU int4 kernel in bfloat16,
+the Triton kernel on CUDA for Q4_0); every other tensor (norms, the embedding and a tied
+head, layers in other GGUF types: Q8_0, Q6_K and the other K-quants, floats) comes from
+the folder, dequantized there by transformers' GGUF reader, exactly as without the flag.
 
-GGUF blocks are 32 consecutive inputs of one output row:
+GGUF blocks hold consecutive inputs of one output row:
 - Q4_0: fp16 `d`, 16 bytes of codes; w = d * (q - 8).
 - Q4_1: fp16 `d`, fp16 `m`, 16 bytes of codes; w = d * q + m, i.e. d * (q - z) with the
   fractional zero point z = -m / d (a block with d = 0 and m != 0 has no such z: a layer
-  holding one is served from the folder instead).
-Code j < 16 of a block is byte j's low nibble, code j + 16 its high nibble. llama.cpp's
-converter reorders the rows of llama's q and k projections (rotary halves interleaved);
-they are put back in the order the folder and the model use, as transformers does.
+  holding one is served from the folder instead). In both, code j < 16 of a block is
+  byte j's low nibble, code j + 16 its high nibble.
+- Q4_K: super-blocks of 256 inputs whose eight groups of 32 each have a 6-bit scale and
+  min: per group, w = (D * scale) q - Dmin * min, the Q4_1 form again (`_decode_q4_k`).
+llama.cpp's converter reorders the rows of llama's q and k projections (rotary halves
+interleaved); they are put back in the order the folder and the model use, as
+transformers does.
 """
 
 from __future__ import annotations
 
+import logging
 import re
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
@@ -40,9 +45,11 @@ from textgate.quantization.unquantized import UnquantizedWeightsLoader
 if TYPE_CHECKING:
     from textgate.quantization.weights import Shard, Weights
 
+log = logging.getLogger("textgate.quantization")
+
 BLOCK = 32
-"""Inputs per GGUF block (Q4_0, Q4_1)."""
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
+"""Inputs per group of one scale and offset (a Q4_0/Q4_1 block, an eighth of a Q4_K one)."""
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}
 _FLOAT_LAYERS = UnquantizedWeightsLoader()
 
 # Hugging Face module names -> GGUF tensor names, for the llama-family layout.
@@ -70,10 +77,12 @@ def gguf_tensor_name(prefix: str) -> str | None:
 
 
 def decode_q4(raw: Tensor, kind: str) -> tuple[Tensor, Tensor, Tensor]:
-    """Rows of Q4_0/Q4_1 blocks (uint8 [out, blocks * bytes]) -> codes int32 [out, in],
-    d float32 [out, blocks] and m float32 [out, blocks] (Q4_0: m = -8 d)."""
+    """Rows of Q4_0/Q4_1/Q4_K blocks (uint8 [out, blocks * bytes]) -> codes int32 [out, in]
+    and, per group of 32 inputs, d and m float32 [out, in / 32]: w = d q + m."""
     out_features = raw.shape[0]
     blocks = raw.reshape(out_features, -1, _BLOCK_BYTES[kind])
+    if kind == "Q4_K":
+        return _decode_q4_k(blocks)
     d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0].float()
     if kind == "Q4_1":
         m = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0].float()
@@ -83,6 +92,26 @@ def decode_q4(raw: Tensor, kind: str) -> tuple[Tensor, Tensor, Tensor]:
         packed = blocks[..., 2:]
     codes = torch.cat([packed & 15, packed >> 4], dim=-1)  # [out, blocks, 32]
     return codes.reshape(out_features, -1).to(torch.int32), d, m
+
+
+def _decode_q4_k(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Q4_K super-blocks of 256 inputs: fp16 d and dmin, 12 bytes packing eight 6-bit scales
+    and mins (one per 32 inputs), 128 bytes of codes (each 32 bytes: the low nibbles are one
+    group of 32, the high nibbles the next); w = d * scale * q - dmin * min."""
+    out_features = blocks.shape[0]
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [out, blocks, 1]
+    dmin = blocks[..., 2:4].contiguous().view(torch.float16).float()
+    packed = blocks[..., 4:16].long()
+    low, mid, high = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    scales = torch.cat([low & 63, (high & 15) | ((low >> 6) << 4)], dim=-1)  # [out, blocks, 8]
+    mins = torch.cat([mid & 63, (high >> 4) | ((mid >> 6) << 4)], dim=-1)
+    qs = blocks[..., 16:].reshape(out_features, -1, 4, 1, 32)
+    codes = torch.cat([qs & 15, qs >> 4], dim=3)  # [out, blocks, 4, 2, 32]
+    return (
+        codes.reshape(out_features, -1).to(torch.int32),
+        (d * scales).reshape(out_features, -1),
+        (-dmin * mins).reshape(out_features, -1),
+    )
 
 
 def _unpermute(rows: int, heads: int) -> Tensor:
@@ -156,7 +185,7 @@ class GgufFile:
 
 @register("gguf")
 class GgufWeightsLoader(GroupQuantizedLoader):
-    """Q4_0/Q4_1 linears from the GGUF file the folder was converted from."""
+    """Q4_0/Q4_1/Q4_K linears from the GGUF file the folder was converted from."""
 
     bits = 4
     reads_float_checkpoint = True  # the folder is floating point; its GGUF sits beside it
@@ -217,6 +246,23 @@ class GgufWeightsLoader(GroupQuantizedLoader):
             scales=d.T.contiguous(),  # [groups, out]
             zeros=zeros.T.contiguous(),  # fractional for Q4_1
             g_idx=g_idx.to(torch.int32),
+        )
+
+    def finish(self, model: torch.nn.Module, model_dir: Path) -> None:
+        """Log which of the file's linears stayed 4-bit, and which types were dequantized."""
+        del model, model_dir
+        linears = [
+            (name, tensor.tensor_type.name)
+            for name, tensor in self.gguf.tensors.items()
+            if name.startswith("blk.") and name.split(".")[2] in _LAYER_NAMES.values()
+        ]
+        dequantized = Counter(kind for name, kind in linears if name not in self.gguf.servable)
+        log.info(
+            "gguf %s: %d of %d linear layers kept as int4 codes; dequantized: %s",
+            self.gguf.path.name,
+            len(linears) - sum(dequantized.values()),
+            len(linears),
+            ", ".join(f"{count} {kind}" for kind, count in sorted(dequantized.items())) or "none",
         )
 
     def get_multi_weights_col(

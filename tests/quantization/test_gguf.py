@@ -35,6 +35,26 @@ def test_blocks_decode_low_nibbles_first():
     assert got[0].tolist() == codes and (d.item(), m.item()) == (2.0, -16.0)  # 2 (q - 8)
 
 
+@pytest.mark.parametrize(("kind", "block_bytes"), [("Q4_0", 18), ("Q4_1", 20), ("Q4_K", 144)])
+def test_decoding_matches_the_gguf_packages_dequantization(kind, block_bytes):
+    # Random blocks (scales set to sane fp16 values), against gguf-py's reference.
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as reference
+
+    generator = np.random.default_rng(len(kind) + block_bytes)
+    raw = generator.integers(0, 256, (6, 3 * block_bytes), dtype=np.uint8)
+    blocks = raw.reshape(6, 3, block_bytes)
+    halves = 2 if kind == "Q4_0" else 4  # d, and m (Q4_1) or dmin (Q4_K)
+    scales = generator.uniform(-0.1, 0.1, (6, 3, halves // 2)).astype(np.float16)
+    blocks[..., :halves] = scales.view(np.uint8).reshape(6, 3, halves)
+    want = reference(raw, GGMLQuantizationType[kind])
+    codes, d, m = decode_q4(torch.from_numpy(raw.copy()), kind)
+    assert codes.shape == want.shape and int(codes.min()) >= 0 and int(codes.max()) <= 15
+    got = codes.float() * d.repeat_interleave(32, dim=1) + m.repeat_interleave(32, dim=1)
+    np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=1e-6 * np.abs(want).max())
+
+
 def test_module_names_map_to_gguf_tensors():
     assert gguf_tensor_name("model.layers.3.self_attn.q_proj") == "blk.3.attn_q.weight"
     assert gguf_tensor_name("model.layers.0.mlp.down_proj") == "blk.0.ffn_down.weight"
@@ -82,10 +102,12 @@ def _logits(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
         return model(torch.tensor(tokens), metadata.positions(), cache, metadata, rows).float()
 
 
-def test_gguf_model_keeps_its_linears_quantized_and_matches_the_folder(default_model_dir):
+def test_gguf_model_keeps_its_linears_quantized_and_matches_the_folder(default_model_dir, caplog):
     # Same weights both ways: only bf16's rounding of the int4 kernel's scales and offsets
     # separates the two models.
-    quantized = load_model(default_model_dir, torch.bfloat16, "cpu", quantize="gguf")
+    with caplog.at_level("INFO", logger="textgate.quantization"):
+        quantized = load_model(default_model_dir, torch.bfloat16, "cpu", quantize="gguf")
+    assert "210 of 210 linear layers kept as int4 codes; dequantized: none" in caplog.text
     assert quantized.quantize == "gguf"
     layer = quantized.layers[0].mlp.down_proj.linear
     assert isinstance(layer, Int4PackedLinear)
