@@ -38,6 +38,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_bf16.h"
+
 #define CHUNK 16
 
 enum { KV_AS_QUERY = 0, KV_INT8 = 1, KV_FP8_E4M3 = 2 };
@@ -91,11 +93,7 @@ static void widen(float *dst, const void *src, int64_t offset, int64_t n, int bf
 static void narrow(void *dst, int64_t offset, const float *src, int64_t n, int bf16) {
     if (bf16) {
         uint16_t *d = (uint16_t *)dst + offset;
-        for (int64_t i = 0; i < n; ++i) {
-            uint32_t bits;
-            memcpy(&bits, &src[i], sizeof bits);
-            d[i] = (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-        }
+        for (int64_t i = 0; i < n; ++i) d[i] = textgate_bf16_bits(src[i]);
     } else {
         memcpy((float *)dst + offset, src, sizeof(float) * n);
     }

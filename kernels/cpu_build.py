@@ -30,6 +30,8 @@ SOURCES = tuple(
     Path(__file__).with_name(name)
     for name in ("cpu_attention.c", "cpu_layers.c", "cpu_int8.c", "cpu_int4.c", "cpu_lut4.c")
 )
+HEADERS = (Path(__file__).with_name("cpu_bf16.h"),)
+"""Included by the sources: part of the build's key."""
 # -ffast-math lets the compiler vectorize expf and the float sums. It is given to
 # the compile step only: linking with it adds crtfastmath.o, whose constructor would put
 # the whole process into flush-denormals-to-zero mode.
@@ -63,7 +65,7 @@ def build_library(build_dir: Path, cc: str) -> Path:
     CPU is there already; returns the shared library's path."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False)
     key = hashlib.sha256()
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         key.update(source.read_bytes())
     key.update(" ".join(COMPILE_FLAGS + LINK_FLAGS).encode())
     key.update(version.stdout.encode())

@@ -13,21 +13,11 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_bf16.h"
+
 #define COLUMN_BLOCK 64
 #define GRAIN_SIZE 32768 /* at::internal::GRAIN_SIZE */
 
-static inline uint16_t to_bf16(float value) {
-    uint32_t bits;
-    memcpy(&bits, &value, sizeof bits);
-    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
-
-static inline float from_bf16(uint16_t value) {
-    const uint32_t bits = (uint32_t)value << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
 
 void textgate_int4_dequantize(const uint8_t *packed, const uint16_t *scales_and_zeros, int64_t n,
                               int64_t k, int64_t group_size, uint16_t *out) {
@@ -41,10 +31,11 @@ void textgate_int4_dequantize(const uint8_t *packed, const uint16_t *scales_and_
             uint16_t *dst = out + i * n + b * COLUMN_BLOCK;
             for (int j = 0; j < COLUMN_BLOCK / 2; j++) {
                 const int lo = j, hi = j + COLUMN_BLOCK / 2;
-                dst[lo] = to_bf16((float)((codes[j] & 15) - 8) * from_bf16(sz[2 * lo]) +
-                                  from_bf16(sz[2 * lo + 1]));
-                dst[hi] = to_bf16((float)((codes[j] >> 4) - 8) * from_bf16(sz[2 * hi]) +
-                                  from_bf16(sz[2 * hi + 1]));
+                const float low = (float)((codes[j] & 15) - 8), high = (float)((codes[j] >> 4) - 8);
+                dst[lo] = textgate_bf16_bits(low * textgate_bf16_float(sz[2 * lo]) +
+                                             textgate_bf16_float(sz[2 * lo + 1]));
+                dst[hi] = textgate_bf16_bits(high * textgate_bf16_float(sz[2 * hi]) +
+                                             textgate_bf16_float(sz[2 * hi + 1]));
             }
         }
     }

@@ -27,6 +27,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_bf16.h"
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define TEXTGATE_VNNI 1
@@ -40,13 +42,6 @@
 #define GEMM_GRAIN (1 << 19)
 #define ROW_CHUNK 16 /* rows per task: a decode batch of 32 gives two tasks per weight tile */
 
-static inline float load_value(const void *base, int64_t i, int bf16) {
-    if (!bf16) return ((const float *)base)[i];
-    uint32_t bits = (uint32_t)((const uint16_t *)base)[i] << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
 
 /* One row: its absmax m (of x * smooth when smooth is given), and q + 128 into out[0, cols);
  * out[cols, padded) = 128 (zero after the offset). */
@@ -56,12 +51,12 @@ static inline void quantize_row(const void *x, int64_t base, int64_t cols, int b
     float m = 0.0f;
     if (smooth) {
         for (int64_t c = 0; c < cols; c++) {
-            const float v = fabsf(load_value(x, base + c, bf16) * smooth[c]);
+            const float v = fabsf(textgate_load(x, base + c, bf16) * smooth[c]);
             m = v > m ? v : m;
         }
     } else {
         for (int64_t c = 0; c < cols; c++) {
-            const float v = fabsf(load_value(x, base + c, bf16));
+            const float v = fabsf(textgate_load(x, base + c, bf16));
             m = v > m ? v : m; /* vectorizes without fast-math, unlike fmaxf */
         }
     }
@@ -69,12 +64,15 @@ static inline void quantize_row(const void *x, int64_t base, int64_t cols, int b
     *row_max = m;
     const float inv = (1.0f / m) * 127.0f; /* as torch computes 127 / row_max */
     if (smooth) {
-        for (int64_t c = 0; c < cols; c++)
-            out[c] = (uint8_t)(int32_t)(nearbyintf(load_value(x, base + c, bf16) * smooth[c] * inv) +
-                                        128.0f);
+        for (int64_t c = 0; c < cols; c++) {
+            const float v = textgate_load(x, base + c, bf16) * smooth[c] * inv;
+            out[c] = (uint8_t)(int32_t)(nearbyintf(v) + 128.0f);
+        }
     } else {
-        for (int64_t c = 0; c < cols; c++)
-            out[c] = (uint8_t)(int32_t)(nearbyintf(load_value(x, base + c, bf16) * inv) + 128.0f);
+        for (int64_t c = 0; c < cols; c++) {
+            const float v = textgate_load(x, base + c, bf16) * inv;
+            out[c] = (uint8_t)(int32_t)(nearbyintf(v) + 128.0f);
+        }
     }
     for (int64_t c = cols; c < padded; c++) out[c] = 128;
 }

@@ -11,35 +11,13 @@
 #include <stdint.h>
 #include <string.h>
 
-#define GRAIN_SIZE 32768 /* at::internal::GRAIN_SIZE */
+#include "cpu_bf16.h"
 
-static inline float load(const void *base, int64_t i, int bf16) {
-    if (!bf16) return ((const float *)base)[i];
-    uint32_t bits = (uint32_t)((const uint16_t *)base)[i] << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
+#define GRAIN_SIZE 32768 /* at::internal::GRAIN_SIZE */
 
 /* x rounded to the storage dtype, as a float. */
 static inline float round_to(float x, int bf16) {
-    if (!bf16) return x;
-    uint32_t bits;
-    memcpy(&bits, &x, sizeof bits);
-    bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline void store(void *base, int64_t i, float x, int bf16) {
-    if (!bf16) {
-        ((float *)base)[i] = x;
-        return;
-    }
-    uint32_t bits;
-    memcpy(&bits, &x, sizeof bits);
-    ((uint16_t *)base)[i] = (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+    return bf16 ? textgate_bf16_float(textgate_bf16_bits(x)) : x;
 }
 
 /* layers/norm.py RMSNorm.forward: s = x + residual (or x); out = (s * rsqrt(mean(s^2) + eps))
@@ -53,17 +31,17 @@ void textgate_add_rms_norm(const void *x, const void *residual, const void *weig
         const int64_t base = r * hidden;
         float sumsq = 0.0f;
         for (int64_t i = 0; i < hidden; ++i) {
-            float s = load(x, base + i, bf16);
+            float s = textgate_load(x, base + i, bf16);
             if (residual != NULL) {
-                s = round_to(s + load(residual, base + i, bf16), bf16);
-                store(sum_out, base + i, s, bf16);
+                s = round_to(s + textgate_load(residual, base + i, bf16), bf16);
+                textgate_store(sum_out, base + i, s, bf16);
             }
             sumsq += s * s;
         }
         const float inv = 1.0f / sqrtf(eps + sumsq / (float)hidden);
         for (int64_t i = 0; i < hidden; ++i) {
-            float normed = round_to(load(sum, base + i, bf16) * inv, bf16);
-            store(out, base + i, normed * load(weight, i, bf16), bf16);
+            float normed = round_to(textgate_load(sum, base + i, bf16) * inv, bf16);
+            textgate_store(out, base + i, normed * textgate_load(weight, i, bf16), bf16);
         }
     }
 }
@@ -74,9 +52,9 @@ void textgate_silu_and_mul(const void *gate_up, void *out, int64_t rows, int64_t
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t in = r * 2 * width, o = r * width;
         for (int64_t i = 0; i < width; ++i) {
-            const float g = load(gate_up, in + i, bf16);
+            const float g = textgate_load(gate_up, in + i, bf16);
             const float silu = round_to(g / (1.0f + expf(-g)), bf16);
-            store(out, o + i, silu * load(gate_up, in + width + i, bf16), bf16);
+            textgate_store(out, o + i, silu * textgate_load(gate_up, in + width + i, bf16), bf16);
         }
     }
 }
@@ -99,11 +77,12 @@ void textgate_rotary_and_store(const void *qkv, const void *cos, const void *sin
             const int64_t out = h < num_heads ? (r * num_heads + h) * dim
                                               : (slot * num_kv_heads + h - num_heads) * dim;
             for (int64_t i = 0; i < dim; ++i) {
-                const float x = load(qkv, in + i, bf16);
-                const float rolled = load(qkv, in + (i + half) % dim, bf16);
-                const float a = round_to(x * load(cos, r * dim + i, bf16), bf16);
-                const float b = round_to(rolled * load(sin_signed, r * dim + i, bf16), bf16);
-                store(dst, out + i, a + b, bf16);
+                const float x = textgate_load(qkv, in + i, bf16);
+                const float rolled = textgate_load(qkv, in + (i + half) % dim, bf16);
+                const float a = round_to(x * textgate_load(cos, r * dim + i, bf16), bf16);
+                const float sine = textgate_load(sin_signed, r * dim + i, bf16);
+                const float b = round_to(rolled * sine, bf16);
+                textgate_store(dst, out + i, a + b, bf16);
             }
         }
         const int64_t v_in = r * width + (num_heads + num_kv_heads) * dim;

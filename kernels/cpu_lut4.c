@@ -14,6 +14,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_bf16.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define TEXTGATE_LUT4 1
@@ -34,15 +36,6 @@ static inline __m512 load_x(const void *x, int64_t index, int bf16) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
 
-static inline void store_value(void *out, int64_t index, float value, int bf16) {
-    if (!bf16) {
-        ((float *)out)[index] = value;
-        return;
-    }
-    uint32_t bits;
-    memcpy(&bits, &value, sizeof bits);
-    ((uint16_t *)out)[index] = (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
 
 /* Sixteen weights of output j from 8 bytes of codes: high nibble first, then low. */
 static inline __m512 decode16(const uint8_t *codes, __m512 table, float scale) {
@@ -75,7 +68,7 @@ static inline __attribute__((always_inline)) void output_tile(
     }
     for (int m = 0; m < MR; m++) {
         const float sum = _mm512_reduce_add_ps(_mm512_add_ps(even[m], odd[m]));
-        store_value(out, (r + m) * n + j, sum + bias, out_bf16);
+        textgate_store(out, (r + m) * n + j, sum + bias, out_bf16);
     }
 }
 
