@@ -28,7 +28,7 @@ log = logging.getLogger("textgate.kernels")
 
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("cpu_attention.c", "cpu_layers.c", "cpu_int8.c", "cpu_int4.c", "cpu_lut4.c")
+    for name in ("cpu_attention.c", "cpu_layers.c", "cpu_int8.c", "cpu_int4.c")
 )
 HEADERS = (Path(__file__).with_name("cpu_bf16.h"),)
 """Included by the sources: part of the build's key."""
@@ -120,11 +120,6 @@ def load_library(build_dir: Path | None = None) -> ctypes.CDLL | None:
         "textgate_quantize_rows": (None, [*[pointer] * 3, int64, int64, flag]),
         "textgate_int8_vnni": (ctypes.c_int, []),
         "textgate_int4_dequantize": (None, [pointer, pointer, *[int64] * 3, pointer]),
-        "textgate_lut4_available": (ctypes.c_int, []),
-        "textgate_lut4_linear": (
-            None,
-            [pointer, int64, int64, flag, pointer, pointer, int64, *[pointer] * 3, int64, flag],
-        ),
         "textgate_int8_linear": (
             ctypes.c_int,
             [pointer, int64, int64, flag, *[pointer] * 6, int64, flag],

@@ -22,7 +22,6 @@ import torch
 from torch import Tensor, nn
 
 from textgate.quantization.base import Weight
-from textgate.quantization.codebook_linear import CodebookLinear
 from textgate.quantization.from_float import FromFloatWeightsLoader
 from textgate.quantization.registry import register
 
@@ -52,6 +51,16 @@ def _on(module: nn.Module, device: torch.device) -> nn.Module:
     return module.to(device)
 
 
+def _serving(module: nn.Module) -> nn.Module:
+    """The layer in inference mode, which is what selects bitsandbytes' fast CPU kernels:
+    in training mode (an nn.Module's default) its CPU forward dequantizes the whole weight
+    on every call; in eval mode 4-bit weights are repacked once, on the first call, for its
+    AVX512-BF16 kernel, and LLM.int8() takes its int8 path. Measured against the dense
+    FastLinear, 576x1536, 2 threads, same process (train -> eval): nf4 bf16 5.8x -> 1.35x at
+    1 row, 2.4x -> 1.4x at 32; LLM.int8() fp32 3.3x -> 2.1x at 1 row, 3.2x -> 1.2x at 32."""
+    return module.eval()
+
+
 @dataclass
 class Int8BnbWeight(Weight):
     """A float weight [out, in] that becomes a `bnb.nn.Linear8bitLt` (LLM.int8())."""
@@ -74,7 +83,7 @@ class Int8BnbWeight(Weight):
         )
         if bias is not None:
             linear.bias = nn.Parameter(bias.cpu(), requires_grad=False)
-        return _on(linear, self.weight.device)
+        return _serving(_on(linear, self.weight.device))
 
 
 @dataclass
@@ -100,8 +109,7 @@ class FourBitBnbWeight(Weight):
         )
         if bias is not None:
             linear.bias = nn.Parameter(bias.cpu(), requires_grad=False)
-        linear = _on(linear, self.weight.device)
-        return CodebookLinear.wrap(linear) or linear
+        return _serving(_on(linear, self.weight.device))
 
 
 class BnbWeightsLoader(FromFloatWeightsLoader):

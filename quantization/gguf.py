@@ -12,9 +12,9 @@ the folder, dequantized there by transformers' GGUF reader, exactly as without t
 GGUF blocks hold consecutive inputs of one output row:
 - Q4_0: fp16 `d`, 16 bytes of codes; w = d * (q - 8).
 - Q4_1: fp16 `d`, fp16 `m`, 16 bytes of codes; w = d * q + m, i.e. d * (q - z) with the
-  fractional zero point z = -m / d (a block with d = 0 and m != 0 has no such z: a layer
-  holding one is served from the folder instead). In both, code j < 16 of a block is
-  byte j's low nibble, code j + 16 its high nibble.
+  fractional zero point z = -m / d (a block with d = 0 is m whatever its codes:
+  `zero_points` rewrites it so). In both, code j < 16 of a block is byte j's low nibble,
+  code j + 16 its high nibble.
 - Q4_K: super-blocks of 256 inputs whose eight groups of 32 each have a 6-bit scale and
   min: per group, w = (D * scale) q - Dmin * min, the Q4_1 form again (`_decode_q4_k`).
 llama.cpp's converter reorders the rows of llama's q and k projections (rotary halves
@@ -114,6 +114,24 @@ def _decode_q4_k(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     )
 
 
+def zero_points(codes: Tensor, d: Tensor, m: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Codes, scales and zero points z with d (q - z) = d q + m, per group of 32 [out, groups].
+
+    z = -m / d, integer for Q4_0 (8; returned as int32, as GPTQ's). A group with d = 0 is m
+    whatever its codes: it becomes codes 0, scale |m| / 1024 (1 where m = 0 too) and
+    z = -m / scale, which gives m again (to float rounding, in any dtype the scale and zero
+    are kept in), without a special case downstream.
+    """
+    flat = d == 0
+    if bool(flat.any()):
+        codes = codes.masked_fill(flat.repeat_interleave(BLOCK, dim=1), 0)
+        d = torch.where(flat, torch.where(m == 0, 1.0, m.abs() / 1024), d)
+    zeros = -m / d
+    if torch.equal(zeros, zeros.round()):
+        return codes, d, zeros.to(torch.int32)
+    return codes, d, zeros
+
+
 def _unpermute(rows: int, heads: int) -> Tensor:
     """Row order undoing llama.cpp's q/k permutation: row r of the model is row perm[r] of
     the GGUF tensor (transformers' reverse_permute_weights, as indices)."""
@@ -148,7 +166,7 @@ class GgufFile:
         return None if tensor is None else tensor.tensor_type.name
 
     def read(self, name: str) -> tuple[Tensor, Tensor, Tensor]:
-        """Codes, d and m of a Q4_0/Q4_1 tensor, rows in the model's order."""
+        """Codes, d and m of a Q4_0/Q4_1/Q4_K tensor, rows in the model's order."""
         tensor = self.tensors[name]
         raw = torch.from_numpy(tensor.data.copy())  # [out, bytes]
         codes, d, m = decode_q4(raw, tensor.tensor_type.name)
@@ -171,16 +189,12 @@ class GgufFile:
 
     @cached_property
     def servable(self) -> frozenset[str]:
-        """Names of the 4-bit tensors every block of which has a zero point."""
-        names = set()
-        for name, tensor in self.tensors.items():
-            if tensor.tensor_type.name not in _BLOCK_BYTES or not name.startswith("blk."):
-                continue
-            raw = torch.from_numpy(tensor.data.copy())
-            _, d, m = decode_q4(raw, tensor.tensor_type.name)
-            if not bool(((d == 0) & (m != 0)).any()):
-                names.add(name)
-        return frozenset(names)
+        """Names of the layers' tensors stored in a 4-bit type this loader reads."""
+        return frozenset(
+            name
+            for name, tensor in self.tensors.items()
+            if name.startswith("blk.") and tensor.tensor_type.name in _BLOCK_BYTES
+        )
 
 
 @register("gguf")
@@ -214,6 +228,10 @@ class GgufWeightsLoader(GroupQuantizedLoader):
             raise ValueError("the gguf loader is built from a checkpoint (from_checkpoint)")
         return self._gguf
 
+    def cpu_dtype(self) -> torch.dtype | None:
+        """bf16 (the int4 kernel's) when the file holds 4-bit linears; else measure."""
+        return super().cpu_dtype() if self.gguf.servable else None
+
     def _is_quantized(self, weights: Weights, prefix: str) -> bool:
         name = gguf_tensor_name(prefix)
         return name is not None and name in self.gguf.servable
@@ -234,18 +252,17 @@ class GgufWeightsLoader(GroupQuantizedLoader):
     ) -> UnpackedWeight:
         codes, d, m = self.gguf.read(self._name(prefix))
         g_idx = contiguous_g_idx(codes.shape[1], BLOCK)
-        zeros = torch.where(d == 0, 0.0, -m / torch.where(d == 0, 1.0, d))  # d (q - z) = d q + m
-        if torch.equal(zeros, zeros.round()):  # Q4_0's 8: integer zero points, as GPTQ's
-            zeros = zeros.to(torch.int32)
+        codes, d, zeros = zero_points(codes, d, m)
         if outputs is not None:
             codes, d, zeros = (t[outputs.start : outputs.stop] for t in (codes, d, zeros))
         if inputs is not None:
             codes, g_idx = codes[:, inputs.start : inputs.stop], g_idx[inputs.start : inputs.stop]
+        device = weights.device  # decoded on the host; served where the model runs
         return UnpackedWeight(
-            intweight=codes.contiguous(),
-            scales=d.T.contiguous(),  # [groups, out]
-            zeros=zeros.T.contiguous(),  # fractional for Q4_1
-            g_idx=g_idx.to(torch.int32),
+            intweight=codes.contiguous().to(device),
+            scales=d.T.contiguous().to(device),  # [groups, out]
+            zeros=zeros.T.contiguous().to(device),  # fractional for Q4_1 and Q4_K
+            g_idx=g_idx.to(torch.int32).to(device),
         )
 
     def finish(self, model: torch.nn.Module, model_dir: Path) -> None:

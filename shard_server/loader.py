@@ -81,7 +81,8 @@ def load_model(
         )
         from textgate.shard_server.models.loader import quantized_cpu_dtype
 
-        method_dtype = quantized_cpu_dtype(model_path, quantize) if device.type == "cpu" else None
+        auto_on_cpu = dtype == "auto" and device.type == "cpu"
+        method_dtype = quantized_cpu_dtype(model_path, quantize) if auto_on_cpu else None
         return load_paged(build, dtype, torch_dtype, device, method_dtype)
     check_fallback_flags(model_type, world_size, cache_config, quantize)
     from textgate.shard_server.transformers_model import TransformersModel

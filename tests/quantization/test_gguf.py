@@ -11,8 +11,15 @@ import pytest
 import torch
 
 from textgate.kernels import AttentionMetadata
-from textgate.quantization.gguf import GgufFile, decode_q4, gguf_tensor_name
-from textgate.quantization.int4_linear import Int4PackedLinear
+from textgate.paths import converted_from
+from textgate.quantization.gguf import (
+    GgufFile,
+    GgufWeightsLoader,
+    decode_q4,
+    gguf_tensor_name,
+    zero_points,
+)
+from textgate.quantization.int4_linear import Int4PackedLinear, build_quantized_linear
 from textgate.quantization.packing import UnpackedWeight, contiguous_g_idx, dequantize
 from textgate.quantization.resident import resident_bytes
 from textgate.quantization.weights import Weights
@@ -55,6 +62,51 @@ def test_decoding_matches_the_gguf_packages_dequantization(kind, block_bytes):
     np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=1e-6 * np.abs(want).max())
 
 
+def test_flat_groups_keep_their_value_through_every_layer_kind():
+    # d = 0: the group is m whatever its codes. zero_points rewrites it (codes 0, a small
+    # scale, z = -m / scale); dequantized and through the int4 kernel it is m again.
+    generator = torch.Generator().manual_seed(5)
+    codes = torch.randint(0, 16, (64, 64), generator=generator, dtype=torch.int32)
+    d = torch.rand(64, 2, generator=generator) * 0.01 + 0.001
+    m = -torch.rand(64, 2, generator=generator) * 0.05
+    d[3, 1], d[7, 0], m[7, 0] = 0.0, 0.0, 0.0  # one flat group with m != 0, one all zero
+    want = codes.float() * d.repeat_interleave(32, dim=1) + m.repeat_interleave(32, dim=1)
+    new_codes, scales, zeros = zero_points(codes, d, m)
+    assert bool((new_codes[3, 32:] == 0).all()) and bool(scales.ne(0).all())
+    unpacked = UnpackedWeight(new_codes, scales.T, zeros.T, contiguous_g_idx(64, 32))
+    torch.testing.assert_close(dequantize(unpacked), want, rtol=1e-5, atol=1e-7)
+    layer = build_quantized_linear(unpacked, 4, torch.bfloat16)
+    assert isinstance(layer, Int4PackedLinear)
+    x = torch.randn(3, 64).bfloat16()
+    want_out = x.float() @ want.T
+    assert (layer(x).float() - want_out).abs().max() <= 2e-2 * want_out.abs().max()
+
+
+def test_q4_0_zero_points_are_integers():
+    codes = torch.zeros(2, 32, dtype=torch.int32)
+    d = torch.tensor([[0.5], [0.25]])
+    _, _, zeros = zero_points(codes, d, -8 * d)
+    assert zeros.dtype == torch.int32 and zeros.unique().tolist() == [8]
+
+
+def test_codes_go_to_the_models_device(gguf_file):
+    # Decoded on the host, they must land where the folder's tensors do (CUDA in serving;
+    # the meta device here, which any code path that forgets to move them would not reach).
+    class OnMeta:
+        device = torch.device("meta")
+
+    loader = GgufWeightsLoader(gguf_file)
+    unpacked = loader._read(OnMeta(), "model.layers.0.self_attn.q_proj", None, None)  # type: ignore[arg-type]
+    assert {t.device.type for t in unpacked} == {"meta"}
+
+
+def test_auto_measures_a_gguf_without_4_bit_linears(gguf_file, monkeypatch):
+    loader = GgufWeightsLoader(gguf_file)
+    assert loader.cpu_dtype() == torch.bfloat16
+    monkeypatch.setitem(vars(gguf_file), "servable", frozenset())  # e.g. a Q8_0 file
+    assert GgufWeightsLoader(gguf_file).cpu_dtype() is None
+
+
 def test_module_names_map_to_gguf_tensors():
     assert gguf_tensor_name("model.layers.3.self_attn.q_proj") == "blk.3.attn_q.weight"
     assert gguf_tensor_name("model.layers.0.mlp.down_proj") == "blk.0.ffn_down.weight"
@@ -63,7 +115,7 @@ def test_module_names_map_to_gguf_tensors():
 
 @pytest.fixture(scope="module")
 def gguf_file(default_model_dir: Path) -> GgufFile:
-    source = model_source.gguf_source(default_model_dir)
+    source = converted_from(default_model_dir)
     assert source is not None and source.name == model_source.EMBEDDED_GGUF
     return GgufFile(source)
 
@@ -130,7 +182,7 @@ def test_a_gguf_model_id_is_converted_once_and_remembers_its_file(tmp_path, monk
     copy = tmp_path / "my-model.gguf"
     shutil.copy(model_source.embedded_gguf_path(), copy)
     folder = model_source.resolve_model(str(copy))
-    assert (folder / "config.json").is_file() and model_source.gguf_source(folder) == copy
+    assert (folder / "config.json").is_file() and converted_from(folder) == copy
     assert model_source.resolve_model(str(copy)) == folder  # converted once
 
 

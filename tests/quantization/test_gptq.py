@@ -161,7 +161,7 @@ def test_int4_kernel_matches_the_reference_and_the_switch_selects_it(monkeypatch
 
 
 @pytest.mark.parametrize("group", [32, 64, 128])
-def test_prompt_sized_inputs_expand_the_codes_exactly(group):
+def test_prompt_sized_inputs_expand_the_codes(group):
     # From PROMPT_ROWS rows the layer expands its codes to bf16 (cpu_int4.c) and runs a
     # dense matmul: the expansion equals its PyTorch reference (to one bf16 rounding, where
     # the compiler fuses the multiply-add) and both row counts compute the same layer.
