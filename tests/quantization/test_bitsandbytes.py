@@ -101,3 +101,14 @@ def test_llm_int8_layers_serve_in_eval_mode():
         got = layer(x)
     expected = F.linear(x, weight, bias)
     assert (got - expected).norm() / expected.norm() < 0.02
+
+
+def test_four_bit_methods_ask_for_bf16_where_the_packages_cpu_kernel_runs(monkeypatch):
+    from textgate.quantization import get_weights_loader
+
+    for method in ("bitsandbytes-nf4", "bitsandbytes-fp4"):
+        monkeypatch.setattr(bnb.functional, "has_avx512bf16", lambda: True)
+        assert get_weights_loader(method).cpu_dtype() == torch.bfloat16
+        monkeypatch.setattr(bnb.functional, "has_avx512bf16", lambda: False)
+        assert get_weights_loader(method).cpu_dtype() is None  # measured instead
+    assert get_weights_loader("bitsandbytes").cpu_dtype() is None
