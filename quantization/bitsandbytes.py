@@ -55,9 +55,11 @@ def _serving(module: nn.Module) -> nn.Module:
     """The layer in inference mode, which is what selects bitsandbytes' fast CPU kernels:
     in training mode (an nn.Module's default) its CPU forward dequantizes the whole weight
     on every call; in eval mode 4-bit weights are repacked once, on the first call, for its
-    AVX512-BF16 kernel, and LLM.int8() takes its int8 path. Measured against the dense
-    FastLinear, 576x1536, 2 threads, same process (train -> eval): nf4 bf16 5.8x -> 1.35x at
-    1 row, 2.4x -> 1.4x at 32; LLM.int8() fp32 3.3x -> 2.1x at 1 row, 3.2x -> 1.2x at 32."""
+    AVX512-BF16 kernel, and LLM.int8() takes its int8 path. As a ratio to the dense
+    FastLinear, 576x1536, 2 threads, same process, train -> eval (`python -m
+    textgate.bench.bnb_linear --method nf4 --dtype bfloat16`, `--method int8 --dtype
+    float32`): nf4 5.6x -> 1.3x at 1 row, 2.4x -> 1.4x at 32; LLM.int8() 3.2x -> 2.0x at 1
+    row, 3.1x -> 1.2x at 32."""
     return module.eval()
 
 
