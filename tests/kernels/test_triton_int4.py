@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from textgate.kernels import AttentionMetadata
 from textgate.kernels.linear import FastLinear
 from textgate.quantization import int4_linear
 from textgate.quantization.int4_linear import TritonInt4Linear, build_quantized_linear
@@ -28,6 +27,7 @@ from textgate.quantization.packing import (
     unpack_awq,
 )
 from textgate.shard_server.models import load_model
+from textgate.tests.prefill import prefill_logits
 from textgate.tests.quantization.test_gptq_model import write_pair
 
 # The weight is the same in both (dequantized in float32, rounded to the dtype); the sums
@@ -160,19 +160,6 @@ def test_cpu_float32_and_bad_input_keep_or_refuse(device, monkeypatch):
         int4_matmul(x, **(packed | {"g_idx": packed["g_idx"].long()}))
     with pytest.raises(ValueError, match="needs scales"):
         int4_matmul(x, **(packed | {"scales": packed["scales"][:, :72]}))
-
-
-def prefill_logits(model: torch.nn.Module, tokens: list[int], device: str) -> torch.Tensor:
-    """Logits [T, vocab] (float32, CPU) of one sequence prefilled in one step."""
-    cache = model.allocate_kv_cache(8, 16)
-    metadata = AttentionMetadata.build(
-        query_lens=[len(tokens)], context_lens=[0], block_tables=[[0, 1]], block_size=16,
-        device=device,
-    )  # fmt: skip
-    rows = torch.arange(len(tokens), device=device)
-    with torch.inference_mode():
-        ids = torch.tensor(tokens, device=device)
-        return model(ids, metadata.positions(), cache, metadata, rows).float().cpu()
 
 
 @pytest.mark.parametrize("desc_act", [False, True])

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from textgate.kernels import AttentionMetadata
 from textgate.paths import converted_from
 from textgate.quantization.gguf import (
     GgufFile,
@@ -25,6 +24,7 @@ from textgate.quantization.resident import resident_bytes
 from textgate.quantization.weights import Weights
 from textgate.shard_server import model_source
 from textgate.shard_server.models import load_model
+from textgate.tests.prefill import prefill_logits
 from textgate.tests.tp_ranks import WORLD_SIZE, rank_outputs, spawn_ranks, step_logits
 
 pytest.importorskip("gguf")
@@ -144,16 +144,6 @@ def test_codes_stand_for_the_folders_weights(gguf_file, default_model_dir, layer
     torch.testing.assert_close(dequantize(unpacked), folder, rtol=0, atol=1e-5)
 
 
-def _logits(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
-    metadata = AttentionMetadata.build(
-        query_lens=[len(tokens)], context_lens=[0], block_tables=[[0]], block_size=64
-    )
-    cache = model.allocate_kv_cache(num_blocks=1, block_size=64)
-    with torch.inference_mode():
-        rows = torch.arange(len(tokens))
-        return model(torch.tensor(tokens), metadata.positions(), cache, metadata, rows).float()
-
-
 def test_gguf_model_keeps_its_linears_quantized_and_matches_the_folder(default_model_dir, caplog):
     # Same weights both ways: only bf16's rounding of the int4 kernel's scales and offsets
     # separates the two models.
@@ -165,7 +155,7 @@ def test_gguf_model_keeps_its_linears_quantized_and_matches_the_folder(default_m
     assert isinstance(layer, Int4PackedLinear)
     dense = load_model(default_model_dir, torch.bfloat16, "cpu")
     tokens = list(range(100, 140))
-    got, want = _logits(quantized, tokens), _logits(dense, tokens)
+    got, want = prefill_logits(quantized, tokens), prefill_logits(dense, tokens)
     assert (got - want).norm() / want.norm() < 0.05
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
     # Linears at 4 bits (+ fp scales): well under the dense bf16 model's bytes.

@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from textgate.kernels import AttentionMetadata
 from textgate.quantization.int4_linear import Int4PackedLinear
 from textgate.quantization.packing import contiguous_g_idx, dequantize_gptq, pack_gptq
 from textgate.shard_server.models import load_model
+from textgate.tests.prefill import prefill_logits
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GROUP = 32
@@ -79,18 +79,6 @@ def write_pair(root: Path, desc_act: bool) -> tuple[Path, Path]:
     }
     (gptq_dir / "config.json").write_text(json.dumps(hf_config))
     return float_dir, gptq_dir
-
-
-def prefill_logits(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
-    """Logits [T, vocab] of one sequence prefilled in one step."""
-    cache = model.allocate_kv_cache(8, 16)
-    metadata = AttentionMetadata.build(
-        query_lens=[len(tokens)], context_lens=[0], block_tables=[[0, 1]], block_size=16
-    )
-    with torch.inference_mode():
-        return model(
-            torch.tensor(tokens), metadata.positions(), cache, metadata, torch.arange(len(tokens))
-        ).float()
 
 
 @pytest.mark.parametrize("desc_act", [False, True])

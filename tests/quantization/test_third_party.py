@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from textgate.kernels import AttentionMetadata
 from textgate.quantization.int4_linear import Int4PackedLinear
 from textgate.shard_server.models import load_model
+from textgate.tests.prefill import prefill_logits
 
 BUILD = Path(__file__).resolve().parents[2] / "build"
 
@@ -23,23 +23,6 @@ def fixture_dir(method: str) -> Path:
     if not (path / "reference_logits.safetensors").is_file():
         pytest.skip(f"{path} is missing: run `make gptqmodel-fixture` (GPTQModel, own venv)")
     return path
-
-
-def prefill_logits(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
-    """Logits [T, vocab] of one sequence prefilled in one step."""
-    block_size = 16
-    blocks = -(-len(tokens) // block_size)
-    cache = model.allocate_kv_cache(blocks, block_size)
-    metadata = AttentionMetadata.build(
-        query_lens=[len(tokens)],
-        context_lens=[0],
-        block_tables=[list(range(blocks))],
-        block_size=block_size,
-    )
-    with torch.inference_mode():
-        return model(
-            torch.tensor(tokens), metadata.positions(), cache, metadata, torch.arange(len(tokens))
-        ).float()
 
 
 @pytest.mark.slow
