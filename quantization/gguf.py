@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import re
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,11 +36,9 @@ import torch
 from torch import Tensor
 
 from textgate.paths import converted_from
-from textgate.quantization.base import Weight
 from textgate.quantization.gptq import GroupQuantizedLoader
 from textgate.quantization.packing import UnpackedWeight, contiguous_g_idx
 from textgate.quantization.registry import register
-from textgate.quantization.unquantized import UnquantizedWeightsLoader
 
 if TYPE_CHECKING:
     from textgate.quantization.weights import Shard, Weights
@@ -50,7 +48,6 @@ log = logging.getLogger("textgate.quantization")
 BLOCK = 32
 """Inputs per group of one scale and offset (a Q4_0/Q4_1 block, an eighth of a Q4_K one)."""
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}
-_FLOAT_LAYERS = UnquantizedWeightsLoader()
 
 # Hugging Face module names -> GGUF tensor names, for the llama-family layout.
 _LAYER_NAMES = {
@@ -203,6 +200,7 @@ class GgufWeightsLoader(GroupQuantizedLoader):
 
     bits = 4
     reads_float_checkpoint = True  # the folder is floating point; its GGUF sits beside it
+    mixed_fuse_as_float = True  # q and v (or gate and up) may be stored in different types
 
     def __init__(self, gguf: GgufFile | None = None) -> None:
         self._gguf = gguf
@@ -281,15 +279,3 @@ class GgufWeightsLoader(GroupQuantizedLoader):
             len(linears),
             ", ".join(f"{count} {kind}" for kind, count in sorted(dequantized.items())) or "none",
         )
-
-    def get_multi_weights_col(
-        self,
-        weights: Weights,
-        prefixes: Sequence[str],
-        dim: int,
-        shards: Sequence[Shard] | None = None,
-    ) -> Weight:
-        # A GGUF may store q and v (or gate and up) in different types: fuse those as floats.
-        if not all(self._is_quantized(weights, p) for p in prefixes):
-            return _FLOAT_LAYERS.get_multi_weights_col(weights, prefixes, dim, shards)
-        return super().get_multi_weights_col(weights, prefixes, dim, shards)

@@ -22,7 +22,7 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -100,6 +100,10 @@ class GroupQuantizedLoader(WeightsLoader):
     """
 
     bits: int
+    #: A fused layer (q/k/v, gate/up) whose parts are partly quantized: refused (a GPTQ or
+    #: AWQ checkpoint is inconsistent then), or, where a format mixes types by design
+    #: (GGUF), fused in floating point from the folder.
+    mixed_fuse_as_float: ClassVar[bool] = False
 
     def cpu_dtype(self) -> torch.dtype | None:
         """bfloat16 for 4-bit (and 2-bit) codes where the CPU int4 kernel runs: the only
@@ -146,7 +150,9 @@ class GroupQuantizedLoader(WeightsLoader):
         shards: Sequence[Shard] | None = None,
     ) -> Weight:
         if not all(self._is_quantized(weights, p) for p in prefixes):
-            if any(self._is_quantized(weights, p) for p in prefixes):
+            if not self.mixed_fuse_as_float and any(
+                self._is_quantized(weights, p) for p in prefixes
+            ):
                 raise ValueError(f"{list(prefixes)} mix quantized and floating-point layers")
             return _FLOAT_LAYERS.get_multi_weights_col(weights, prefixes, dim, shards)
         if dim != 0:

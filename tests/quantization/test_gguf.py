@@ -205,3 +205,17 @@ def test_two_ranks_match_one_on_the_gguf_codes(default_model_dir, tmp_path):
                 # bf16 model's own two ranks stray 2.5% from one (argmax agreeing on 87%)
                 assert (logits - reference).norm() / reference.norm() < 0.05
                 assert (logits.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.8
+
+
+def test_a_fused_layer_of_mixed_types_is_fused_in_float(gguf_file, default_model_dir, monkeypatch):
+    # Q4_K_M files store some v projections as Q6_K beside a Q4_K q and k.
+    from textgate.quantization.unquantized import UnquantizedWeight
+
+    monkeypatch.setitem(vars(gguf_file), "servable", gguf_file.servable - {"blk.0.attn_v.weight"})
+    files = sorted(default_model_dir.glob("*.safetensors"))
+    weights = Weights(files, device="cpu", dtype=torch.float32)
+    loader = GgufWeightsLoader(gguf_file)
+    parts = [f"model.layers.0.self_attn.{n}_proj" for n in ("q", "k", "v")]
+    assert isinstance(loader.get_multi_weights_col(weights, parts, 0), UnquantizedWeight)
+    parts = [f"model.layers.1.self_attn.{n}_proj" for n in ("q", "k", "v")]
+    assert not isinstance(loader.get_multi_weights_col(weights, parts, 0), UnquantizedWeight)
