@@ -1,4 +1,5 @@
-"""Measure the shard's own step at startup, and pick `--dtype auto` on CPU from it.
+"""Measure the shard's own step at startup (`--dtype auto` on CPU times its candidates with
+the same measurement: `dtype_choice`).
 
 What is measured (`measure_steps`), each as the median of REPEATS timed runs after one
 untimed run, through `PagedModel.step` itself (forward, sampling, detokenizing):
@@ -9,22 +10,15 @@ untimed run, through `PagedModel.step` itself (forward, sampling, detokenizing):
 - one prefill chunk of the router's step budget (at most MAX_PREFILL_CHUNK tokens).
 Decode steps a dtype trial already timed for the chosen dtype are not timed again.
 The router derives its step budget, batch limit and inter-token-latency target from them.
-
-`--dtype auto` on CPU (`pick_dtype`): whether bf16 beats fp32 depends on the CPU, its
-matmul library and the batch (on a Xeon with AVX512-BF16 and no AMX a plain bf16 matmul
-was slower than fp32, yet the engine's batch-1 step was faster in bf16 and its batch-32
-step slower), so CPU flags cannot tell. Each candidate is built by the same loader that
-serves it and its step timed (`trial_timings`); the lowest `dtype_score` wins.
 """
 
 from __future__ import annotations
 
-import gc
 import logging
 import platform
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -50,13 +44,6 @@ DECODE_CONTEXT = 128
 """Tokens of context each measured decode sequence holds."""
 MAX_PREFILL_CHUNK = 512
 """The largest prefill chunk measured at warmup (the router's budget may be larger)."""
-TRIAL_BATCH_SIZES = (1, 32)
-"""Decode batch sizes of a dtype trial: a lone stream's step and a loaded batch's."""
-TRIAL_PREFILL_CHUNK = 128
-"""Tokens of a dtype trial's prefill chunk."""
-CPU_DTYPE_CANDIDATES = (torch.float32, torch.bfloat16)
-"""What `--dtype auto` tries on CPU. float32 first: the widest, so the trial's cache
-geometry, planned on it, fits every candidate; a tie keeps it."""
 PROBE_TOKEN_ID = 0
 """Any id every vocabulary has; the probe only needs the shapes."""
 PROBE_FIRST_ID = 1 << 62
@@ -80,63 +67,6 @@ class StepTimings:
 
     def decode_pb(self) -> list[pb.DecodeTiming]:
         return [pb.DecodeTiming(batch_size=b, step_ms=ms) for b, ms in self.decode_ms.items()]
-
-
-def dtype_score(timings: StepTimings) -> float:
-    """The number `--dtype auto` minimises: the sum of the trial's step times.
-
-    A trial times one step of each kind a serving loop runs (a lone stream's decode, a
-    loaded batch's decode, a prompt chunk), so the sum weighs them equally, each by what
-    it costs in this dtype.
-    """
-    return sum(timings.decode_ms.values()) + timings.prefill_ms
-
-
-@dataclass(frozen=True)
-class DtypeTrial:
-    """The engine's step measured in one candidate dtype."""
-
-    dtype: torch.dtype
-    timings: StepTimings
-
-    @property
-    def score_ms(self) -> float:
-        return dtype_score(self.timings)
-
-    def to_pb(self) -> pb.DtypeTrial:
-        return pb.DtypeTrial(
-            dtype=dtype_name(self.dtype),
-            decode_timings=self.timings.decode_pb(),
-            prefill_chunk_ms=self.timings.prefill_ms,
-            prefill_chunk_tokens=self.timings.prefill_tokens,
-            score_ms=self.score_ms,
-        )
-
-
-@dataclass(frozen=True)
-class DtypeChoice:
-    """The dtype the weights run in, and how it was picked."""
-
-    dtype: torch.dtype
-    source: str
-    """One of "flag" (an explicit --dtype), "default" (auto, not measured), "measured",
-    "quantization" (auto: the dtype the quantization method's CPU kernel runs in)."""
-    trials: tuple[DtypeTrial, ...] = ()
-    """Source "measured": every candidate's trial, the chosen one first."""
-
-
-def choose_dtype(trials: Sequence[DtypeTrial]) -> DtypeChoice:
-    """The trial with the lowest score wins (a tie goes to the earlier one).
-
-    Raises ValueError unless the trials timed the same steps (else scores differ in kind).
-    """
-    if not trials:
-        raise ValueError("no dtype trials to choose from")
-    shapes = {(tuple(t.timings.decode_ms), t.timings.prefill_tokens) for t in trials}
-    if len(shapes) > 1:
-        raise ValueError(f"dtype trials timed different steps: {sorted(shapes)}")
-    best = min(trials, key=lambda trial: trial.score_ms)
-    return DtypeChoice(best.dtype, "measured", (best, *(t for t in trials if t is not best)))
 
 
 def decode_batch_sizes(max_batch: int, capacity: int) -> list[int]:
@@ -333,74 +263,6 @@ def warmup_measurements(model: PagedModel, request: pb.WarmupRequest) -> pb.Warm
         timings.prefill_tokens,
     )
     return response
-
-
-# -- --dtype auto on CPU -------------------------------------------------------------------
-
-
-def pick_dtype(
-    build: Callable[[torch.dtype], PagedModel],
-    candidates: Sequence[torch.dtype] = CPU_DTYPE_CANDIDATES,
-) -> PagedModel:
-    """Build the model in each candidate dtype, time its step, keep the fastest.
-
-    Each candidate is built by `build` (the loader serving uses: its weights are packed
-    for that dtype, so a cast of another candidate would not time what serves), timed in
-    a small cache of its own, and the slower of the two models at hand is freed before
-    the next is built: at most two copies of the weights exist at once.
-    """
-    trials: list[DtypeTrial] = []
-    best: PagedModel | None = None
-    plan: ProbePlan | None = None
-    start = time.perf_counter()
-    building = 0.0
-    for dtype in candidates:
-        built = time.perf_counter()
-        model = build(dtype)
-        building += time.perf_counter() - built
-        plan = plan or trial_plan(model)
-        trials.append(DtypeTrial(dtype, trial_timings(model, plan)))
-        if choose_dtype(trials).dtype == dtype:
-            best = model
-        del model
-        gc.collect()  # the loser's weights go now, before the next candidate loads
-    assert best is not None
-    best.dtype_choice = choose_dtype(trials)
-    log.info(
-        "--dtype auto: %s (%.1f s: building %.1f s, timing %.1f s; score = decode steps at "
-        "batch %s + a %d-token prefill: %s)",
-        dtype_name(best.model.dtype),
-        time.perf_counter() - start,
-        building,
-        time.perf_counter() - start - building,
-        " and ".join(str(b) for b in trials[0].timings.decode_ms),
-        trials[0].timings.prefill_tokens,
-        ", ".join(f"{dtype_name(t.dtype)} {t.score_ms:.1f} ms" for t in trials),
-    )
-    return best
-
-
-def trial_plan(model: PagedModel) -> ProbePlan:
-    """A dtype trial's steps, within the memory the cache may take in `model`'s dtype."""
-    block_size = model.cache_config.block_size
-    return ProbePlan.fit(
-        TRIAL_BATCH_SIZES,
-        TRIAL_PREFILL_CHUNK,
-        num_blocks=model.num_blocks(),
-        block_size=block_size,
-        max_positions=model.model.config.max_position_embeddings,
-    )
-
-
-def trial_timings(model: PagedModel, plan: ProbePlan) -> StepTimings:
-    """`plan`'s timings in a cache allocated for the trial and dropped after it."""
-    block_size = model.cache_config.block_size
-    model.kv_cache = model.model.allocate_kv_cache(plan.num_blocks(block_size), block_size)
-    try:
-        return measure_steps(model, plan)
-    finally:
-        model.clear(None)
-        model.kv_cache = None
 
 
 # -- naming ------------------------------------------------------------------------------

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from textgate.kernels import select_attention_backend
-from textgate.shard_server.autoconfig import DtypeChoice, pick_dtype
 from textgate.shard_server.cache_config import CacheConfig
+from textgate.shard_server.dtype_choice import DtypeChoice, pick_dtype
 from textgate.shard_server.layers.tensor_parallel import distributed_backend, rank_device
 from textgate.shard_server.model import ShardModel
 from textgate.shard_server.paged_model import PagedModel
@@ -67,7 +67,7 @@ def load_model(
     `attention` is `--attention` (kernels.select_attention_backend; native models only).
 
     `dtype` "auto" on CPU builds a native model in each candidate dtype and keeps the one
-    whose own step measured fastest (`autoconfig.pick_dtype`).
+    whose own step measured fastest (`dtype_choice.pick_dtype`).
     """
     device = shard_device(rank, world_size)
     model_type = read_model_type(model_path)
@@ -134,7 +134,7 @@ def load_paged(
 ) -> PagedModel:
     """`build` in `torch_dtype` (what the `dtype` flag resolved to); "auto" on CPU takes
     `method_dtype` where the quantization method needs one (its kernel's), else measures
-    every candidate (`autoconfig.pick_dtype`). The model records how its dtype was chosen."""
+    every candidate (`dtype_choice.pick_dtype`). The model records how its dtype was chosen."""
     if dtype == "auto" and device.type == "cpu":
         if method_dtype is None:
             return pick_dtype(build)

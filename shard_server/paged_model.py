@@ -25,13 +25,10 @@ from textgate.kernels import attention_backend_name
 from textgate.kernels.kv_quant import kv_dtype_name, resolve_kv_cache_dtype
 from textgate.proto import generate_pb2 as pb
 from textgate.quantization.resident import resident_bytes
-from textgate.shard_server.autoconfig import (
-    DEFAULT_MAX_BATCH,
-    DtypeChoice,
-    warmup_measurements,
-)
+from textgate.shard_server.autoconfig import DEFAULT_MAX_BATCH, warmup_measurements
 from textgate.shard_server.cache_config import CacheConfig
 from textgate.shard_server.cuda_graphs import DecodeGraphRunner, GraphCapture
+from textgate.shard_server.dtype_choice import DtypeChoice
 from textgate.shard_server.grammar import GrammarCompiler, GrammarError, MaskFiller, PendingMasks
 from textgate.shard_server.kv_cache import KVCache
 from textgate.shard_server.memory import (
