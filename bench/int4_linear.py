@@ -10,6 +10,8 @@ the dequantized weight in the same cell: below 1 is faster. The candidates:
   float32 / bfloat16 activations, scales and zeros.
 - `i4-bf16-act`: `i4-bf16` for an act-order (desc_act) weight: the same kernel after a
   gather of the activation's inputs (`x[..., perm]`).
+- `i4-expand`: what `Int4PackedLinear` runs from `PROMPT_ROWS` rows on: the codes expanded
+  to a bf16 matrix (`expand_int4`, kernels/cpu_int4.c), then a dense matmul.
 - `ao-int8`: the dequantized weight requantized per channel to int8, torch.ao dynamic
   int8 linear (x86 engine) — lossy a second time, listed as the int8 path's speed.
 - `ref`: unpack and dequantize on every call, then matmul (the reference, not a path).
@@ -29,7 +31,7 @@ from textgate.bench.cli import parse_list
 from textgate.bench.report import format_table
 from textgate.bench.timing import best_seconds
 from textgate.kernels.linear import FastLinear
-from textgate.quantization.int4_linear import Int4PackedLinear
+from textgate.quantization.int4_linear import Int4PackedLinear, expand_int4
 from textgate.quantization.packing import (
     UnpackedWeight,
     contiguous_g_idx,
@@ -85,6 +87,12 @@ def candidates(unpacked: UnpackedWeight) -> dict[str, Callable[[torch.Tensor], t
     )
     i4_act = Int4PackedLinear.from_unpacked(act_order, torch.bfloat16)
     assert i4_act is not None
+
+    def expand(x: torch.Tensor) -> torch.Tensor:
+        dense = expand_int4(i4_bf16.packed, i4_bf16.scales_and_zeros, i4_bf16.group_size)
+        assert dense is not None  # the C kernels are built here
+        return torch.mm(x.to(torch.bfloat16), dense)
+
     ao_int8 = ao_int8_linear(weight)
     packed = pack_gptq(unpacked.intweight, unpacked.scales, unpacked.zeros, unpacked.g_idx, 4)
 
@@ -97,6 +105,7 @@ def candidates(unpacked: UnpackedWeight) -> dict[str, Callable[[torch.Tensor], t
         "i4-f32": i4_f32,
         "i4-bf16": lambda x: i4_bf16(x.to(torch.bfloat16)),
         "i4-bf16-act": lambda x: i4_act(x.to(torch.bfloat16)),
+        "i4-expand": expand,
         "ao-int8": ao_int8,
         "ref": reference,
     }

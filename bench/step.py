@@ -24,6 +24,7 @@ from textgate.bench.cli import parse_list
 from textgate.bench.report import format_table
 from textgate.bench.tokenizer import default_model_dir
 from textgate.proto import generate_pb2 as pb
+from textgate.quantization import int4_linear
 from textgate.shard_server.autoconfig import probe_request
 from textgate.shard_server.loader import load_model
 from textgate.shard_server.paged_model import CacheConfig, PagedModel
@@ -77,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-len", type=int, default=40)
     parser.add_argument("--steps", type=int, default=30, help="decode steps per batch size")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument(
+        "--no-int4-expand",
+        action="store_true",
+        help="4-bit layers run every prompt chunk through the int4 kernel, not the bf16 "
+        "expansion (int4_linear.PROMPT_ROWS): the A/B of that choice",
+    )
     return parser
 
 
@@ -84,6 +91,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.no_int4_expand:
+        int4_linear.PROMPT_ROWS = sys.maxsize
     model_dir = Path(args.model) if args.model else default_model_dir()
     batches = parse_list(args.batch, int)
     blocks = (args.prompt_len + args.steps + BLOCK_SIZE) // BLOCK_SIZE + 1

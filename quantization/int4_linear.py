@@ -29,7 +29,7 @@ dtypes take the dequantized FastLinear. Act-order's gather costs ~10-20% at M=1.
   group of 64 that g128 leaves on the default model's 576 inputs) becomes several kernel
   groups repeating its scale and zero. 1/4 of bf16's weight bytes. From `PROMPT_ROWS`
   rows (a prompt chunk) the codes are expanded to bf16 (`expand_int4`, kernels/cpu_int4.c)
-  for a dense matmul instead, where the int4 kernel is 2-4x slower than dense.
+  for a dense matmul instead, which makes prompt steps 1.55-1.7x faster (PROMPT_ROWS).
 - `TritonInt4Linear` (weights on CUDA, float16/bfloat16, triton importable): the codes
   repacked once into GPTQ's layout (zeros as they are, v2), AWQ's included, for the
   Triton dequant-matmul `kernels/triton/int4_matmul.py`; 2-bit codes go as 4-bit ones,
@@ -129,17 +129,14 @@ class Int4PackedLinear(nn.Module):
 
 PROMPT_ROWS = 128
 """Rows from which `Int4PackedLinear` expands its weight to bfloat16 (`expand_int4`) and
-runs a dense matmul: the int4 kernel is fast for a few rows and 2-4x slower than a dense
-bf16 matmul for many. On the 2-core EPYC (2 threads, 4-bit g64, same process, ms):
-
-    shape      M  int4 kernel  expand + mm
-    576x1536   64     0.51         0.57
-    576x1536  128     1.21         0.88
-    576x1536  512     4.71         2.17
-    1536x576  128     1.23         0.91
-    1536x576  512     4.83         2.40
-
-(the expansion itself: 0.07 ms for 576x1536.)"""
+runs a dense matmul instead of the int4 kernel. A layer alone, its packed weight in cache,
+hardly tells the two apart (`python -m textgate.bench.int4_linear --rows 64,128,512,2048
+--group-size 64`: i4-expand 0.96-1.0x i4-bf16 from 128 rows, slower below), but in the
+model, whose weights stream from memory, prompt steps are 1.55-1.7x faster with it: the AWQ
+g64 default model's prefill of 4 / 32 prompts of 128 tokens took 242-246 / 1834-2079 ms,
+against 412-416 / 3218-3234 ms with `--no-int4-expand` (`python -m textgate.bench.step
+--model AWQ_DIR --batch 4,32 --prompt-len 128 --steps 8 [--no-int4-expand]`, two rounds
+each, 2-core EPYC)."""
 
 
 def expand_int4(packed: Tensor, scales_and_zeros: Tensor, group_size: int) -> Tensor | None:

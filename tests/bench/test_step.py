@@ -19,3 +19,12 @@ def test_times_a_quantized_model(tiny_model_dir, capsys) -> None:
     argv = ["--model", str(tiny_model_dir), "--batch", "2", "--prompt-len", "4", "--steps", "2"]
     assert step.main([*argv, "--dtype", "float32", "--quantize", "int8"]) == 0
     assert "float32, int8," in capsys.readouterr().out
+
+
+def test_no_int4_expand_sends_every_chunk_to_the_int4_kernel(tiny_model_dir, monkeypatch) -> None:
+    from textgate.quantization import int4_linear
+
+    monkeypatch.setattr(int4_linear, "PROMPT_ROWS", int4_linear.PROMPT_ROWS)  # restored after
+    argv = ["--model", str(tiny_model_dir), "--batch", "1", "--prompt-len", "4", "--steps", "1"]
+    assert step.main([*argv, "--dtype", "float32", "--no-int4-expand"]) == 0
+    assert int4_linear.PROMPT_ROWS > 1 << 40
