@@ -5,11 +5,17 @@ a few batch sizes and a prefill chunk. Every setting below that the user left un
 derived from those numbers; an explicit flag always wins and the rest derive around it.
 
 - reference batch B: the largest measured batch <= --max-batch-size (32 when unset).
-- --target-itl-ms = max(ITL_BATCH1_FACTOR x step(1), (1 + PREFILL_SHARE) x step(B),
-  MIN_TARGET_ITL_MS). A loaded step must hold the reference batch's decodes plus a prompt
-  chunk worth PREFILL_SHARE of them, or new requests would wait for the batch to drain;
-  where batching is nearly free (GPUs: step(B) ~ step(1)) the batch-1 factor gives prompts
-  room instead and still promises a lone stream a quarter of its fastest rate.
+- --target-itl-ms starts at max(ITL_BATCH1_FACTOR x step(1), (1 + PREFILL_SHARE) x step(B),
+  MIN_TARGET_ITL_MS) (`batch_controller.derived_target`). A loaded step must hold the
+  reference batch's decodes plus a prompt chunk worth PREFILL_SHARE of them, or new requests
+  would wait for the batch to drain; where batching is nearly free (GPUs: step(B) ~
+  step(1)) the batch-1 factor gives prompts room instead and still promises a lone stream a
+  quarter of its fastest rate. It is not frozen in the config: the batch controller's cost
+  fit is seeded with the same measurements (`factory.startup_steps`) and applies the same
+  rule to the served steps, so a measurement taken on a busy machine is corrected as the
+  router serves. The two settings below derive around the starting value; both scale
+  with the step time (a slower step raises the target and lowers the prefill rate alike),
+  so a uniformly slowed measurement leaves them about where a quiet one would.
 - --max-batch-prefill-tokens (tokens per step) = B + the prompt tokens the measured prefill
   rate computes in the headroom target - step(B), a multiple of the KV block, between
   MIN_STEP_TOKENS and TGI's max_input_tokens + 50, and at least the max batch size (every
@@ -30,14 +36,15 @@ from typing import Any
 
 from textgate.proto import generate_pb2 as pb
 from textgate.router.config import RouterConfig
+from textgate.router.engine import batch_controller
 
 log = logging.getLogger("textgate.router")
 
-ITL_BATCH1_FACTOR = 4.0
+ITL_BATCH1_FACTOR = batch_controller.DERIVE_FACTOR
 """The target is at least this many batch-1 decode steps."""
-PREFILL_SHARE = 0.5
+PREFILL_SHARE = batch_controller.PREFILL_SHARE
 """A loaded step may spend this fraction of the reference batch's decode step on prompts."""
-MIN_TARGET_ITL_MS = 20.0
+MIN_TARGET_ITL_MS = batch_controller.MIN_DERIVED_TARGET_S * 1e3
 """The least target derivation gives (faster than any reader's eye needs)."""
 REFERENCE_BATCH = 32
 """The reference batch when --max-batch-size is unset."""
@@ -46,7 +53,10 @@ MIN_STEP_TOKENS = 64
 MAX_DERIVED_BATCH_SIZE = 256
 """The most a derived max batch size gives (the paged engine's default ceiling)."""
 DERIVED = ("target_itl_ms", "max_batch_prefill_tokens", "max_batch_size")
-"""RouterConfig fields this module derives when unset."""
+"""RouterConfig fields this module derives when unset (the report's choices)."""
+FILLED = ("max_batch_prefill_tokens", "max_batch_size")
+"""Those it fills into the config; an unset target stays unset: the batch controller
+derives it, starting where `target_itl_ms` puts it."""
 
 
 @dataclass(frozen=True)
@@ -54,7 +64,8 @@ class Measurements:
     """What a paged shard reported in its WarmupResponse."""
 
     decode_step_ms: dict[int, float]
-    """Batch size -> median decode step ms, ascending batch sizes."""
+    """Batch size -> decode step ms (the fastest of runs that agreed), ascending batch
+    sizes."""
     prefill_tokens_per_s: float
     prefill_chunk_tokens: int
     measure_ms: float
@@ -120,15 +131,16 @@ def reference_batch(m: Measurements, max_batch_size: int | None) -> int:
 
 
 def target_itl_ms(m: Measurements, reference: int) -> float:
-    """max(ITL_BATCH1_FACTOR x step(1), (1 + PREFILL_SHARE) x step(reference), the floor)."""
-    return round(
-        max(
-            ITL_BATCH1_FACTOR * m.decode_step_ms[1],
-            (1 + PREFILL_SHARE) * m.decode_step_ms[reference],
-            MIN_TARGET_ITL_MS,
-        ),
-        1,
+    """max(ITL_BATCH1_FACTOR x step(1), (1 + PREFILL_SHARE) x step(reference), the floor):
+    where the batch controller's target starts."""
+    target = batch_controller.derived_target(
+        m.decode_step_ms[1],
+        m.decode_step_ms[reference],
+        factor=ITL_BATCH1_FACTOR,
+        prefill_share=PREFILL_SHARE,
+        floor=MIN_TARGET_ITL_MS,
     )
+    return round(target, 1)
 
 
 def max_batch_size(m: Measurements, target_ms: float, reference: int) -> int:
@@ -199,9 +211,10 @@ def derive(config: RouterConfig, m: Measurements, block_size: int) -> Derived:
 
 
 def apply_measurements(config: RouterConfig, m: Measurements, block_size: int) -> RouterConfig:
-    """`config` with every derived setting the user left unset (None) filled in."""
+    """`config` with the step budget and max batch size filled in where the user left them
+    unset (None); an unset target stays None: the batch controller derives it (FILLED)."""
     derived = derive(config, m, block_size)
-    unset = {name: getattr(derived, name) for name in DERIVED if getattr(config, name) is None}
+    unset = {name: getattr(derived, name) for name in FILLED if getattr(config, name) is None}
     return dataclasses.replace(config, **unset)
 
 
@@ -210,10 +223,14 @@ def apply_measurements(config: RouterConfig, m: Measurements, block_size: int) -
 
 def report(requested: RouterConfig, resolved: RouterConfig, m: Measurements) -> dict[str, Any]:
     """The startup report /info shows under "autoconfig" and the router logs: the machine,
-    each choice with where it came from ("flag" or "measured"), and the numbers."""
+    each choice with where it came from ("flag" or "measured"), and the numbers. A
+    measured target is where the batch controller starts (/metrics shows where it is)."""
+    values = {name: getattr(resolved, name) for name in DERIVED}
+    if values["target_itl_ms"] is None:
+        values["target_itl_ms"] = target_itl_ms(m, reference_batch(m, requested.max_batch_size))
     choices = {
         name: {
-            "value": getattr(resolved, name),
+            "value": values[name],
             "source": "flag" if getattr(requested, name) is not None else "measured",
         }
         for name in DERIVED

@@ -26,22 +26,88 @@ Between growing (at the target) and shrinking (past target × (1 + dead_band)) i
 steady load settles on one limit instead of oscillating. Queue age is the scheduler's: a
 request that waited `max_waiting_steps` joins past the limit (bounded queue time).
 
-Without a target (`target_itl_s=None`) it derives one from its first steps: the batch limit
-starts at `initial_batch_size` and doubles while requests wait (small batches first, so the
-batch-1 step is measured, not guessed); after `num_calibration_steps` steps with decodes the
-target is `derive_factor` × the fitted batch-1 decode step, at least `min_derived_target_s`.
+The target: an explicit one (`target_itl_s`) is kept as given. Otherwise it is derived from
+the fit and re-derived after every step, so it follows the machine: `derived_target` of the
+fitted decode step at batch 1 and at the reference batch, the rule the router's startup
+autoconfig applies to the shards' own measurement. Seeded with that measurement
+(`StartupSteps`), the fit starts from it as a prior that served steps outweigh
+(`StepCostModel.seed`): target and limits hold from the first step, and a measurement taken
+on a busy machine (decode steps 2-3x too slow, so a target 3x too loose) is corrected
+within about ten served steps once the load varies its batch (a load held at one batch
+size pins the step at that size; the slope follows when the batch moves). Without a seed the batch limit starts at `initial_batch_size` and
+doubles while requests wait (small batches first, so the batch-1 step is measured, not
+guessed); the first target comes after `num_calibration_steps` steps with decodes.
 With `adaptive=False` the limits stay at their maxima (the scheduler's fixed budgets) and the
-controller only measures. Pure Python: no I/O beyond its DEBUG log lines, no clock.
+controller only measures. Pure Python: no I/O beyond its log lines, no clock.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from textgate.router.engine.step_cost import StepCostModel
 
 log = logging.getLogger("textgate.router")
+
+DERIVE_FACTOR = 4.0
+"""A derived target is at least this many batch-1 decode steps."""
+PREFILL_SHARE = 0.5
+"""A derived target leaves the reference batch's decode step this share of it for prompts."""
+MIN_DERIVED_TARGET_S = 0.02
+"""The least target derivation gives (faster than any reader's eye needs)."""
+TARGET_LOG_CHANGE = 0.2
+"""A derived target is logged (INFO) when first set and when it moved this fraction."""
+
+
+def derived_target(
+    batch_one: float,
+    reference: float,
+    *,
+    factor: float = DERIVE_FACTOR,
+    prefill_share: float = PREFILL_SHARE,
+    floor: float = MIN_DERIVED_TARGET_S,
+) -> float:
+    """max(factor x batch-1 decode step, (1 + prefill_share) x reference-batch decode step,
+    floor), all in one unit.
+
+    A loaded step must hold the reference batch's decodes plus a prompt chunk worth
+    `prefill_share` of them, or new requests wait for the batch to drain; where batching is
+    nearly free (GPUs: step(B) ~ step(1)) the batch-1 term gives prompts room instead and
+    still promises a lone stream 1/factor of its fastest rate.
+    """
+    return max(factor * batch_one, (1 + prefill_share) * reference, floor)
+
+
+@dataclass(frozen=True)
+class StartupSteps:
+    """The steps the shards timed at warmup (`shard_server/autoconfig.py`), in seconds: the
+    prior the cost fit starts from."""
+
+    decode_s: Mapping[int, float]
+    """Batch size -> decode step."""
+    prefill_tokens: int = 0
+    """Tokens of the timed prefill chunk (0: none timed)."""
+    prefill_s: float = 0.0
+    """That chunk's step."""
+
+    def __post_init__(self) -> None:
+        if not self.decode_s or min(self.decode_s) < 1:
+            raise ValueError("startup steps need decode steps at batch sizes >= 1")
+        if any(s <= 0 for s in self.decode_s.values()) or self.prefill_s < 0:
+            raise ValueError("startup step times must be positive")
+
+    def samples(self) -> list[tuple[int, int, float]]:
+        """(decodes, prompt tokens, latency) of each timed step."""
+        steps = [(batch, 0, s) for batch, s in self.decode_s.items()]
+        if self.prefill_tokens > 0 and self.prefill_s > 0:
+            steps.append((0, self.prefill_tokens, self.prefill_s))
+        return steps
+
+    def reference_batch(self, max_batch_size: int) -> int:
+        """The largest timed batch within `max_batch_size` (1 when none is)."""
+        return max((batch for batch in self.decode_s if batch <= max_batch_size), default=1)
 
 
 @dataclass(frozen=True)
@@ -67,9 +133,11 @@ class ControllerConfig:
     2-core CPU shared with other jobs)."""
     dead_band: float = 0.1
     """The limit shrinks only once a step is predicted over target × (1 + dead_band)."""
-    derive_factor: float = 4.0
-    """A derived target is this many batch-1 decode steps."""
-    min_derived_target_s: float = 0.02
+    derive_factor: float = DERIVE_FACTOR
+    """A derived target is at least this many batch-1 decode steps (`derived_target`)."""
+    prefill_share: float = PREFILL_SHARE
+    """A derived target is at least (1 + this) reference-batch decode steps."""
+    min_derived_target_s: float = MIN_DERIVED_TARGET_S
     """The least target derivation may give."""
     num_calibration_steps: int = 16
     """Measured steps with decodes before a target is derived."""
@@ -98,7 +166,7 @@ class ControllerConfig:
             )
         if self.target_itl_s is not None and self.target_itl_s <= 0:
             raise ValueError(f"target_itl_s must be > 0, got {self.target_itl_s}")
-        for name in ("dead_band", "min_derived_target_s"):
+        for name in ("dead_band", "prefill_share", "min_derived_target_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.derive_factor < 1:
@@ -149,10 +217,24 @@ class ControllerState:
 class BatchController:
     """Chooses each step's prefill share and the batch limit; see the module docstring."""
 
-    def __init__(self, config: ControllerConfig, cost: StepCostModel | None = None) -> None:
+    def __init__(
+        self,
+        config: ControllerConfig,
+        cost: StepCostModel | None = None,
+        startup: StartupSteps | None = None,
+    ) -> None:
+        """`cost` carries a learned fit over; `startup` seeds the fit with the shards'
+        warmup measurement (and picks the reference batch of a derived target)."""
         self.config = config
         self.cost = cost or StepCostModel()
+        self._seeded = startup is not None
+        self._reference = 1
+        if startup is not None:
+            self.cost.seed(startup.samples())
+            self._reference = startup.reference_batch(config.max_batch_size)
         self._target = config.target_itl_s if config.adaptive else None
+        self._follows_fit = config.adaptive and config.target_itl_s is None
+        self._logged_target: float | None = None
         self._limit = (
             self._bounded(config.initial_batch_size) if config.adaptive else config.max_batch_size
         )
@@ -163,10 +245,13 @@ class BatchController:
         self._mixed_latency = 0.0
         self.num_limit_changes = 0
         """How often the batch limit changed (a steady load should rarely change it)."""
+        if self._follows_fit:
+            self._follow_fit()
 
     @property
     def target_itl_s(self) -> float | None:
-        """The inter-token latency target in force (None: fixed budgets, or not derived yet)."""
+        """The inter-token latency target in force (None: fixed budgets, or not derived yet);
+        a derived one moves with the fit."""
         return self._target
 
     @property
@@ -207,8 +292,8 @@ class BatchController:
             return
         if sample.num_decodes > 0:
             self._num_decode_samples += 1
-        if self._target is None:
-            self._derive_target()
+        if self._follows_fit:
+            self._follow_fit()
         self._set_limit(self._bounded(self._next_limit(sample)), sample)
 
     def on_idle(self) -> None:
@@ -241,20 +326,37 @@ class BatchController:
             previous = self._decode_latency or sample.latency_s
             self._decode_latency = previous + alpha * (sample.latency_s - previous)
 
-    def _derive_target(self) -> None:
+    def _follow_fit(self) -> None:
+        """Derive the target from the fit again (after calibration when unseeded)."""
         config = self.config
-        if self._num_decode_samples < config.num_calibration_steps or not self.cost.is_ready:
-            return
-        batch_one = self.cost.predict(1)
-        self._target = max(config.min_derived_target_s, config.derive_factor * batch_one)
-        log.info(
-            "Inter-token latency target %.1f ms (%.1f x the measured batch-1 decode step "
-            "of %.1f ms, at least %.1f ms)",
-            self._target * 1e3,
-            config.derive_factor,
-            batch_one * 1e3,
-            config.min_derived_target_s * 1e3,
+        calibrating = (
+            self._target is None
+            and not self._seeded
+            and self._num_decode_samples < config.num_calibration_steps
         )
+        if calibrating or not self.cost.is_ready:
+            return
+        batch_one, reference = self.cost.predict(1), self.cost.predict(self._reference)
+        self._target = derived_target(
+            batch_one,
+            reference,
+            factor=config.derive_factor,
+            prefill_share=config.prefill_share,
+            floor=config.min_derived_target_s,
+        )
+        logged = self._logged_target
+        if logged is None or abs(self._target - logged) >= TARGET_LOG_CHANGE * logged:
+            self._logged_target = self._target
+            log.info(
+                "Inter-token latency target %.1f ms, from the fitted decode step: %.1f ms at "
+                "batch 1, %.1f ms at batch %d (%d served steps%s)",
+                self._target * 1e3,
+                batch_one * 1e3,
+                reference * 1e3,
+                self._reference,
+                self.cost.num_samples,
+                " over the startup measurement" if self._seeded else "",
+            )
 
     def _bounded(self, limit: int) -> int:
         """`limit` within [min_batch_size, max_batch_size]."""

@@ -1,8 +1,9 @@
 """The one place that picks the engine for the shards and sizes it from the router's config.
 
 Paged shards (Info.block_size > 0, every native model) get a `PagedEngine` over a
-scheduler with exactly the KV blocks their Warmup reported; padded shards (the
-transformers fallback) get a `PaddedEngine` under TGI's batch budgets.
+scheduler with exactly the KV blocks their Warmup reported, its batch controller seeded
+with the steps they timed there; padded shards (the transformers fallback) get a
+`PaddedEngine` under TGI's batch budgets.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import logging
 
 from textgate.proto import generate_pb2 as pb
 from textgate.router.config import RouterConfig
+from textgate.router.engine.batch_controller import BatchController, StartupSteps
 from textgate.router.engine.padded_engine import PaddedEngine
 from textgate.router.engine.padded_queue import BatchLimits
 from textgate.router.engine.paged_engine import PagedEngine
@@ -47,8 +49,10 @@ def make_engine(
         )
     if warmup.num_blocks == 0:
         raise RuntimeError("the paged shards reported no KV-cache blocks at warmup")
-    scheduler = Scheduler(scheduler_config(config, info.block_size, warmup.num_blocks))
-    log.info("Batch controller: %s", describe_controller(scheduler.config))
+    paged = scheduler_config(config, info.block_size, warmup.num_blocks)
+    controller = BatchController(paged.controller_config(), startup=startup_steps(warmup))
+    scheduler = Scheduler(paged, controller)
+    log.info("Batch controller: %s", describe_controller(paged, controller.target_itl_s))
     return PagedEngine(shards, scheduler, config.max_concurrent_requests, metrics=metrics)
 
 
@@ -68,15 +72,30 @@ def scheduler_config(config: RouterConfig, block_size: int, num_blocks: int) -> 
     )
 
 
-def describe_controller(config: SchedulerConfig) -> str:
-    """One line for the startup log: how step budgets are chosen."""
+def startup_steps(warmup: pb.WarmupResponse) -> StartupSteps | None:
+    """The steps paged shards timed at warmup, in seconds: the batch controller's prior
+    (None where they timed none)."""
+    if not warmup.decode_timings:
+        return None
+    rate, chunk = warmup.prefill_tokens_per_s, warmup.prefill_chunk_tokens
+    return StartupSteps(
+        decode_s={t.batch_size: t.step_ms / 1e3 for t in warmup.decode_timings},
+        prefill_tokens=chunk if rate > 0 else 0,
+        prefill_s=chunk / rate if rate > 0 else 0.0,
+    )
+
+
+def describe_controller(config: SchedulerConfig, start_target_s: float | None = None) -> str:
+    """One line for the startup log: how step budgets are chosen (`start_target_s`: where a
+    derived target starts, when the startup measurement seeds it)."""
     if not config.adaptive:
         return f"fixed budgets ({config.max_num_batched_tokens} tokens, {config.max_num_seqs} requests per step)"
-    target = (
-        "derived from the first steps"
-        if config.target_itl_s is None
-        else f"{config.target_itl_s * 1e3:.1f} ms"
-    )
+    if config.target_itl_s is not None:
+        target = f"{config.target_itl_s * 1e3:.1f} ms"
+    elif start_target_s is not None:
+        target = f"derived from measured steps, {start_target_s * 1e3:.1f} ms at startup"
+    else:
+        target = "derived from the first steps"
     return (
         f"adaptive, inter-token latency target {target}, prefill share "
         f"{config.controller_config().min_prefill_tokens}-{config.max_num_batched_tokens} "

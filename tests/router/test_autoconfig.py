@@ -14,6 +14,8 @@ from textgate.proto import generate_pb2 as pb
 from textgate.router import autoconfig
 from textgate.router.autoconfig import Measurements
 from textgate.router.config import CPU_STEP_TOKENS, RouterConfig
+from textgate.router.engine.batch_controller import BatchController
+from textgate.router.engine.factory import describe_controller, scheduler_config, startup_steps
 from textgate.router.server import resolve_config
 from textgate.tests.router.fake_shard import FakeShard
 
@@ -90,9 +92,11 @@ def test_the_step_budget_is_the_batch_plus_the_prompt_tokens_of_the_headroom() -
 
 def test_unset_settings_derive_from_the_measurements() -> None:
     resolved = autoconfig.apply_measurements(config(), measured(CPU_STEPS), block_size=16)
-    assert resolved.target_itl_ms == 229.5
     assert resolved.max_batch_size == 51
     assert resolved.max_batch_prefill_tokens == 176
+    # The target is the batch controller's: it starts at 229.5 ms and follows served steps.
+    assert resolved.target_itl_ms is None
+    assert autoconfig.derive(config(), measured(CPU_STEPS), 16).target_itl_ms == 229.5
 
 
 def test_explicit_flags_win_and_the_rest_derive_around_them() -> None:
@@ -104,7 +108,7 @@ def test_explicit_flags_win_and_the_rest_derive_around_them() -> None:
     assert resolved.target_itl_ms == 300.0
     assert resolved.max_batch_size == 68  # (300 - 25) / 4
     assert resolved.max_batch_prefill_tokens == 32 + 288  # 32 + (300 - 153) x 2, to 16s
-    small = autoconfig.apply_measurements(config(max_batch_size=8), m, 16)
+    small = autoconfig.derive(config(max_batch_size=8), m, 16)
     assert small.max_batch_size == 8
     assert small.target_itl_ms == 116.0  # 4 x step(1) > 1.5 x step(8)
 
@@ -152,6 +156,37 @@ def test_the_report_names_each_choice_and_its_source(caplog: pytest.LogCaptureFi
         autoconfig.log_report(report)
     (block,) = [r.getMessage() for r in caplog.records if "autoconfig" in r.getMessage()]
     assert "Test CPU (2 threads)" in block and "max_batch_size 8 (flag)" in block
+
+
+# -- the batch controller starts where the rules put the target -----------------------------
+
+
+def test_the_controller_seeded_with_the_warmup_starts_at_the_reported_target() -> None:
+    resolved = resolve_config(config(), PAGED_CPU, 100_000, measured(CPU_STEPS))
+    paged = scheduler_config(resolved, PAGED_CPU.block_size, 1000)
+    startup = startup_steps(WARMUP_MEASUREMENTS)
+    controller = BatchController(paged.controller_config(), startup=startup)
+    report = autoconfig.report(config(), resolved, measured(CPU_STEPS))
+    # CPU_STEPS is an exact line, so the seeded fit's steps are the measured ones (within
+    # the fit's light ridge).
+    assert controller.target_itl_s is not None
+    assert report["target_itl_ms"] == {"value": 229.5, "source": "measured"}
+    assert controller.target_itl_s * 1e3 == pytest.approx(229.5, rel=0.01)
+    assert paged.target_itl_s is None  # not frozen: the controller re-derives it
+    assert describe_controller(paged, controller.target_itl_s).startswith(
+        "adaptive, inter-token latency target derived from measured steps, 22"
+    )
+
+
+def test_an_explicit_target_is_kept_and_the_seed_only_informs_the_fit() -> None:
+    resolved = resolve_config(config(target_itl_ms=80.0), PAGED_CPU, 100_000, measured(CPU_STEPS))
+    paged = scheduler_config(resolved, PAGED_CPU.block_size, 1000)
+    controller = BatchController(
+        paged.controller_config(), startup=startup_steps(WARMUP_MEASUREMENTS)
+    )
+    assert controller.target_itl_s == 0.08 and controller.cost.is_ready
+    assert controller.cost.predict(32) == pytest.approx(0.153, rel=0.01)
+    assert startup_steps(pb.WarmupResponse(num_blocks=10)) is None
 
 
 # -- over the fake shard -------------------------------------------------------------------
