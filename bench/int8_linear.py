@@ -15,8 +15,11 @@ computes `x[M, in] @ W.T` and its median time is printed as a ratio to the fp32 
 - `onednn-q`: `onednn::qlinear_pointwise` on plain int8 tensors (the op PyTorch's x86 PT2E
   int8 path lowers to): weights prepacked once, per-tensor dynamic uint8 activations
   quantized by PyTorch ops.
-- `ours`: `kernels.int8_linear.Int8Linear`, the same oneDNN op with per-token activations
-  quantized in one C pass (fixed scale 1/127 and zero point 128 after row scaling).
+- `ours`: `kernels.int8_linear.Int8Linear` as it serves here (its `default_kernel`).
+- `c-<level>`: cpu_int8.c built for each instruction-set level this CPU runs
+  (kernels/cpu_isa.py: `c-avx2` is what an AVX2-only CPU serves with).
+- `ours-onednn`: the same layer on oneDNN's int8 GEMM (per-token activations quantized in
+  one C pass; wrong where oneDNN saturates, see `int8_linear.onednn_is_exact`).
 - `ref`: dequantize then matmul (the reference).
 
 Candidates are timed round-robin within a cell, in short windows; each one's fastest
@@ -37,6 +40,7 @@ import torch
 from textgate.bench.cli import parse_list
 from textgate.bench.report import format_table
 from textgate.bench.timing import best_seconds
+from textgate.kernels import cpu_build, cpu_isa, int8_linear
 from textgate.kernels.int8_linear import Int8Linear
 from textgate.kernels.linear import FastLinear
 
@@ -105,10 +109,31 @@ def candidates(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch
         "ao-x86-tok": ao_token,
         "onednn-q": onednn_q,
         "ours": Int8Linear(qweight, scales),
+        "ours-onednn": Int8Linear(qweight, scales, kernel="onednn"),
+        **_c_levels(qweight, scales),
         "int_mm": int_mm,
         "w8pack": lambda x: torch.ops.aten._weight_int8pack_mm(x, qweight, scales),
         "ref": reference,
     }
+
+
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _c_levels(qweight: torch.Tensor, scales: torch.Tensor) -> dict[str, Linear]:
+    """cpu_int8.c built for each level this CPU runs, on weights packed for it."""
+    fns: dict[str, Linear] = {}
+    for level in cpu_isa.runnable_levels():
+        library = cpu_build.load_library(level=level.name)
+        if library is None:
+            continue
+        packed = int8_linear.pack_int8(qweight, scales, None, int(library.textgate_int8_isa()))
+
+        def run(x: torch.Tensor, packed=packed, library=library) -> torch.Tensor:
+            return int8_linear.cpu_int8_linear(x, packed, None, library)
+
+        fns[f"c-{level.name}"] = run
+    return fns
 
 
 def main(argv: Sequence[str] | None = None) -> None:

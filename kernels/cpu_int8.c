@@ -9,11 +9,16 @@
  * match it exactly.
  *
  * textgate_int8_linear: the whole layer in one call, y = dequant(q_x @ q_w.T) + bias: the rows
- * quantized as above, the products summed exactly in int32 (AVX512-VNNI vpdpbusd, unsigned
- * q_x + 128 times signed q_w; 128 * colsum(q_w) subtracted after; exact up to 66,314 inputs,
- * int8_linear.VNNI_MAX_IN_FEATURES), scaled by row_max and the
- * per-channel weight scale, the bias added and the result stored in the input's dtype.
- * Weights are packed once by int8_linear.pack_vnni: [N/16][K/4][16][4] int8, N and K padded.
+ * quantized as above, the products of unsigned q_x + 128 and signed q_w summed exactly in
+ * int32, 128 * colsum(q_w) subtracted after (exact up to 66,314 inputs,
+ * int8_linear.MAX_IN_FEATURES), scaled by row_max and the per-channel weight scale, the bias
+ * added and the result stored in the input's dtype. Which instructions sum the products
+ * depends on the build's level (kernels/cpu_isa.py), and so does the weights' layout, packed
+ * once by int8_linear.pack_int8 (N padded to 16, K to 4); textgate_int8_isa() says which:
+ *   2  AVX512-VNNI: vpdpbusd, four u8 x s8 products per int32 lane;  [N/16][K/4][16][4]
+ *   1  AVX2: both operands widened to int16, vpmaddwd sums pairs of products into int32
+ *      lanes, so nothing saturates (vpmaddubsw's int16 sums would);    [N/16][K/2][16][2]
+ *   0  portable C, the same sums one by one;                           [N/16][K/4][16][4]
  */
 
 /* Exact float semantics here: the build's -ffast-math may reassociate x * ((1 / m) * 127),
@@ -31,9 +36,12 @@
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
-#define TEXTGATE_VNNI 1
+#define TEXTGATE_INT8_ISA 2
+#elif defined(__AVX2__)
+#include <immintrin.h>
+#define TEXTGATE_INT8_ISA 1
 #else
-#define TEXTGATE_VNNI 0
+#define TEXTGATE_INT8_ISA 0
 #endif
 
 #define GRAIN_SIZE 32768 /* at::internal::GRAIN_SIZE */
@@ -84,9 +92,21 @@ void textgate_quantize_rows(const void *x, uint8_t *out, float *row_max, int64_t
         quantize_row(x, r * cols, cols, bf16, NULL, out + r * cols, cols, row_max + r);
 }
 
-int textgate_int8_vnni(void) { return TEXTGATE_VNNI; }
+int textgate_int8_isa(void) { return TEXTGATE_INT8_ISA; }
 
-#if TEXTGATE_VNNI
+/* Lane i of the products' int32 sums acc[0, count) of one row and 16 output channels, minus
+ * their offsets, scaled, biased and stored to out[0, count) (float, or bf16 rounded to
+ * nearest even). */
+static inline void finish16(const int32_t *acc, const int32_t *wsum, const float *wscale,
+                            const float *bias, float row_max, void *out, int count, int bf16) {
+    for (int c = 0; c < count; c++) {
+        float v = (float)(acc[c] - wsum[c]) * wscale[c] * row_max;
+        if (bias) v += bias[c];
+        textgate_store(out, c, v, bf16);
+    }
+}
+
+#if TEXTGATE_INT8_ISA == 2
 
 /* Lane i of v (float) stored to base[i] for i < count, as float or as bfloat16 rounded to
  * nearest even (what torch's .to(bfloat16) does for finite values). */
@@ -136,6 +156,81 @@ static inline __attribute__((always_inline)) void tile(
     }
 }
 
+#elif TEXTGATE_INT8_ISA == 1
+
+#define MAX_NB_AVX2 1
+
+/* MB rows x NB blocks of 16 output channels, two int32 accumulators (8 channels each) per
+ * row and block. Per pair of inputs: 16 channels x 2 weights (32 bytes) widened to int16,
+ * the row's two activations broadcast as one int32, vpmaddwd adds each channel's two
+ * products (at most 2 * 255 * 127: exact) into its lane. */
+static inline __attribute__((always_inline)) void tile(
+    const uint8_t *a, int64_t lda, const float *row_max, const int8_t *w, int64_t k4,
+    const int32_t *wsum, const float *wscale, const float *bias, void *out, int64_t ldo,
+    int64_t n_left, int out_bf16, const int MB, const int NB) {
+    const int64_t k2 = k4 * 2;
+    __m256i acc[4][MAX_NB_AVX2][2];
+    for (int i = 0; i < MB; i++)
+        for (int j = 0; j < NB; j++) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_si256();
+    for (int64_t kk = 0; kk < k2; kk++) {
+        __m256i wv[MAX_NB_AVX2][2];
+        for (int j = 0; j < NB; j++) {
+            const int8_t *block = w + (j * k2 + kk) * 32;
+            wv[j][0] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)block));
+            wv[j][1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(block + 16)));
+        }
+        for (int i = 0; i < MB; i++) {
+            const uint8_t *pair = a + i * lda + kk * 2;
+            const __m256i av = _mm256_set1_epi32((int32_t)pair[0] | ((int32_t)pair[1] << 16));
+            for (int j = 0; j < NB; j++) {
+                acc[i][j][0] = _mm256_add_epi32(acc[i][j][0], _mm256_madd_epi16(av, wv[j][0]));
+                acc[i][j][1] = _mm256_add_epi32(acc[i][j][1], _mm256_madd_epi16(av, wv[j][1]));
+            }
+        }
+    }
+    for (int j = 0; j < NB; j++) {
+        const int64_t left = n_left - j * 16;
+        const int count = left >= 16 ? 16 : (int)left;
+        for (int i = 0; i < MB; i++) {
+            int32_t sums[16];
+            _mm256_storeu_si256((__m256i *)sums, acc[i][j][0]);
+            _mm256_storeu_si256((__m256i *)(sums + 8), acc[i][j][1]);
+            void *o = out_bf16 ? (void *)((uint16_t *)out + i * ldo + j * 16)
+                               : (void *)((float *)out + i * ldo + j * 16);
+            finish16(sums, wsum + j * 16, wscale + j * 16, bias ? bias + j * 16 : NULL,
+                     row_max[i], o, count, out_bf16);
+        }
+    }
+}
+
+#else
+
+/* The same sums in plain C, one block of 16 channels at a time. */
+static inline void tile(const uint8_t *a, int64_t lda, const float *row_max, const int8_t *w,
+                        int64_t k4, const int32_t *wsum, const float *wscale, const float *bias,
+                        void *out, int64_t ldo, int64_t n_left, int out_bf16, const int MB,
+                        const int NB) {
+    for (int j = 0; j < NB; j++) {
+        const int8_t *block = w + j * k4 * 64;
+        const int64_t left = n_left - j * 16;
+        const int count = left >= 16 ? 16 : (int)left;
+        for (int i = 0; i < MB; i++) {
+            int32_t sums[16] = {0};
+            const uint8_t *row = a + i * lda;
+            for (int64_t kk = 0; kk < k4; kk++)
+                for (int c = 0; c < 16; c++)
+                    for (int q = 0; q < 4; q++)
+                        sums[c] += (int32_t)row[kk * 4 + q] * (int32_t)block[kk * 64 + c * 4 + q];
+            void *o = out_bf16 ? (void *)((uint16_t *)out + i * ldo + j * 16)
+                               : (void *)((float *)out + i * ldo + j * 16);
+            finish16(sums, wsum + j * 16, wscale + j * 16, bias ? bias + j * 16 : NULL,
+                     row_max[i], o, count, out_bf16);
+        }
+    }
+}
+
+#endif
+
 typedef void (*tile_fn)(const uint8_t *, int64_t, const float *, const int8_t *, int64_t,
                         const int32_t *, const float *, const float *, void *, int64_t, int64_t,
                         int);
@@ -147,23 +242,32 @@ typedef void (*tile_fn)(const uint8_t *, int64_t, const float *, const int8_t *,
                                  int64_t nl, int bf) {                                         \
         tile(a, lda, rm, w, k4, ws, sc, b, o, ldo, nl, bf, MB, NB);                            \
     }
+#if TEXTGATE_INT8_ISA == 1
+/* 16 ymm registers: 4 rows x 1 block is 8 accumulators, 2 weight and 1 activation
+ * registers (2 blocks would spill). */
+#define MAX_NB 1
+TILE(1, 1) TILE(2, 1) TILE(3, 1) TILE(4, 1)
+static const tile_fn TILES[4][MAX_NB] = {{tile_1_1}, {tile_2_1}, {tile_3_1}, {tile_4_1}};
+#else
+#define MAX_NB 4
 #define TILE_ROW(MB) TILE(MB, 1) TILE(MB, 2) TILE(MB, 3) TILE(MB, 4)
 TILE_ROW(1) TILE_ROW(2) TILE_ROW(3) TILE_ROW(4)
-static const tile_fn TILES[4][4] = {
+static const tile_fn TILES[4][MAX_NB] = {
     {tile_1_1, tile_1_2, tile_1_3, tile_1_4},
     {tile_2_1, tile_2_2, tile_2_3, tile_2_4},
     {tile_3_1, tile_3_2, tile_3_3, tile_3_4},
     {tile_4_1, tile_4_2, tile_4_3, tile_4_4},
 };
+#endif
 
 /* x [rows, k] (float32 or bf16) -> out [rows, n] in out's dtype; smooth [k] and bias [n16]
- * may be NULL; packed/wsum/wscale as pack_vnni made them (wsum = 128 * colsum, wscale =
+ * may be NULL; packed/wsum/wscale as pack_int8 made them (wsum = 128 * colsum, wscale =
  * s_w / 127, both padded to n16). Returns 0, or -1 when the scratch could not be allocated. */
 int textgate_int8_linear(const void *x, int64_t rows, int64_t k, int x_bf16, const float *smooth,
                          const int8_t *packed, const int32_t *wsum, const float *wscale,
                          const float *bias, void *out, int64_t n, int out_bf16) {
     const int64_t k4 = (k + 3) / 4, lda = k4 * 4;
-    const int64_t n16 = (n + 15) / 16, num_tiles = (n16 + 3) / 4;
+    const int64_t n16 = (n + 15) / 16, num_tiles = (n16 + MAX_NB - 1) / MAX_NB;
     const int64_t row_chunks = (rows + ROW_CHUNK - 1) / ROW_CHUNK;
     uint8_t *a = malloc((size_t)(rows * lda) + 64);
     float *row_max = malloc((size_t)rows * sizeof(float) + 64);
@@ -181,8 +285,8 @@ int textgate_int8_linear(const void *x, int64_t rows, int64_t k, int x_bf16, con
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < num_tiles * row_chunks; task++) {
             const int64_t t = task / row_chunks, chunk = task % row_chunks;
-            const int64_t first_block = t * 4;
-            const int nb = (int)(n16 - first_block < 4 ? n16 - first_block : 4);
+            const int64_t first_block = t * MAX_NB;
+            const int nb = (int)(n16 - first_block < MAX_NB ? n16 - first_block : MAX_NB);
             const int8_t *w = packed + first_block * k4 * 64;
             const int64_t n0 = first_block * 16;
             const int64_t end = (chunk + 1) * ROW_CHUNK < rows ? (chunk + 1) * ROW_CHUNK : rows;
@@ -200,15 +304,3 @@ int textgate_int8_linear(const void *x, int64_t rows, int64_t k, int x_bf16, con
     free(row_max);
     return 0;
 }
-
-#else
-
-int textgate_int8_linear(const void *x, int64_t rows, int64_t k, int x_bf16, const float *smooth,
-                         const int8_t *packed, const int32_t *wsum, const float *wscale,
-                         const float *bias, void *out, int64_t n, int out_bf16) {
-    (void)x, (void)rows, (void)k, (void)x_bf16, (void)smooth, (void)packed, (void)wsum;
-    (void)wscale, (void)bias, (void)out, (void)n, (void)out_bf16;
-    return -2; /* built without AVX512-VNNI: textgate_int8_vnni() says so first */
-}
-
-#endif

@@ -6,13 +6,17 @@ output channel. Activations, per call: each row (token) x is scaled by its own a
 token precision and a request's output does not depend on what it is batched with. Then
 `y = (q_x @ q_w.T) * (m / 127) * s_w + bias`, the product summed exactly in int32.
 
-The fast path (CPU with AVX512-VNNI) is one C call per layer, `textgate_int8_linear` in
+The fast path (`kernel="cpu"`) is one C call per layer, `textgate_int8_linear` in
 cpu_int8.c: it quantizes the rows (times the layer's SmoothQuant factors, if any), sums
-`(q_x + 128) * q_w` exactly in int32 with `vpdpbusd` on weights packed once at load
-(`pack_vnni`), subtracts `128 * colsum(q_w)`, scales by `m / 127 * s_w`, adds the bias and
-stores in the input's dtype. Where the CPU lacks VNNI, oneDNN's int8 GEMM
-(`onednn::qlinear_pointwise`, unsigned activations with the fixed zero point 128 and scale
-1/127, the per-row `m` applied to its float output by PyTorch) runs instead.
+`(q_x + 128) * q_w` exactly in int32 on weights packed once at load (`pack_int8`),
+subtracts `128 * colsum(q_w)`, scales by `m / 127 * s_w`, adds the bias and stores in the
+input's dtype. The instructions that sum come from the level the kernels were built for
+(kernels/cpu_isa.py): `vpdpbusd` with AVX512-VNNI, int16-widened `vpmaddwd` with AVX2
+(exact: nothing saturates), plain C below that; every level gives the same bytes.
+oneDNN's int8 GEMM (`onednn::qlinear_pointwise`, unsigned activations with the fixed zero
+point 128 and scale 1/127, the per-row `m` applied to its float output by PyTorch) is the
+fallback where the C kernels are unavailable, and only where it sums exactly
+(`onednn_is_exact`: without VNNI it saturates).
 
 Why our own kernel: oneDNN's path costs six dispatches per layer (quantize, the GEMM, the
 row rescale, the bias, the dtype cast, a reshape), and at decode sizes those dominate.
@@ -44,11 +48,14 @@ The earlier table of torch.ao, `torch._int_mm` and `aten._weight_int8pack_mm` ca
 in git history (`python -m textgate.bench.int8_linear`); none beat oneDNN's path at M=32.
 
 `reference_int8_linear` (dequantize then matmul in float32) is the definition; it runs
-wherever the fast paths cannot (GPU, builds without oneDNN, `TEXTGATE_CPU_KERNELS=0`).
+wherever the fast paths cannot (GPU, `TEXTGATE_CPU_KERNELS=0` on a CPU whose oneDNN
+would saturate).
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 from dataclasses import dataclass
 
@@ -143,7 +150,8 @@ def packed_int8_linear(
     smooth: Tensor | None = None,
 ) -> Tensor:
     """`reference_int8_linear` on oneDNN's int8 GEMM: `packed = pack(q_w)`, `zero_points`
-    int32 zeros [out]; equal to the reference up to float summation order."""
+    int32 zeros [out]; equal to the reference up to float summation order where oneDNN sums
+    exactly (`onednn_is_exact`)."""
     rows = x.reshape(-1, x.shape[-1])  # [M, in]
     if smooth is not None:
         rows = rows.float() * smooth
@@ -156,36 +164,81 @@ def packed_int8_linear(
     return out.to(x.dtype).reshape(*x.shape[:-1], scales.shape[0])
 
 
-def has_vnni_kernel() -> bool:
-    """Whether cpu_int8.c's fused layer (`vnni_int8_linear`) runs here: kernels built, on a
-    CPU with AVX512-VNNI."""
-    if os.environ.get("TEXTGATE_CPU_KERNELS", "1") == "0":
+def onednn_is_exact() -> bool:
+    """Whether oneDNN's int8 GEMM sums exactly on this CPU, tried on the worst case.
+
+    Without a dot-product instruction (no VNNI: AVX2, AVX512 before Cascade Lake), oneDNN
+    sums pairs of u8 x s8 products with `vpmaddubsw`, which saturates at int16: 255 * 127
+    twice is 64,770. PyTorch's x86 quantization halves the activations' range there; W8A8
+    at full range would be silently wrong (logits 6% off on an AVX2 EPYC), so such a GEMM
+    is not used. Also False where oneDNN is unavailable.
+    """
+    return can_pack() and _onednn_sums_exactly()
+
+
+@functools.cache
+def _onednn_sums_exactly() -> bool:
+    rows, inputs = 2, 64
+    qweight = torch.full((16, inputs), INT8_MAX, dtype=torch.int8)
+    qweight[1::2] = -INT8_MAX  # both signs saturate
+    packed = pack(qweight)
+    if packed is None:
         return False
+    x = torch.ones(rows, inputs)  # q_x + 128 = 255: the largest products
+    scales = torch.ones(16)
+    got = packed_int8_linear(x, packed, scales, torch.zeros(16, dtype=torch.int32))
+    return torch.allclose(got, reference_int8_linear(x, qweight, scales), rtol=1e-5, atol=1e-3)
+
+
+CPU_INT8_ISAS = {2: "avx512-vnni", 1: "avx2", 0: "portable"}
+"""`textgate_int8_isa()` of the loaded kernels: which instructions sum the products (and so
+which weight layout `pack_int8` makes, cpu_int8.c)."""
+
+
+def cpu_kernel_isa() -> int | None:
+    """What cpu_int8.c's layer runs on here (a key of CPU_INT8_ISAS), None without kernels."""
+    if os.environ.get("TEXTGATE_CPU_KERNELS", "1") == "0":
+        return None
     library = cpu_build.load_library()
-    return library is not None and bool(library.textgate_int8_vnni())
+    return None if library is None else int(library.textgate_int8_isa())
 
 
-KERNELS = ("vnni", "onednn", "reference")
+KERNELS = ("cpu", "onednn", "reference")
 
 
-# The VNNI kernel sums (q_x + 128) * q_w, each up to 255 * 127, in int32 without saturating.
-VNNI_MAX_IN_FEATURES = (2**31 - 1) // (255 * 127)
+# The C kernel sums (q_x + 128) * q_w, each up to 255 * 127, in int32 without saturating.
+MAX_IN_FEATURES = (2**31 - 1) // (255 * 127)
 
 
 def default_kernel(device: torch.device, in_features: int = 0) -> str:
-    """The fastest int8 kernel that runs on `device` (measured: module docstring)."""
+    """The fastest int8 kernel that runs correctly on `device`: cpu_int8.c where it has an
+    int8 instruction set (VNNI or AVX2), else oneDNN where it sums exactly, else cpu_int8.c
+    in plain C, else the reference (see the module docstring)."""
     if device.type != "cpu":
         return "reference"
-    if has_vnni_kernel() and in_features <= VNNI_MAX_IN_FEATURES:
-        return "vnni"
-    return "onednn" if can_pack() else "reference"
+    isa = cpu_kernel_isa()
+    fits = in_features <= MAX_IN_FEATURES
+    if isa is not None and isa > 0 and fits:
+        return "cpu"
+    if onednn_is_exact():
+        return "onednn"
+    return "cpu" if isa is not None and fits else "reference"
+
+
+def describe_kernel() -> str:
+    """What `--quantize int8` layers run on this CPU, for /info and the log."""
+    kernel = default_kernel(torch.device("cpu"))
+    if kernel == "cpu":
+        isa = cpu_kernel_isa()
+        return f"cpu_int8.c ({CPU_INT8_ISAS[isa if isa is not None else 0]})"
+    return {"onednn": "oneDNN int8 GEMM", "reference": "reference (dequantize + matmul)"}[kernel]
 
 
 @dataclass(frozen=True)
-class VnniWeight:
+class PackedInt8Weight:
     """q_w in the layout of cpu_int8.c's `textgate_int8_linear`, with its per-channel terms."""
 
-    packed: Tensor  # int8 [N/16, K/4, 16, 4]: 16 output channels x 4 inputs per 64 bytes
+    packed: Tensor  # int8 [N/16, K/4, 16, 4] (VNNI, plain C) or [N/16, K/2, 16, 2] (AVX2)
     offsets: Tensor  # int32 [N16]: 128 * sum_k q_w[n, k], what the uint8 offset of q_x adds
     scales: Tensor  # float32 [N16]: s_w / 127
     bias: Tensor | None  # float32 [N16]
@@ -193,22 +246,32 @@ class VnniWeight:
     out_features: int
 
 
-def pack_vnni(qweight: Tensor, scales: Tensor, bias: Tensor | None = None) -> VnniWeight:
-    """q_w [out, in] and s_w [out] packed for `vnni_int8_linear`, N padded to 16, K to 4."""
+def inputs_per_lane(isa: int) -> int:
+    """Inputs of one output channel side by side in cpu_int8.c's layout for `isa`: VNNI
+    sums four products per lane, AVX2's vpmaddwd two; plain C reads VNNI's layout."""
+    return 2 if isa == 1 else 4
+
+
+def pack_int8(
+    qweight: Tensor, scales: Tensor, bias: Tensor | None = None, isa: int = 2
+) -> PackedInt8Weight:
+    """q_w [out, in] and s_w [out] packed for `cpu_int8_linear` on `isa` (a key of
+    CPU_INT8_ISAS), N padded to 16, K to 4."""
     out_features, in_features = qweight.shape
+    lane = inputs_per_lane(isa)
     n16, k4 = -(-out_features // 16) * 16, -(-in_features // 4) * 4
     padded = F.pad(qweight, (0, k4 - in_features, 0, n16 - out_features))  # [N16, K4]
-    packed = padded.view(n16 // 16, 16, k4 // 4, 4).permute(0, 2, 1, 3).contiguous()
+    packed = padded.view(n16 // 16, 16, k4 // lane, lane).permute(0, 2, 1, 3).contiguous()
     offsets = padded.sum(dim=1, dtype=torch.int32) * ZERO_POINT
     padded_scales = F.pad(scales.float() / INT8_MAX, (0, n16 - out_features))
     padded_bias = None if bias is None else F.pad(bias.float(), (0, n16 - out_features))
-    return VnniWeight(packed, offsets, padded_scales, padded_bias, in_features, out_features)
+    return PackedInt8Weight(packed, offsets, padded_scales, padded_bias, in_features, out_features)
 
 
-def unpack_vnni(weight: VnniWeight) -> Tensor:
-    """q_w [out, in] back from `pack_vnni`."""
-    blocks, k_quads = weight.packed.shape[:2]
-    plain = weight.packed.permute(0, 2, 1, 3).reshape(blocks * 16, k_quads * 4)
+def unpack_int8(weight: PackedInt8Weight) -> Tensor:
+    """q_w [out, in] back from `pack_int8`."""
+    blocks, groups, _, lane = weight.packed.shape
+    plain = weight.packed.permute(0, 2, 1, 3).reshape(blocks * 16, groups * lane)
     return plain[: weight.out_features, : weight.in_features]
 
 
@@ -216,10 +279,17 @@ def _pointer(tensor: Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
-def vnni_int8_linear(x: Tensor, weight: VnniWeight, smooth: Tensor | None = None) -> Tensor:
+def cpu_int8_linear(
+    x: Tensor,
+    weight: PackedInt8Weight,
+    smooth: Tensor | None = None,
+    library: ctypes.CDLL | None = None,
+) -> Tensor:
     """`reference_int8_linear` in one C call (quantize, int8 GEMM, dequantize, bias) for x
-    [..., in] float32 or bfloat16; equal to the reference up to float summation order."""
-    library = cpu_build.load_library()
+    [..., in] float32 or bfloat16; equal to the reference up to float summation order. The
+    weight must be packed for the instruction set of `library` (default: the loaded
+    kernels, `cpu_kernel_isa()`)."""
+    library = library or cpu_build.load_library()
     assert library is not None
     rows = x.reshape(-1, x.shape[-1])  # [M, in]
     if rows.dtype not in _C_DTYPES:
@@ -244,8 +314,8 @@ class Int8Linear(nn.Module):
     quantized and the weight given must already be quantized as W / smooth
     (`quantize_weight(W, smooth)`); they move activation outliers into the weights.
     `kernel` (one of KERNELS; default `default_kernel(device)`) decides how it runs: on
-    CPU the weight is packed once, for cpu_int8.c's VNNI kernel where the CPU has
-    AVX512-VNNI, else for oneDNN, and the plain int8 copy dropped; elsewhere the
+    CPU the weight is packed once, for cpu_int8.c (in the layout of the loaded kernels'
+    instruction set) or for oneDNN, and the plain int8 copy dropped; elsewhere the
     reference runs on the plain copy.
     """
 
@@ -275,13 +345,16 @@ class Int8Linear(nn.Module):
         kernel = kernel or default_kernel(qweight.device, qweight.shape[1])
         if kernel not in KERNELS:
             raise ValueError(f"unknown int8 kernel {kernel!r}; use one of {', '.join(KERNELS)}")
-        if kernel == "vnni" and qweight.shape[1] > VNNI_MAX_IN_FEATURES:
+        isa = cpu_kernel_isa() if kernel == "cpu" else None
+        if kernel == "cpu" and isa is None:
+            raise ValueError("the cpu int8 kernel is not available here (no C kernels)")
+        if kernel == "cpu" and qweight.shape[1] > MAX_IN_FEATURES:
             raise ValueError(
-                f"the vnni int8 kernel sums at most {VNNI_MAX_IN_FEATURES} inputs in int32, "
+                f"the cpu int8 kernel sums at most {MAX_IN_FEATURES} inputs in int32, "
                 f"got {qweight.shape[1]}"
             )
         self.kernel = kernel
-        self.vnni = pack_vnni(qweight, self.scales, bias) if kernel == "vnni" else None
+        self.packed_int8 = None if isa is None else pack_int8(qweight, self.scales, bias, isa)
         self.packed = pack(qweight) if kernel == "onednn" else None
         if kernel == "onednn" and self.packed is None:
             raise ValueError("the onednn int8 kernel is not available here")
@@ -293,8 +366,8 @@ class Int8Linear(nn.Module):
     @property
     def weight(self) -> Tensor:
         """The dequantized weight [out, in] in float32 (a copy), smoothing undone."""
-        if self.vnni is not None:
-            qweight = unpack_vnni(self.vnni)
+        if self.packed_int8 is not None:
+            qweight = unpack_int8(self.packed_int8)
         elif self.packed is not None:
             assert self.zero_points is not None
             # Unpacking goes through the GEMM itself: identity rows give back q_w.T.
@@ -310,8 +383,8 @@ class Int8Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if not x.numel():
             return x.new_empty(*x.shape[:-1], self.out_features)
-        if self.vnni is not None:
-            return vnni_int8_linear(x, self.vnni, self.smooth)
+        if self.packed_int8 is not None:
+            return cpu_int8_linear(x, self.packed_int8, self.smooth)
         if self.packed is not None:
             assert self.zero_points is not None
             return packed_int8_linear(

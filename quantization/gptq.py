@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from textgate.kernels.cpu_isa import has_bf16_arithmetic
 from textgate.quantization.base import Weight, WeightsLoader
 from textgate.quantization.int4_linear import build_quantized_linear, int4_kernel_enabled
 from textgate.quantization.packing import (
@@ -106,10 +107,12 @@ class GroupQuantizedLoader(WeightsLoader):
     mixed_fuse_as_float: ClassVar[bool] = False
 
     def cpu_dtype(self) -> torch.dtype | None:
-        """bfloat16 for 4-bit (and 2-bit) codes where the CPU int4 kernel runs: the only
-        dtype it serves (`int4_linear`); in float32 the codes would be dequantized to 8x
-        their bytes, and run at the speed of unquantized float32."""
-        return torch.bfloat16 if self.bits <= 4 and int4_kernel_enabled() else None
+        """bfloat16 for 4-bit (and 2-bit) codes where the CPU int4 kernel runs and the CPU
+        has bf16 arithmetic: the only dtype the kernel serves (`int4_linear`); in float32
+        the codes would be dequantized to 8x their bytes. Without bf16 arithmetic (an AVX2
+        CPU) bf16 may crawl, so both are timed (None)."""
+        fast = int4_kernel_enabled() and has_bf16_arithmetic()
+        return torch.bfloat16 if self.bits <= 4 and fast else None
 
     @abstractmethod
     def _read(

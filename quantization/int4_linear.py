@@ -43,7 +43,10 @@ dtypes take the dequantized FastLinear. Act-order's gather costs ~10-20% at M=1.
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -52,6 +55,8 @@ from textgate.kernels.cpu_build import load_library
 from textgate.kernels.linear import FastLinear
 from textgate.kernels.triton import triton_installed
 from textgate.quantization.packing import GPTQ_V2, UnpackedWeight, dequantize, pack_gptq
+
+log = logging.getLogger("textgate.quantization")
 
 INT4_GROUP_SIZES = (256, 128, 64, 32)  # what the CPU int4 kernel accepts, largest first
 
@@ -139,12 +144,79 @@ against 412-416 / 3218-3234 ms with `--no-int4-expand` (`python -m textgate.benc
 each, 2-core EPYC)."""
 
 
+@dataclass(frozen=True)
+class Int4Layout:
+    """A layout `aten._convert_weight_to_int4pack_for_cpu` packs codes in.
+
+    uint8 [n / block][k][block / 2]: the codes of input i for a block of `block` output
+    columns take block / 2 bytes, two columns per byte, low nibble first. `halves`: byte j
+    holds columns j and j + block / 2; otherwise columns 2j and 2j + 1. Which one torch
+    uses depends on the kernel it dispatches to on this CPU (ATen's CPU capability), so it
+    is read off torch itself (`torch_int4_layout`), never assumed.
+    """
+
+    name: str
+    block: int
+    halves: bool
+
+    def pack(self, codes: Tensor) -> Tensor:
+        """Codes [n, k] (0..15; n a multiple of `block`) packed as uint8 [n, k / 2]."""
+        n, k = codes.shape
+        blocks = codes.to(torch.uint8).view(n // self.block, self.block, k).transpose(1, 2)
+        if self.halves:
+            low, high = blocks[..., : self.block // 2], blocks[..., self.block // 2 :]
+        else:
+            low, high = blocks[..., 0::2], blocks[..., 1::2]
+        return (low | (high << 4)).contiguous().view(n, k // 2)
+
+    def unpack(self, packed: Tensor) -> Tensor:
+        """The codes [n, k] (int32) that `pack` turned into `packed` [n, k / 2]."""
+        n, k = packed.shape[0], packed.shape[1] * 2
+        blocks = packed.view(n // self.block, k, self.block // 2).to(torch.int32)
+        low, high = blocks & 15, blocks >> 4  # [n / block, k, block / 2] each
+        if self.halves:
+            columns = torch.cat([low, high], dim=2)
+        else:
+            columns = torch.stack([low, high], dim=3).flatten(2)
+        return columns.transpose(1, 2).reshape(n, k)
+
+
+INT4_LAYOUTS = (
+    Int4Layout("block64-halves", 64, True),  # ATen's AVX512 kernel
+    Int4Layout("block32-halves", 32, True),  # its AVX2 kernel
+    Int4Layout("block32-pairs", 32, False),  # its portable kernel
+)
+
+
+@functools.cache
+def torch_int4_layout() -> Int4Layout | None:
+    """The layout torch packs int4 codes in here: a known matrix packed by torch and
+    compared with each of INT4_LAYOUTS; None (logged) where none matches, and then nothing
+    reads the packed codes but torch's own int4 kernel."""
+    codes = torch.randint(0, 16, (128, 64), generator=torch.Generator().manual_seed(0))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+    for layout in INT4_LAYOUTS:
+        if packed.shape == (128, 32) and torch.equal(layout.pack(codes), packed):
+            return layout
+    log.warning(
+        "torch %s (CPU capability %s) packs int4 codes in a layout textgate does not know: "
+        "4-bit prompts run torch's int4 kernel instead of the bf16 expansion",
+        torch.__version__,
+        torch.backends.cpu.get_cpu_capability(),
+    )
+    return None
+
+
 def expand_int4(packed: Tensor, scales_and_zeros: Tensor, group_size: int) -> Tensor | None:
     """The bfloat16 weight [in, out] that packed int4 codes stand for (`cpu_int4.c`), or None
-    where the C kernels do not run, or the layer's layout is not the one it reads."""
+    where the C kernels do not run, or torch's layout here is unknown or does not tile the
+    layer's columns."""
     out_features, in_features = packed.shape[0], packed.shape[1] * 2
     library = load_library()
-    if library is None or out_features % 64 or scales_and_zeros.dtype != torch.bfloat16:
+    layout = torch_int4_layout()
+    if library is None or layout is None or scales_and_zeros.dtype != torch.bfloat16:
+        return None
+    if out_features % layout.block:
         return None
     dense = torch.empty(in_features, out_features, dtype=torch.bfloat16)
     library.textgate_int4_dequantize(
@@ -153,18 +225,22 @@ def expand_int4(packed: Tensor, scales_and_zeros: Tensor, group_size: int) -> Te
         out_features,
         in_features,
         group_size,
+        layout.block,
+        int(layout.halves),
         dense.data_ptr(),
     )
     return dense
 
 
-def reference_expand_int4(packed: Tensor, scales_and_zeros: Tensor, group_size: int) -> Tensor:
-    """`expand_int4` in PyTorch: undo the kernel's packing ([out / 64][in][32] bytes, column
-    64b + j in byte j's low nibble, 64b + 32 + j in its high one), then (code - 8) * s + z."""
-    out_features, in_features = packed.shape[0], packed.shape[1] * 2
-    blocks = packed.view(out_features // 64, in_features, 32).to(torch.int32)
-    codes = torch.cat([blocks & 15, blocks >> 4], dim=2)  # [out / 64, in, 64]
-    codes = codes.permute(1, 0, 2).reshape(in_features, out_features)
+def reference_expand_int4(
+    packed: Tensor, scales_and_zeros: Tensor, group_size: int, layout: Int4Layout | None = None
+) -> Tensor:
+    """`expand_int4` in PyTorch: undo `layout`'s packing (default: torch's here), then
+    (code - 8) * s + z, rounded to bfloat16."""
+    layout = layout or torch_int4_layout()
+    if layout is None:
+        raise ValueError("torch's int4 layout here is unknown (torch_int4_layout)")
+    codes = layout.unpack(packed).t()  # [in, out]
     groups = scales_and_zeros.float().repeat_interleave(group_size, dim=0)  # [in, out, 2]
     return ((codes - 8).float() * groups[..., 0] + groups[..., 1]).to(torch.bfloat16)
 

@@ -20,6 +20,7 @@ import torch
 from textgate.kernels import select_attention_backend
 from textgate.shard_server.cache_config import CacheConfig
 from textgate.shard_server.dtype_choice import DtypeChoice, pick_dtype
+from textgate.shard_server.hardware import report_line
 from textgate.shard_server.layers.tensor_parallel import distributed_backend, rank_device
 from textgate.shard_server.model import ShardModel
 from textgate.shard_server.paged_model import PagedModel
@@ -70,6 +71,8 @@ def load_model(
     whose own step measured fastest (`dtype_choice.pick_dtype`).
     """
     device = shard_device(rank, world_size)
+    if device.type == "cpu" and rank == 0:
+        log.info(report_line())
     model_type = read_model_type(model_path)
     torch_dtype = resolve_dtype(dtype, device)  # a bad name fails before anything loads
     from textgate.shard_server.models import supported_model_types

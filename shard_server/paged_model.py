@@ -30,6 +30,7 @@ from textgate.shard_server.cache_config import CacheConfig
 from textgate.shard_server.cuda_graphs import DecodeGraphRunner, GraphCapture
 from textgate.shard_server.dtype_choice import DtypeChoice
 from textgate.shard_server.grammar import GrammarCompiler, GrammarError, MaskFiller, PendingMasks
+from textgate.shard_server.hardware import cpu_kernel_report
 from textgate.shard_server.kv_cache import KVCache
 from textgate.shard_server.memory import (
     CudaMemoryStats,
@@ -109,6 +110,7 @@ class PagedModel(ShardModel):
             kv_cache_dtype=kv_dtype_name(self.model.kv_cache_dtype),
             attention_backend=attention_backend_name(self.model.attention_backend),
             kv_cache_bytes_per_token=self._kv_bytes(block_size=1),
+            cpu_kernels=cpu_kernel_report() if self.device.type == "cpu" else {},
         )
 
     # -- warmup -----------------------------------------------------------------------

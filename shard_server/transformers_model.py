@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from textgate.proto import generate_pb2 as pb
 from textgate.quantization.resident import resident_bytes
 from textgate.shard_server.causal_lm import CausalLMBatch
+from textgate.shard_server.hardware import cpu_kernel_report
 from textgate.shard_server.model import append_tokens, sample
 from textgate.shard_server.padded_model import PaddedModel, StepOutput
 from textgate.shard_server.sampler import Sampler
@@ -54,6 +55,7 @@ class TransformersModel(PaddedModel[CausalLMBatch]):
             model_type="transformers",
             world_size=1,
             weight_bytes=resident_bytes(self.model),
+            cpu_kernels=cpu_kernel_report() if self.device.type == "cpu" else {},
         )
 
     def batch_from_pb(self, batch: pb.Batch) -> CausalLMBatch:

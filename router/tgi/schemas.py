@@ -226,6 +226,9 @@ class Info(_Response):
     #: textgate's: the attention backend the shards run (`--attention` resolved: flash,
     #: triton, torch or cpu); None for the transformers fallback.
     attention_backend: str | None = None
+    #: textgate's: on a CPU, what each kernel runs on here (the C kernels' instruction-set
+    #: level, the int8 kernel, torch's int4 layout, ...; docs/hardware.md); None on a GPU.
+    cpu_kernels: dict[str, str] | None = None
     #: textgate's: the startup report (the machine, the dtype and the budgets derived from
     #: the shards' measured step, with their sources; docs/autoconfig.md); None when the
     #: shards measured nothing (the transformers fallback).

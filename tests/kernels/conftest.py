@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from textgate.kernels.cpu_build import load_library
+from textgate.kernels.cpu_build import load_kernels
 
 # TRITON_INTERPRET is chosen in tests/conftest.py, before any test module is imported.
 
@@ -27,9 +27,9 @@ TRITON_DEVICES = [
 @pytest.fixture
 def fresh_library():
     """load_library() builds (or fails) anew inside the test, and is reset after it."""
-    load_library.cache_clear()
+    load_kernels.cache_clear()
     yield
-    load_library.cache_clear()
+    load_kernels.cache_clear()
 
 
 @pytest.fixture(params=TRITON_DEVICES)

@@ -1,27 +1,35 @@
-"""The W8A8 linear: the oneDNN path against its reference, the reference against the math."""
+"""The W8A8 linear: every kernel (cpu_int8.c at each level this CPU runs, oneDNN) against
+its reference, the reference against the math, and oneDNN's saturation caught."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from textgate.kernels import int8_linear
+from textgate.kernels import cpu_build, cpu_isa, int8_linear
 from textgate.kernels.int8_linear import (
     INT8_MAX,
     Int8Linear,
-    pack_vnni,
+    cpu_int8_linear,
+    pack_int8,
     quantize_rows,
     quantize_weight,
     reference_int8_linear,
     reference_quantize_rows,
-    unpack_vnni,
+    unpack_int8,
 )
 
-needs_onednn = pytest.mark.skipif(not int8_linear.can_pack(), reason="no oneDNN int8 GEMM")
-needs_vnni = pytest.mark.skipif(
-    not int8_linear.has_vnni_kernel(), reason="no AVX512-VNNI, or no C compiler"
+needs_onednn = pytest.mark.skipif(
+    not int8_linear.onednn_is_exact(), reason="no oneDNN int8 GEMM, or it saturates on this CPU"
 )
+needs_cpu_kernel = pytest.mark.skipif(int8_linear.cpu_kernel_isa() is None, reason="no C compiler")
+#: Every level of the C kernels this CPU runs: each one's int8 path is checked here.
+LEVELS = [level.name for level in cpu_isa.runnable_levels()]
 
 
 def _layer(out_features: int, in_features: int, bias: bool, seed: int = 0):
@@ -81,7 +89,7 @@ def test_reference_is_close_to_the_float_linear():
 def _kernels():
     """Every int8 kernel this machine runs, each skipped with a reason where it cannot."""
     return [
-        pytest.param("vnni", marks=needs_vnni),
+        pytest.param("cpu", marks=needs_cpu_kernel),
         pytest.param("onednn", marks=needs_onednn),
         "reference",
     ]
@@ -93,7 +101,7 @@ def _kernels():
     [(1, 576, 1536, False), (7, 67, 33, True), (37, 1536, 576, True), (300, 64, 200, False)],
 )
 def test_kernel_matches_the_reference(kernel, rows, in_features, out_features, bias):
-    # Odd shapes on purpose: rows not a multiple of the VNNI tile's 4 or its chunk of 16,
+    # Odd shapes on purpose: rows not a multiple of the C tile's 4 or its chunk of 16,
     # outputs not a multiple of 16, inputs not a multiple of 4.
     weight, bias_tensor = _layer(out_features, in_features, bias, seed=rows)
     qweight, scales = quantize_weight(weight)
@@ -156,14 +164,71 @@ def test_smoothing_moves_an_outlier_channel_into_the_weights(kernel):
     torch.testing.assert_close(smoothed.weight, plain.weight, atol=0.05, rtol=0)
 
 
-@needs_vnni
-def test_vnni_packing_round_trips():
+@pytest.mark.parametrize(("isa", "lane"), [(2, 4), (1, 2), (0, 4)])
+def test_packing_round_trips(isa, lane):
     qweight = torch.randint(-127, 128, (37, 22), dtype=torch.int8)
-    packed = pack_vnni(qweight, torch.rand(37))
-    assert packed.packed.shape == (3, 6, 16, 4)  # 37 outputs -> 48, 22 inputs -> 24
-    assert torch.equal(unpack_vnni(packed), qweight)
+    packed = pack_int8(qweight, torch.rand(37), isa=isa)
+    # 37 outputs -> 48, 22 inputs -> 24, in groups of `lane` inputs per output channel.
+    assert packed.packed.shape == (3, 24 // lane, 16, lane)
+    assert torch.equal(unpack_int8(packed), qweight)
     assert torch.equal(packed.offsets[:37], qweight.sum(dim=1, dtype=torch.int32) * 128)
     assert packed.offsets[37:].eq(0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize(
+    ("rows", "in_features", "out_features", "bias"),
+    [(1, 576, 1536, False), (6, 67, 33, True), (37, 1536, 40, True), (70, 64, 200, False)],
+)
+def test_every_level_this_cpu_runs_matches_the_reference(
+    level, rows, in_features, out_features, bias, dtype
+):
+    # Each level's build sums with its own instructions (VNNI, AVX2's int16 vpmaddwd, plain
+    # C) on its own layout; all must give the reference's exact int32 sums.
+    library = cpu_build.load_library(level=level)
+    if library is None:
+        pytest.skip("no C compiler")
+    weight, bias_tensor = _layer(out_features, in_features, bias, seed=rows)
+    qweight, scales = quantize_weight(weight)
+    packed = pack_int8(qweight, scales, bias_tensor, int(library.textgate_int8_isa()))
+    x = (torch.randn(rows, in_features) * 3).to(dtype)
+    got = cpu_int8_linear(x, packed, None, library)
+    expected = reference_int8_linear(x, qweight, scales, bias_tensor)
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {}
+    torch.testing.assert_close(got, expected, **tolerance)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_the_largest_products_do_not_saturate(level):
+    # 255 * 127 twice overflows int16: the AVX2 path must widen before it sums.
+    library = cpu_build.load_library(level=level)
+    if library is None:
+        pytest.skip("no C compiler")
+    qweight = torch.full((16, 1024), INT8_MAX, dtype=torch.int8)
+    qweight[1::2] = -INT8_MAX
+    packed = pack_int8(qweight, torch.ones(16), None, int(library.textgate_int8_isa()))
+    x = torch.ones(3, 1024)
+    expected = reference_int8_linear(x, qweight, torch.ones(16))
+    assert expected[0, 0] == 1024 * INT8_MAX
+    torch.testing.assert_close(cpu_int8_linear(x, packed, None, library), expected)
+
+
+def test_a_saturating_onednn_is_caught_and_not_used():
+    # Capped at AVX2 (as on a CPU without VNNI), oneDNN sums u8 x s8 pairs in int16 and
+    # saturates: the startup probe must see it, and no layer may take that path.
+    if not int8_linear.can_pack() or not cpu_isa.is_x86():
+        pytest.skip("no oneDNN int8 GEMM on x86 here")
+    code = (
+        "import torch\n"
+        "from textgate.kernels import int8_linear as il\n"
+        "print(il.onednn_is_exact(), il.default_kernel(torch.device('cpu'), 576))\n"
+    )
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "TEXTGATE_CPU_KERNELS": "0"}
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert result.stdout.split() == ["False", "reference"]
 
 
 def test_reference_path_without_onednn(monkeypatch):
@@ -191,9 +256,10 @@ def test_rejects_bad_weights():
         Int8Linear(torch.zeros(4, 4, dtype=torch.int8), torch.ones(3))
     with pytest.raises(ValueError, match="4 smoothing factors"):
         Int8Linear(torch.zeros(4, 4, dtype=torch.int8), torch.ones(4), smooth=torch.ones(5))
-    too_wide = torch.zeros(1, int8_linear.VNNI_MAX_IN_FEATURES + 1, dtype=torch.int8)
-    with pytest.raises(ValueError, match="sums at most"):
-        Int8Linear(too_wide, torch.ones(1), kernel="vnni")
-    assert int8_linear.default_kernel(torch.device("cpu"), too_wide.shape[1]) != "vnni"
+    too_wide = torch.zeros(1, int8_linear.MAX_IN_FEATURES + 1, dtype=torch.int8)
+    if int8_linear.cpu_kernel_isa() is not None:
+        with pytest.raises(ValueError, match="sums at most"):
+            Int8Linear(too_wide, torch.ones(1), kernel="cpu")
+    assert int8_linear.default_kernel(torch.device("cpu"), too_wide.shape[1]) != "cpu"
     with pytest.raises(ValueError, match="unknown int8 kernel 'amx'"):
         Int8Linear(torch.zeros(4, 4, dtype=torch.int8), torch.ones(4), kernel="amx")

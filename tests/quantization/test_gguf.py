@@ -101,6 +101,9 @@ def test_codes_go_to_the_models_device(gguf_file):
 
 
 def test_auto_measures_a_gguf_without_4_bit_linears(gguf_file, monkeypatch):
+    from textgate.quantization import gptq
+
+    monkeypatch.setattr(gptq, "has_bf16_arithmetic", lambda: True)
     loader = GgufWeightsLoader(gguf_file)
     assert loader.cpu_dtype() == torch.bfloat16
     monkeypatch.setitem(vars(gguf_file), "servable", frozenset())  # e.g. a Q8_0 file

@@ -183,9 +183,15 @@ def test_prompt_sized_inputs_expand_the_codes(group):
     check_close(fast(x[:5]), want_out[:5], torch.bfloat16)  # the int4 kernel
 
 
-def test_four_bit_methods_ask_for_bfloat16_under_auto_on_cpu(monkeypatch):
+def test_four_bit_methods_ask_for_bfloat16_under_auto_on_a_bf16_cpu(monkeypatch):
     # The int4 kernel runs in bf16 only: `--dtype auto` must not time float32, where the
-    # codes would be dequantized to 8x their bytes. 8-bit codes leave the choice open.
+    # codes would be dequantized to 8x their bytes, on a CPU with bf16 arithmetic. Without
+    # it (AVX2) bf16 may crawl: both are timed. 8-bit codes leave the choice open.
+    from textgate.quantization import gptq
+
+    monkeypatch.setattr(gptq, "has_bf16_arithmetic", lambda: False)
+    assert get_weights_loader("gptq", {"bits": 4, "group_size": 128}).cpu_dtype() is None
+    monkeypatch.setattr(gptq, "has_bf16_arithmetic", lambda: True)
     assert get_weights_loader("gptq", {"bits": 4, "group_size": 128}).cpu_dtype() == torch.bfloat16
     assert get_weights_loader("awq", {"bits": 4, "group_size": 64}).cpu_dtype() == torch.bfloat16
     assert get_weights_loader("gptq", {"bits": 8, "group_size": 128}).cpu_dtype() is None
