@@ -79,8 +79,9 @@ class LauncherConfig:
     dtype: str = flag(
         "auto",
         "Weights dtype; auto = bf16 on GPU (fp16 without bf16), on CPU whichever of fp32 and "
-        "bf16 measured faster at startup (native models; else fp32; bf16 for 4-bit gptq, awq, "
-        "gguf and bitsandbytes-nf4/fp4, their CPU kernels' dtype)",
+        "bf16 measured faster at startup (native models; else fp32; bf16 without timing for "
+        "4-bit gptq, awq, gguf and bitsandbytes-nf4/fp4 where the CPU has bf16 arithmetic, "
+        "their CPU kernels' dtype)",
         str,
         ("auto", "float32", "bfloat16", "float16"),
     )
