@@ -60,12 +60,13 @@ test: setup browser lint typecheck third-party-fixtures
 	$(PY) -m pytest
 
 # GPTQModel's checkpoints for tests/quantization/test_third_party.py (gptqmodel-fixture,
-# below: ~4 min the first time, then kept). Made whenever GPTQModel installs here from PyPI;
-# where it cannot, the reason is in the log and those two tests skip, naming the target.
+# below: ~6 min once per machine on 2 cores, then reused by every clone in under a second).
+# Made whenever GPTQModel installs here from PyPI; where it cannot, the reason is in the log
+# and those two tests skip, naming the target.
 third-party-fixtures: setup
 	@mkdir -p build
 	@if $(MAKE) --no-print-directory gptqmodel-fixture > build/gptqmodel-fixture.log 2>&1; then \
-		echo "GPTQModel checkpoints ready: build/gptqmodel-gptq, build/gptqmodel-awq"; \
+		echo "GPTQModel checkpoints ready:" $$($(GPTQMODEL_CACHE) path gptq awq); \
 	else \
 		echo "warning: make gptqmodel-fixture failed (tail of build/gptqmodel-fixture.log below);" \
 			"tests/quantization/test_third_party.py will skip"; \
@@ -120,24 +121,15 @@ $(PEERS)/llama-cpp/.installed:
 
 # GPTQ and AWQ checkpoints of the default model made by GPTQModel (a third-party tool, in
 # its own venv with the same pinned torch), with GPTQModel's own logits beside them, for
-# tests/quantization/test_third_party.py (which skips without them). Optional: minutes of CPU.
-GPTQMODEL_VENV := build/gptqmodel-venv
+# tests/quantization/test_third_party.py (which skips without them). Built once into
+# $TEXTGATE_CACHE/fixtures (the venv into $TEXTGATE_CACHE/venvs), each folder named by a hash
+# of what it is made from, written atomically: tests/fixtures/gptqmodel_cache.py.
 GPTQMODEL_SPEC ?= gptqmodel==7.6.0
+GPTQMODEL_CACHE = GPTQMODEL_SPEC="$(GPTQMODEL_SPEC)" TORCH_SPEC="$(TORCH_SPEC)" \
+	$(PY) tests/fixtures/gptqmodel_cache.py
 
-gptqmodel-fixture: build/gptqmodel-gptq/reference_logits.safetensors build/gptqmodel-awq/reference_logits.safetensors
-
-$(GPTQMODEL_VENV)/.installed:
-	test -x $(GPTQMODEL_VENV)/bin/python || $(PYTHON) -m venv $(GPTQMODEL_VENV)
-	$(GPTQMODEL_VENV)/bin/pip install --quiet "$(TORCH_SPEC)" "$(GPTQMODEL_SPEC)"
-	touch $@
-
-# Run from / : the repo's kernels/ folder would shadow the `kernels` package transformers probes.
-build/gptqmodel-%/reference_logits.safetensors: tests/fixtures/make_gptqmodel_checkpoint.py quantization/data/calibration.txt | setup $(GPTQMODEL_VENV)/.installed
-	rm -rf build/gptqmodel-$*
-	model=$$($(PY) -c "from textgate.shard_server.model_source import embedded_model_dir; print(embedded_model_dir())") && \
-	cd / && GPTQMODEL_CPU_WORKERS=2 $(abspath $(GPTQMODEL_VENV))/bin/python \
-		$(abspath tests/fixtures/make_gptqmodel_checkpoint.py) "$$model" $(abspath build/gptqmodel-$*) \
-		--method $* --calibration $(abspath quantization/data/calibration.txt)
+gptqmodel-fixture: setup
+	$(GPTQMODEL_CACHE) build gptq awq
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,6 +1,7 @@
 """Checkpoints of the default model made by GPTQModel load in textgate and give GPTQModel's
-own logits. `make gptqmodel-fixture` builds them (GPTQModel in its own venv, see
-tests/fixtures/make_gptqmodel_checkpoint.py); without them these tests skip, saying so."""
+own logits. `make gptqmodel-fixture` builds them once into the cache (GPTQModel in its own
+venv: tests/fixtures/gptqmodel_cache.py, make_gptqmodel_checkpoint.py); without them these
+tests skip, saying so."""
 
 from __future__ import annotations
 
@@ -13,13 +14,12 @@ from safetensors.torch import load_file
 
 from textgate.quantization.int4_linear import Int4PackedLinear
 from textgate.shard_server.models import load_model
+from textgate.tests.fixtures import gptqmodel_cache
 from textgate.tests.prefill import prefill_logits
-
-BUILD = Path(__file__).resolve().parents[2] / "build"
 
 
 def fixture_dir(method: str) -> Path:
-    path = BUILD / f"gptqmodel-{method}"
+    path = gptqmodel_cache.fixture_dir(method)
     if not (path / "reference_logits.safetensors").is_file():
         pytest.skip(f"{path} is missing: run `make gptqmodel-fixture` (GPTQModel, own venv)")
     return path
