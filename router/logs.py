@@ -10,6 +10,9 @@ from contextvars import ContextVar, Token
 from dataclasses import dataclass
 from typing import Any
 
+QUIET_PATHS = frozenset({"/health", "/ping", "/metrics", "/info", "/favicon.ico"})
+"""Probe and scrape routes: their access-log lines are debug-level and they get no span."""
+
 
 @dataclass
 class RequestRecord:

@@ -24,11 +24,11 @@ from starlette.applications import Starlette
 
 from textgate.proto import generate_pb2 as pb
 from textgate.router import autoconfig, tracing
+from textgate.router.app import build_app
 from textgate.router.autoconfig import Measurements
 from textgate.router.config import RouterConfig
 from textgate.router.engine.factory import make_engine
 from textgate.router.engine.request import SamplingParams, StoppingParams
-from textgate.router.http.app import build_app
 from textgate.router.http.drain import DrainingServer
 from textgate.router.http.guarded_h11 import guarded_h11
 from textgate.router.http.validation import Tokenizer

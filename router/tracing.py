@@ -30,20 +30,18 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
-from textgate.router.http.access_log import QUIET_PATHS
+from textgate.router.logs import QUIET_PATHS
 from textgate.router.logs import current_request as current_record
 from textgate.telemetry import Telemetry, WallClock, extract, inject, start_otlp
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-    from textgate.router.engine.channel import Channel, Finished
 
 TRACER_NAME = "textgate.router"
 
@@ -59,6 +57,26 @@ def install(provider: trace.TracerProvider | None) -> None:
 
 def enabled() -> bool:
     return _tracer is not None
+
+
+class Timed(Protocol):
+    """What a request's channel knows of its times (router.engine.channel.Channel)."""
+
+    @property
+    def queued_at(self) -> float: ...
+
+    @property
+    def started_at(self) -> float | None: ...
+
+
+class Done(Protocol):
+    """How a request finished (router.engine.channel.Finished)."""
+
+    @property
+    def generated_tokens(self) -> int: ...
+
+    @property
+    def finish_reason(self) -> str: ...
 
 
 @dataclass
@@ -88,7 +106,7 @@ class RequestTrace:
     def span_context(self) -> trace.SpanContext:
         return self.span.get_span_context()
 
-    def finished(self, channel: Channel, input_tokens: int, done: Finished) -> None:
+    def finished(self, channel: Timed, input_tokens: int, done: Done) -> None:
         """The engine routed the request's final token (`done`)."""
         self.outcomes.append(
             Outcome(
@@ -101,7 +119,7 @@ class RequestTrace:
             )
         )
 
-    def failed(self, channel: Channel, input_tokens: int, message: str, error_type: str) -> None:
+    def failed(self, channel: Timed, input_tokens: int, message: str, error_type: str) -> None:
         """The engine ended the request with an error event."""
         self.outcomes.append(
             Outcome(

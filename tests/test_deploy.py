@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from textgate import launcher
-from textgate.router.http.app import OPEN_PATHS
+from textgate.router.app import OPEN_PATHS
 from textgate.router.http.drain import OPEN_WHILE_DRAINING
 from textgate.router.metrics import Metrics
 from textgate.tests.test_docker import DOCKERFILES, parse

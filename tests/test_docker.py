@@ -17,7 +17,7 @@ import pytest
 import tomllib
 
 from textgate import launcher
-from textgate.router.http.app import OPEN_PATHS
+from textgate.router.app import OPEN_PATHS
 
 ROOT = Path(launcher.__file__).parent
 DOCKERFILES = {"gpu": ROOT / "docker" / "Dockerfile", "cpu": ROOT / "docker" / "Dockerfile.cpu"}

@@ -14,9 +14,12 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from textgate.proto import generate_pb2 as pb
-from textgate.router.tgi.schemas import FinishReason
+
+FinishReason = Literal["length", "eos_token", "stop_sequence"]
+"""Why a request stopped, in TGI's words (the engine's own vocabulary; APIs map it)."""
 
 FINISH_REASONS: dict[int, FinishReason] = {
     pb.FINISH_REASON_LENGTH: "length",

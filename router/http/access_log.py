@@ -13,11 +13,9 @@ import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from textgate.router.logs import end_request_record, start_request_record
+from textgate.router.logs import QUIET_PATHS, end_request_record, start_request_record
 
 log = logging.getLogger("textgate.router.access")
-
-QUIET_PATHS = frozenset({"/health", "/ping", "/metrics", "/info", "/favicon.ico"})
 
 
 class AccessLogMiddleware:

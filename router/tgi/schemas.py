@@ -7,12 +7,12 @@ response fields TGI leaves out (`details` when not asked for, empty `top_tokens`
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 from pydantic import SerializerFunctionWrapHandler as Handler
 
-FinishReason = Literal["length", "eos_token", "stop_sequence"]
+from textgate.router.engine.channel import FinishReason
 
 
 class GenerateParameters(BaseModel):

@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from textgate.router.http.openapi import docs_page, openapi_spec
+from textgate.router.openapi import docs_page, openapi_spec
 
 
 async def test_spec_describes_tgis_routes_from_the_pydantic_models(

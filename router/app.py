@@ -34,13 +34,13 @@ from textgate.router.http.errors import (
     error_response,
     is_openai_path,
 )
-from textgate.router.http.openapi import DOCS_ASSETS_PATH, DOCS_PATH, SPEC_PATH, docs_routes
 from textgate.router.http.playground import PLAYGROUND_PATHS, with_playground
 from textgate.router.http.sagemaker import sagemaker_route
 from textgate.router.http.state import Engine, RouterState
 from textgate.router.http.validation import Tokenizer, ValidationError, Validator
 from textgate.router.metrics import Metrics
 from textgate.router.openai.routes import openai_routes
+from textgate.router.openapi import DOCS_ASSETS_PATH, DOCS_PATH, SPEC_PATH, docs_routes
 from textgate.router.shard_client import ShardedClient
 from textgate.router.tgi.output import GenerationError
 from textgate.router.tgi.routes import tgi_routes
