@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from textgate.bench.workload import BenchRequest
+from textgate.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -64,21 +65,23 @@ class StreamBackend(ABC):
         """Interpret the data of one server-sent event."""
 
 
-BACKENDS: dict[str, StreamBackend] = {}
+class _Backends(Registry[StreamBackend]):
+    def entry(self, decorated: object) -> StreamBackend:
+        assert isinstance(decorated, type) and issubclass(decorated, StreamBackend)
+        return decorated()  # backends hold no state: one instance serves every run
+
+
+BACKENDS = _Backends("backend")
 
 
 def register(cls: type[StreamBackend]) -> type[StreamBackend]:
     """Class decorator adding a backend to `BACKENDS` under its name."""
-    BACKENDS[cls.name] = cls()
-    return cls
+    return BACKENDS.register(cls.name)(cls)
 
 
 def get_backend(name: str) -> StreamBackend:
     """The backend called `name`; ValueError listing the known ones otherwise."""
-    try:
-        return BACKENDS[name]
-    except KeyError:
-        raise ValueError(f"unknown backend {name!r}; choose one of {sorted(BACKENDS)}") from None
+    return BACKENDS.lookup(name)
 
 
 def _error_text(error: Any, error_type: Any = None) -> str:

@@ -24,34 +24,25 @@ from textgate.kernels.cpu_attention import CpuAttentionBackend
 from textgate.kernels.flash import FlashAttentionBackend
 from textgate.kernels.sdpa import SdpaAttentionBackend
 from textgate.kernels.triton.attention import TritonAttentionBackend
+from textgate.registry import Registry
 
 DEFAULT_ATTENTION_BACKEND = "cpu"
 #: `--attention` values: auto, then the backends in the order auto prefers them on a GPU.
 ATTENTION_CHOICES = ("auto", "flash", "triton", "torch", "cpu")
 
-_ATTENTION_BACKENDS: dict[str, type[AttentionBackend[Any]]] = {}
+_ATTENTION_BACKENDS: Registry[type[AttentionBackend[Any]]] = Registry("attention backend")
 
 
 def register_attention_backend(
     name: str,
 ) -> Callable[[type[AttentionBackend[Any]]], type[AttentionBackend[Any]]]:
     """Class decorator: make an `AttentionBackend` available as `name`."""
-
-    def wrap(cls: type[AttentionBackend[Any]]) -> type[AttentionBackend[Any]]:
-        if name in _ATTENTION_BACKENDS:
-            raise ValueError(f"attention backend {name!r} is already registered")
-        _ATTENTION_BACKENDS[name] = cls
-        return cls
-
-    return wrap
+    return _ATTENTION_BACKENDS.register(name)
 
 
 def get_attention_backend(name: str = DEFAULT_ATTENTION_BACKEND) -> AttentionBackend[Any]:
     """A new instance of the backend registered as `name`."""
-    if name not in _ATTENTION_BACKENDS:
-        known = ", ".join(sorted(_ATTENTION_BACKENDS))
-        raise ValueError(f"unknown attention backend {name!r}; known: {known}")
-    return _ATTENTION_BACKENDS[name]()
+    return _ATTENTION_BACKENDS.lookup(name)()
 
 
 def attention_backend_name(backend: AttentionBackend[Any]) -> str:

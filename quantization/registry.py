@@ -6,43 +6,35 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from textgate.quantization.base import WeightsLoader
+from textgate.registry import Registry
 
 UNQUANTIZED = "unquantized"
-
-_LOADERS: dict[str, type[WeightsLoader]] = {}
 
 
 class UnsupportedQuantizationError(ValueError):
     """No loader is registered for the requested quantization method."""
 
 
+_LOADERS: Registry[type[WeightsLoader]] = Registry(
+    "quantization method",
+    "{noun} {name!r} is not supported; known methods: {known}",
+    UnsupportedQuantizationError,
+)
+
+
 def register(*names: str) -> Callable[[type[WeightsLoader]], type[WeightsLoader]]:
     """Class decorator: serve quantization methods `names` with this loader."""
-
-    def wrap(cls: type[WeightsLoader]) -> type[WeightsLoader]:
-        for name in names:
-            if name in _LOADERS:
-                raise ValueError(f"quantization method {name!r} is already registered")
-            _LOADERS[name] = cls
-        return cls
-
-    return wrap
+    return _LOADERS.register(*names)
 
 
 def registered_methods() -> list[str]:
     """Names accepted by `get_weights_loader`, sorted."""
-    return sorted(_LOADERS)
+    return _LOADERS.names()
 
 
 def loader_class(method: str | None) -> type[WeightsLoader]:
     """The loader class registered for `method` (None: plain floating-point weights)."""
-    name = method or UNQUANTIZED
-    if name not in _LOADERS:
-        raise UnsupportedQuantizationError(
-            f"quantization method {name!r} is not supported; "
-            f"known methods: {', '.join(registered_methods())}"
-        )
-    return _LOADERS[name]
+    return _LOADERS.lookup(method or UNQUANTIZED)
 
 
 def get_weights_loader(

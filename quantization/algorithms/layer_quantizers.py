@@ -25,6 +25,7 @@ from textgate.quantization.algorithms.layers import (
 )
 from textgate.quantization.algorithms.rtn import QuantSpec, rtn_quantize
 from textgate.quantization.packing import UnpackedWeight, dequantize
+from textgate.registry import Registry
 
 if TYPE_CHECKING:
     from textgate.quantization.algorithms.quantize import QuantizeOptions
@@ -35,17 +36,12 @@ LayerQuantizer = Callable[
     [nn.Module, CalibrationBatch | None, "QuantizeOptions", Mapping[str, Any]],
     tuple[dict[str, UnpackedWeight], Tensor | None],
 ]
-LAYER_QUANTIZERS: dict[str, LayerQuantizer] = {}
+LAYER_QUANTIZERS: Registry[LayerQuantizer] = Registry("quantize method")
 
 
 def register(name: str) -> Callable[[LayerQuantizer], LayerQuantizer]:
     """Register a method's per-layer step under its `--method` name."""
-
-    def wrap(fn: LayerQuantizer) -> LayerQuantizer:
-        LAYER_QUANTIZERS[name] = fn
-        return fn
-
-    return wrap
+    return LAYER_QUANTIZERS.register(name)
 
 
 @contextmanager

@@ -7,38 +7,32 @@ from typing import TypeVar
 
 from torch import nn
 
-ModelT = TypeVar("ModelT", bound=type[nn.Module])
+from textgate.registry import Registry
 
-_MODELS: dict[str, type[nn.Module]] = {}
+ModelT = TypeVar("ModelT", bound=type[nn.Module])
 
 
 class UnsupportedModelError(ValueError):
     """No native implementation exists for a model type."""
 
 
+_MODELS: Registry[type[nn.Module]] = Registry(
+    "model type",
+    "{noun} {name!r} has no native implementation; supported: {known}",
+    UnsupportedModelError,
+)
+
+
 def register(*model_types: str) -> Callable[[ModelT], ModelT]:
     """Class decorator: serve `model_types` with this model class."""
-
-    def wrap(cls: ModelT) -> ModelT:
-        for model_type in model_types:
-            if model_type in _MODELS:
-                raise ValueError(f"model type {model_type!r} is already registered")
-            _MODELS[model_type] = cls
-        return cls
-
-    return wrap
+    return _MODELS.register(*model_types)
 
 
 def supported_model_types() -> list[str]:
     """Model types with a native implementation, sorted."""
-    return sorted(_MODELS)
+    return _MODELS.names()
 
 
 def get_model_class(model_type: str | None) -> type[nn.Module]:
     """The native class for `model_type`, or UnsupportedModelError."""
-    if model_type not in _MODELS:
-        raise UnsupportedModelError(
-            f"model type {model_type!r} has no native implementation; "
-            f"supported: {', '.join(supported_model_types())}"
-        )
-    return _MODELS[model_type]
+    return _MODELS.lookup(model_type)

@@ -26,7 +26,7 @@ def test_unknown_method_is_a_clear_error():
 def test_registered_loader_is_built_from_the_quantization_config(monkeypatch):
     from textgate.quantization import registry
 
-    monkeypatch.setattr(registry, "_LOADERS", dict(registry._LOADERS))
+    monkeypatch.setattr(registry, "_LOADERS", registry._LOADERS.copy())
 
     @register("fake-gptq", "fake-gptq-alias")
     class FakeLoader(UnquantizedWeightsLoader):
