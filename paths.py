@@ -6,7 +6,10 @@ quantization loaders (a converted GGUF's source) can read it without depending o
 
 from __future__ import annotations
 
+import fcntl
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -25,3 +28,16 @@ def converted_from(folder: Path) -> Path | None:
     """The file `folder` was converted from (None: not a converted folder)."""
     marker = folder / CONVERTED_MARKER
     return Path(marker.read_text().strip()) if marker.is_file() else None
+
+
+@contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """Held while a cache folder is built (`path` is its lock file), so that processes or
+    clones building the same folder at once build it once."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

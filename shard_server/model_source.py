@@ -9,18 +9,15 @@ the file (`paths.converted_from`), from which `--quantize gguf` reads its 4-bit 
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import logging
 import shutil
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 from unittest.mock import patch
 
-from textgate.paths import CONVERTED_MARKER, cache_dir, converted_from
+from textgate.paths import CONVERTED_MARKER, cache_dir, converted_from, file_lock
 
 log = logging.getLogger("textgate.model_source")
 
@@ -102,23 +99,13 @@ def _converted(gguf: Path, target: Path) -> Path:
     if converted_from(target) == gguf:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(target.parent / f".{target.name}.lock"):
+    with file_lock(target.parent / f".{target.name}.lock"):
         # Another process may have finished the conversion while we waited for the lock.
         if not (target / _DONE_MARKER).is_file():
             _convert_gguf(gguf, target)
         elif converted_from(target) != gguf:  # the same file installed elsewhere (another venv)
             (target / _DONE_MARKER).write_text(str(gguf))
     return target
-
-
-@contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _convert_gguf(gguf: Path, target: Path) -> None:
