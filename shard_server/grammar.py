@@ -7,7 +7,10 @@ Each request then gets a `GrammarState` (an xgrammar `GrammarMatcher`): where it
 is in the grammar. Before every step that samples for it, the state fills one row of a
 token bitmask (bit set = the token may come next); the sampler sets every other token's
 logit to -inf. The accepted token advances the state. Once the text is complete the
-grammar allows only the end-of-sequence tokens, so the request ends there.
+grammar allows only the end-of-sequence tokens, so the request ends there. Near the end
+of its token budget, a request's mask is narrowed to the tokens after which its text can
+still be completed in time (shard_server/grammar_budget.py), so the text it ends with
+parses.
 
 Masks are filled on a worker thread (`MaskFiller`) while the model's forward pass runs:
 both release the GIL, so for batches of a few grammar requests the masks cost no step
@@ -27,6 +30,7 @@ from typing import Any
 import torch
 
 from textgate.proto import generate_pb2 as pb
+from textgate.shard_server.grammar_budget import NUM_CANDIDATES, BudgetCloser, VocabIndex
 
 DEFAULT_CACHE_SIZE = 128
 """Compiled grammars kept (least recently used dropped first)."""
@@ -44,10 +48,13 @@ class GrammarMasks:
 
     bitmask: torch.Tensor  # [B, ceil(V / 32)] int32, bit set = allowed; a row per sampled row
     rows: list[int]  # [G] the rows with a grammar (the others' masks are not read)
+    states: Sequence[GrammarState] = ()
+    """[G] the rows' states, for those whose budget needs their likeliest tokens checked."""
 
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+    def apply(self, logits: torch.Tensor, sampled: Sequence[bool] | None = None) -> torch.Tensor:
         """logits [B, V] float32 with every token a row's grammar forbids at -inf (a new
-        tensor; rows without a grammar are copied unchanged)."""
+        tensor; rows without a grammar are copied unchanged). `sampled[r]`: row r samples
+        (else it is greedy: of its likeliest tokens only the first that fits matters)."""
         import xgrammar as xgr
 
         masked = logits.contiguous().clone()
@@ -55,22 +62,75 @@ class GrammarMasks:
         # unpacking the bits with torch ops.
         bitmask = self.bitmask.to(logits.device, non_blocking=True)
         xgr.apply_token_bitmask_inplace(masked, bitmask, indices=self.rows)
+        if not self.states:
+            return masked
+        checked = [
+            (row, state)
+            for row, state in zip(self.rows, self.states, strict=True)
+            if state.needs_check
+        ]
+        if checked:
+            _keep_fitting(masked, checked, sampled)
         return masked
 
 
-class GrammarState:
-    """One request's position in its grammar."""
+def _keep_fitting(
+    masked: torch.Tensor,
+    checked: Sequence[tuple[int, GrammarState]],
+    sampled: Sequence[bool] | None,
+) -> None:
+    """Leave each checked row only its likeliest tokens that fit its budget (and those
+    that start its completion). One host transfer for all of them, near budgets only."""
+    rows = [row for row, _ in checked]
+    num = min(NUM_CANDIDATES, masked.shape[1])
+    values, ids = masked[rows].topk(num, dim=-1)  # [C, num] each
+    for (row, state), row_values, row_ids in zip(
+        checked, values.tolist(), ids.tolist(), strict=True
+    ):
+        candidates = [t for t, v in zip(row_ids, row_values, strict=True) if v != float("-inf")]
+        greedy = sampled is not None and not sampled[row]
+        allowed = state.refine(candidates, first_only=greedy)
+        keep = torch.tensor(allowed, dtype=torch.int64, device=masked.device)
+        drop = torch.ones(masked.shape[1], dtype=torch.bool, device=masked.device)
+        drop[keep] = False
+        masked[row].masked_fill_(drop, float("-inf"))
 
-    def __init__(self, matcher: Any) -> None:
+
+class GrammarState:
+    """One request's position in its grammar (and, with a `closer`, in its token budget)."""
+
+    def __init__(self, matcher: Any, closer: BudgetCloser | None = None) -> None:
         self._matcher = matcher
+        self._closer = closer
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the tokens that may come next into row `row` of `bitmask`."""
+        """Write the tokens that may come next into row `row` of `bitmask`: the grammar's,
+        narrowed to a completion of the text when the budget is close."""
         self._matcher.fill_next_token_bitmask(bitmask, row)
+        if self._closer is not None:
+            self._closer.restrict(self._matcher, bitmask, row)
+
+    @property
+    def needs_check(self) -> bool:
+        """This step's likeliest tokens must be checked against the budget (`refine`)."""
+        return self._closer is not None and self._closer.check
+
+    def refine(self, candidates: Sequence[int], first_only: bool = False) -> list[int]:
+        """Which tokens may be sampled this step, given the likeliest `candidates`."""
+        assert self._closer is not None
+        return self._closer.refine(self._matcher, candidates, first_only)
 
     def accept(self, token_id: int) -> bool:
         """Advance past `token_id`; False when the grammar does not allow it here."""
+        if self._closer is not None:
+            self._closer.accepted(token_id)
         return bool(self._matcher.accept_token(token_id))
+
+    @property
+    def closed_by_budget(self) -> bool:
+        """The budget narrowed the mask to a completion: where the text ended was the
+        budget's choice (the request reports `length`), not the model's."""
+        return self._closer is not None and self._closer.steered
 
     @property
     def terminated(self) -> bool:
@@ -101,18 +161,27 @@ class GrammarCompiler:
         self._cache_size = cache_size
         self._cache: OrderedDict[tuple[int, str], Any] = OrderedDict()
         self._compiler: Any = None
+        self._vocab_index: VocabIndex | None = None
+        self._tokenizer_info: Any = None
         self._lock = Lock()
         self.num_compiled = 0
         """Grammars compiled (cache misses), for tests and logs."""
 
-    def state(self, grammar: pb.Grammar) -> GrammarState:
-        """A fresh state at the start of `grammar`; GrammarError when it does not compile."""
+    def state(self, grammar: pb.Grammar, max_new_tokens: int | None = None) -> GrammarState:
+        """A fresh state at the start of `grammar`; GrammarError when it does not compile.
+
+        With `max_new_tokens` (the request's budget) the state closes its text before the
+        budget runs out (shard_server/grammar_budget.py).
+        """
         import xgrammar as xgr
 
         compiled = self.compile(grammar)
-        return GrammarState(
-            xgr.GrammarMatcher(compiled, override_stop_tokens=self._stop_token_ids or None)
-        )
+        matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=self._stop_token_ids or None)
+        closer = None
+        if max_new_tokens:
+            index = self._index()
+            closer = BudgetCloser(index, self._stop_token_ids, max_new_tokens, self.vocab_size)
+        return GrammarState(matcher, closer)
 
     def compile(self, grammar: pb.Grammar) -> Any:
         """The compiled grammar, from the cache when this exact grammar was seen."""
@@ -146,6 +215,17 @@ class GrammarCompiler:
         except (RuntimeError, ValueError, TypeError) as exc:
             raise GrammarError(f"the {what} cannot be compiled: {_first_line(exc)}") from exc
 
+    def _index(self) -> VocabIndex:
+        """The vocabulary by bytes (built once, on the first state with a budget)."""
+        with self._lock:
+            if self._vocab_index is None:
+                self._xgrammar_compiler()
+                info = self._tokenizer_info
+                special = set(getattr(self._tokenizer, "all_special_ids", ()))
+                special.update(info.special_token_ids, self._stop_token_ids)
+                self._vocab_index = VocabIndex(info.decoded_vocab, special)
+            return self._vocab_index
+
     def _xgrammar_compiler(self) -> Any:
         if self._compiler is None:
             import xgrammar as xgr
@@ -155,6 +235,7 @@ class GrammarCompiler:
                 vocab_size=self.vocab_size,
                 stop_token_ids=self._stop_token_ids or None,
             )
+            self._tokenizer_info = info
             # Our own LRU decides what stays; xgrammar's cache would keep everything.
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self._compiler
@@ -203,7 +284,7 @@ class MaskFiller:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         future = self._executor.submit(_fill, list(states), bitmask)
-        return PendingMasks(future, bitmask, rows)
+        return PendingMasks(future, bitmask, rows, [s for s in states if s is not None])
 
     def close(self) -> None:
         if self._executor is not None:
@@ -217,10 +298,11 @@ class PendingMasks:
     future: Future[None]
     bitmask: torch.Tensor
     rows: list[int]
+    states: list[GrammarState]
 
     def result(self) -> GrammarMasks:
         self.future.result()
-        return GrammarMasks(self.bitmask, self.rows)
+        return GrammarMasks(self.bitmask, self.rows, self.states)
 
 
 def _fill(states: Sequence[GrammarState | None], bitmask: torch.Tensor) -> None:

@@ -155,7 +155,7 @@ class Sampler:
             logits = logits.masked_fill(suppress_ids, float("-inf"))
         if grammar is not None:
             # Before the warpers: top-k/top-p choose among the tokens the grammar allows.
-            logits = grammar.apply(logits)
+            logits = grammar.apply(logits, params.do_sample)
         warped = apply_warpers(logits, params) if any(params.do_sample) else logits
         logprobs = torch.log_softmax(warped, dim=-1)  # [B, V]
         next_ids = logprobs.argmax(dim=-1, keepdim=True)  # [B, 1]

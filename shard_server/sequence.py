@@ -66,7 +66,8 @@ class Sequence:
         if request.HasField("grammar"):
             if grammars is None:
                 raise GrammarError("grammars need a paged shard (a native model)")
-            grammar = grammars.state(request.grammar)
+            budget = request.stopping_parameters.max_new_tokens
+            grammar = grammars.state(request.grammar, budget)
         ids = list(request.input_ids)
         generator = torch.Generator(device=device or "cpu")
         generator.manual_seed(request.parameters.seed)
@@ -108,8 +109,13 @@ class Sequence:
             # The mask allowed only tokens the grammar accepts. Its end accepts only
             # end-of-sequence: the text is complete even when the request ignores eos.
             self.grammar.accept(token_id)
-            if reason is None and self.grammar.terminated:
-                reason = pb.FINISH_REASON_EOS_TOKEN
+            if reason in (None, pb.FINISH_REASON_EOS_TOKEN) and self.grammar.terminated:
+                # Text closed early to fit the budget ends as the budget's (`length`).
+                reason = (
+                    pb.FINISH_REASON_LENGTH
+                    if self.grammar.closed_by_budget
+                    else pb.FINISH_REASON_EOS_TOKEN
+                )
         generation = pb.Generation(
             request_id=self.id,
             tokens=pb.Tokens(

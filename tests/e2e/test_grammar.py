@@ -5,8 +5,8 @@ every constrained output parses and validates, and the unconstrained ones are ex
 what they are alone (on a float32 server: bfloat16, which `--dtype auto` may pick on a
 CPU, rounds differently at other batch sizes, so greedy text can drift whatever the
 grammars do). Schemas bound their strings, arrays and numbers, as a schema for a
-135M model must: an unbounded string or integer lets it repeat one token until
-max_new_tokens cuts the JSON short.
+135M model should: an unbounded string or integer lets it repeat one token until the
+budget, which then closes the text (shard_server/grammar_budget.py) with what it had.
 """
 
 from __future__ import annotations
@@ -159,3 +159,63 @@ def test_inference_client_text_generation_with_grammar(live_server: str) -> None
         grammar={"type": "json", "value": schema},
     )
     jsonschema.validate(json.loads(text), schema)
+
+
+# Issue 31's reproduction: an unbounded integer, 120 new tokens. On the bf16 server the
+# greedy answer was `{"city": "New York", "population": 2012000000000…` cut by the budget.
+POPULATION = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "population": {"type": "integer", "minimum": 0}},
+    "required": ["city", "population"],
+}
+CITY_PROMPTS = ["What is the largest city in the USA? Answer in JSON.", _prompt("a city")]
+
+
+async def _details(url: str, inputs: str, **parameters: Any) -> dict[str, Any]:
+    body = {"inputs": inputs, "parameters": {"details": True, **parameters}}
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        answer = await client.post("/generate", json=body)
+    assert answer.status_code == 200, answer.text
+    payload: dict[str, Any] = answer.json()
+    return payload
+
+
+async def _closing_runs(url: str) -> list[tuple[str, dict[str, Any]]]:
+    grammar = {"type": "json", "value": POPULATION}
+    runs = [(p, {"max_new_tokens": 120, "grammar": grammar}) for p in CITY_PROMPTS]
+    for seed in range(12):
+        sampled = {"do_sample": True, "seed": seed, "max_new_tokens": 120, "grammar": grammar}
+        runs.append((CITY_PROMPTS[seed % 2], sampled))
+    # Tight budgets: the shortest answer takes 11 tokens.
+    runs += [(CITY_PROMPTS[1], {"max_new_tokens": n, "grammar": grammar}) for n in (12, 16)]
+    answers = await asyncio.gather(*(_details(url, p, **params) for p, params in runs))
+    return [(json.dumps(params), answer) for (_, params), answer in zip(runs, answers, strict=True)]
+
+
+def test_json_grammar_text_closes_before_the_budget_ends(live_server: str) -> None:
+    runs = asyncio.run(_closing_runs(live_server))
+    for params, answer in runs:
+        text, details = answer["generated_text"], answer["details"]
+        try:
+            jsonschema.validate(json.loads(text), POPULATION)
+        except (json.JSONDecodeError, jsonschema.ValidationError) as exc:
+            raise AssertionError(f"{params}: {text!r}") from exc
+        budget = json.loads(params)["max_new_tokens"]
+        assert details["generated_tokens"] <= budget
+        assert details["finish_reason"] in ("eos_token", "length")
+    # The tight budgets end where the budget did, with a text that parses.
+    assert all(answer["details"]["finish_reason"] == "length" for _, answer in runs[-2:])
+
+
+def test_streamed_tokens_spell_the_generated_text(live_server: str) -> None:
+    grammar = {"type": "json", "value": POPULATION}
+    body = {"inputs": CITY_PROMPTS[0], "parameters": {"max_new_tokens": 40, "grammar": grammar}}
+    with httpx.stream("POST", f"{live_server}/generate_stream", json=body, timeout=120) as answer:
+        events = [
+            json.loads(line.removeprefix("data:"))
+            for line in answer.iter_lines()
+            if line.startswith("data:")
+        ]
+    spelled = "".join(e["token"]["text"] for e in events if not e["token"]["special"])
+    assert spelled == events[-1]["generated_text"]
+    jsonschema.validate(json.loads(spelled), POPULATION)
