@@ -15,8 +15,8 @@ from typing import TypedDict
 
 import textgate
 from textgate.router.engine.channel import Finished, TokenInfo
+from textgate.router.openai.answer import answer_message
 from textgate.router.openai.schemas import (
-    AssistantMessage,
     ChatChoice,
     ChatCompletion,
     ChatLogprobs,
@@ -27,8 +27,7 @@ from textgate.router.openai.schemas import (
     TopLogprob,
     Usage,
 )
-from textgate.router.openai.tools import read_answer
-from textgate.router.tgi.output import Generated
+from textgate.router.tgi.output import Generated, visible_text
 from textgate.router.tgi.schemas import FinishReason
 
 # TGI's format: "{version}-{docker label}"; clients such as huggingface_hub require it.
@@ -93,11 +92,6 @@ class TextOptions:
 def finish_reason(reason: FinishReason) -> str:
     """OpenAI's name: "stop" (end of sequence or a stop sequence) or "length"."""
     return _FINISH_REASONS[reason]
-
-
-def visible_text(tokens: Sequence[TokenInfo]) -> str:
-    """The text of `tokens` without the special ones."""
-    return "".join(t.text for t in tokens if not t.special)
 
 
 def trim_stop(text: str, stops: Sequence[str]) -> str:
@@ -216,11 +210,11 @@ def chat_completion(
     tools: bool = False,
 ) -> ChatCompletion:
     """A non-streamed chat answer, one choice per result; with `tools`, each result's
-    text is a tool call object (router/openai/tools.py) read back into `tool_calls`."""
+    text is a tool call object read back into `tool_calls` (router/openai/answer.py)."""
     choices = [
         ChatChoice(
             index=i,
-            message=_message(answer_text(g.finished, options), tools),
+            message=answer_message(answer_text(g.finished, options), tools),
             logprobs=chat_logprobs(g.tokens, g.top_tokens) if logprobs else None,
             finish_reason=finish_reason(g.finished.finish_reason),
         )
@@ -234,13 +228,6 @@ def chat_completion(
         choices=choices,
         usage=usage(prompt_tokens, sum(g.finished.generated_tokens for g in results)),
     )
-
-
-def _message(text: str, tools: bool) -> AssistantMessage:
-    if not tools:
-        return AssistantMessage(content=text)
-    answer = read_answer(text)
-    return AssistantMessage(content=answer.content, tool_calls=answer.tool_calls)
 
 
 def completion(

@@ -19,6 +19,7 @@ from textgate.router.engine.channel import Channel, ErrorEvent, Event, StepEvent
 from textgate.router.http.delivery import StreamPacing, Write, deliveries
 from textgate.router.http.errors import openai_error
 from textgate.router.http.sse import sse_frame
+from textgate.router.openai.answer import AnswerStream
 from textgate.router.openai.output import (
     ResponseMeta,
     StreamText,
@@ -36,7 +37,7 @@ from textgate.router.openai.schemas import (
     CompletionChoice,
     Usage,
 )
-from textgate.router.openai.tools import ToolCallStream
+from textgate.router.tgi.output import TextLedger
 
 DONE_FRAME = b"data: [DONE]\n\n"
 UNPACED = StreamPacing()
@@ -130,7 +131,13 @@ def per_choice(write: Write) -> list[tuple[int, Event]]:
 
 
 class ChatChunks:
-    """`chat.completion.chunk`s: a role chunk per choice, content deltas, the finish reason."""
+    """`chat.completion.chunk`s: a role chunk per choice, content or tool-call deltas, the
+    finish reason.
+
+    A choice's deltas are the differences between successive readings of its text so
+    far (router/openai/answer.py), the reading the non-streamed message is made of: joined,
+    they are exactly that message.
+    """
 
     def __init__(
         self,
@@ -142,32 +149,30 @@ class ChatChunks:
         tools: bool = False,
     ) -> None:
         self._meta = meta
+        self._ledgers = [TextLedger() for _ in range(num_choices)]
         self._texts = [StreamText(options) for _ in range(num_choices)]
         self._logprobs = logprobs
+        self._tools = tools
         # With tools, each choice's text is a tool call object, streamed as call deltas.
-        self._calls = [ToolCallStream() for _ in range(num_choices)] if tools else None
+        self._answers = [AnswerStream(tools) for _ in range(num_choices)]
 
     def opening(self, index: int) -> BaseModel | None:
         return self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=""))])
 
     def step(self, index: int, event: StepEvent) -> BaseModel | None:
+        event = self._ledgers[index].settle(event)
         done = event.finished
         text = self._texts[index].push(event.tokens, None if done is None else done.finish_reason)
         logprobs = chat_logprobs(event.tokens, event.top_tokens) if self._logprobs else None
         reason = None if done is None else finish_reason(done.finish_reason)
-        delta = ChatDelta(content=text)
-        if self._calls is not None:
-            calls = self._calls[index]
-            deltas, text = calls.push(text, done is not None)
-            delta = ChatDelta(content=text or None, tool_calls=deltas or None)
-            if calls.called and reason == "stop":
-                reason = "tool_calls"
-        if (
-            not text
-            and not delta.tool_calls
-            and done is None
-            and not (logprobs and logprobs.content)
-        ):
+        answer = self._answers[index]
+        content, calls = answer.push(text, done is not None)
+        delta = ChatDelta(content=(content or None) if self._tools else content)
+        if calls:
+            delta = ChatDelta(content=None, tool_calls=calls)
+        if answer.called and reason == "stop":
+            reason = "tool_calls"
+        if not content and not calls and done is None and not (logprobs and logprobs.content):
             return None
         choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=reason)
         return self._chunk([choice])
@@ -194,6 +199,7 @@ class CompletionChunks:
         self._meta = meta
         self._prompts = prompts
         """The prompt of each choice."""
+        self._ledgers = [TextLedger() for _ in prompts]
         self._texts = [StreamText(options) for _ in prompts]
         self._offsets = [len(p) if echo else 0 for p in prompts]
         """Where each choice's next token text starts (for logprobs' text_offset)."""
@@ -206,6 +212,7 @@ class CompletionChunks:
         return self._chunk([CompletionChoice(index=index, text=self._prompts[index])])
 
     def step(self, index: int, event: StepEvent) -> BaseModel | None:
+        event = self._ledgers[index].settle(event)
         done = event.finished
         text = self._texts[index].push(event.tokens, None if done is None else done.finish_reason)
         logprobs = None

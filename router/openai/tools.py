@@ -16,7 +16,7 @@ The prompt: a chat template that knows tools (its source reads `tools`) gets the
 `apply_chat_template(tools=...)`, in its own format; other templates get a system
 message listing the tools and the answer format. Earlier assistant tool calls and
 `tool` results in `messages` go to a tools template as they are, and to the others as
-text.
+text. How a generated call object is read back (and streamed) is router/openai/answer.py.
 """
 
 from __future__ import annotations
@@ -37,8 +37,6 @@ NO_TOOL = "no_tool"
 """The function an "auto" answer calls to answer in text instead."""
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
-# The compact form the JSON grammar generates (properties in schema order).
-_CALL_PREFIX = re.compile(r'\{"name": "((?:[^"\\]|\\.)*)", "arguments": ')
 
 
 @dataclass(frozen=True)
@@ -153,80 +151,12 @@ def tool_messages(
     return [{"role": "system", "content": prompt}, *rendered]
 
 
-@dataclass(frozen=True)
-class ToolAnswer:
-    """What a tool plan's generated text says: calls, or (no_tool / unparsable) text."""
-
-    tool_calls: list[ToolCall] | None
-    content: str | None
-
-
-def read_answer(text: str) -> ToolAnswer:
-    """The calls in a finished tool-call text; text that is no complete call (cut by
-    max_tokens) is returned as content."""
-    try:
-        call = json.loads(text)
-        name, arguments = call["name"], call["arguments"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return ToolAnswer(None, text)
-    if name == NO_TOOL:
-        content = arguments.get("content") if isinstance(arguments, dict) else None
-        return ToolAnswer(None, content if isinstance(content, str) else text)
-    return ToolAnswer([new_call(name, json.dumps(arguments))], None)
-
-
 def new_call(name: str, arguments: str) -> ToolCall:
     """A tool call with a fresh id."""
     return ToolCall(
         id=f"call_{uuid.uuid4().hex[:24]}",
         function=ToolCallFunction(name=name, arguments=arguments),
     )
-
-
-class ToolCallStream:
-    """Turns a streamed tool-call text into OpenAI deltas as it grows.
-
-    The call's name is known once `{"name": "...", "arguments": ` is complete: a first
-    delta carries the id and name, the next ones the arguments text as it comes (the
-    call object's closing brace held back). A `no_tool` answer is held until it is
-    complete and sent as content; so is text that never became a call.
-    """
-
-    def __init__(self) -> None:
-        self._text = ""
-        self._name: str | None = None
-        self._arguments_at = 0
-        """Where the arguments start in the text."""
-        self._sent = 0
-        """Characters of the arguments already sent."""
-        self.called = False
-        """A call was announced (the finish reason is then "tool_calls")."""
-
-    def push(self, delta: str, finished: bool) -> tuple[list[dict[str, Any]], str]:
-        """Add `delta`; the tool-call deltas and the content to send now."""
-        self._text += delta
-        deltas: list[dict[str, Any]] = []
-        if self._name is None:
-            match = _CALL_PREFIX.match(self._text)
-            if match is None:
-                return [], (read_answer(self._text).content or "") if finished else ""
-            self._name = json.loads(f'"{match.group(1)}"')
-            self._arguments_at = match.end()
-            if self._name != NO_TOOL:
-                self.called = True
-                deltas.append({"index": 0, **new_call(self._name, "").model_dump(mode="json")})
-        if self._name == NO_TOOL:
-            return [], (read_answer(self._text).content or "") if finished else ""
-        return deltas + self._arguments(finished), ""
-
-    def _arguments(self, finished: bool) -> list[dict[str, Any]]:
-        arguments = self._text[self._arguments_at :]
-        # The call object's closing brace ends the text: held back until it is known
-        # to be the last character, then left out.
-        end = len(arguments) - 1 if not finished or arguments.endswith("}") else len(arguments)
-        chunk = arguments[self._sent : max(end, self._sent)]
-        self._sent = max(end, self._sent)
-        return [{"index": 0, "function": {"arguments": chunk}}] if chunk else []
 
 
 _NO_TOOL_PARAMETERS: dict[str, Any] = {

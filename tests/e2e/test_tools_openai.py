@@ -1,7 +1,9 @@
 """End to end: tool calls and json_schema answers through the `openai` SDK (the default model).
 
 The SDK assembles streamed tool-call deltas itself (`chat.completions.stream`) and
-parses json_schema answers into pydantic models (`chat.completions.parse`).
+parses json_schema answers into pydantic models (`chat.completions.parse`). A stream says
+exactly what the non-streamed answer of the same seed says, field by field, read the way
+simple clients read it (each chunk's first tool-call entry).
 """
 
 from __future__ import annotations
@@ -50,6 +52,41 @@ NAMED: Any = {"type": "function", "function": {"name": "get_weather"}}
 QUESTION: list[ChatCompletionMessageParam] = [
     {"role": "user", "content": "What is the weather in Paris?"}
 ]
+
+
+# Issue 31's reproduction: a city and an enum, "required", sampled (seed), 80 tokens.
+UNIT_TOOLS: list[Any] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}},
+                "required": ["city", "unit"],
+            },
+        },
+    }
+]  # fmt: skip
+# Nested objects, arrays, free strings (escapes, unicode): "auto" may answer in text.
+TRIP_TOOLS: list[Any] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "plan_trip",
+            "description": "Plan a trip: stops with notes",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "title": {"type": "string", "maxLength": 40},
+                    "stops": {"type": "array", "maxItems": 3, "items": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "nights": {"type": "integer", "minimum": 1, "maximum": 9}}, "required": ["city", "nights"]}},
+                    "options": {"type": "object", "properties": {"note": {"type": "string", "maxLength": 30}, "budget": {"type": "number"}}, "required": ["note"]},
+                },
+                "required": ["title", "stops", "options"],
+            },
+        },
+    }
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -158,3 +195,64 @@ def test_json_object_response_is_an_object(client: OpenAI) -> None:
     )
     assert answer.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(answer.choices[0].message.content or ""), dict)
+
+
+def _streamed(
+    client: OpenAI, **request: Any
+) -> tuple[str | None, list[tuple[str, str]], str | None]:
+    """Content, calls (name, arguments) and finish reason as the chunks' first entries
+    spell them; each chunk has at most one entry per call."""
+    content, calls, reason = "", [], None
+    for chunk in client.chat.completions.create(stream=True, **request):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            entries = choice.delta.tool_calls or []
+            assert len({entry.index for entry in entries}) == len(entries), entries
+            if entries:
+                first = entries[0]
+                if first.index == len(calls):
+                    assert first.id and first.function and first.function.name
+                    calls.append([first.function.name, ""])
+                calls[first.index][1] += (first.function and first.function.arguments) or ""
+            reason = choice.finish_reason or reason
+    return content or None, [(name, arguments) for name, arguments in calls], reason
+
+
+def _answered(
+    client: OpenAI, **request: Any
+) -> tuple[str | None, list[tuple[str, str]], str | None]:
+    choice = client.chat.completions.create(**request).choices[0]
+    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+    return choice.message.content or None, calls, choice.finish_reason
+
+
+def test_streamed_tool_call_arguments_join_to_the_answers_for_every_seed(client: OpenAI) -> None:
+    # Issue 31: seed 8 streamed `"city": "Rome", "unit": "c"}` (its `{` in a second entry
+    # of the chunk that named the call) where the answer was `{"city": ...}`.
+    request: dict[str, Any] = {"model": MODEL, "tools": UNIT_TOOLS, "tool_choice": "required"}
+    request |= {"messages": [{"role": "user", "content": "Weather in Rome?"}], "max_tokens": 80}
+    for seed in range(12):
+        streamed, answered = (
+            _streamed(client, **request, seed=seed),
+            _answered(client, **request, seed=seed),
+        )
+        assert streamed == answered, f"seed {seed}"
+        content, [(name, arguments)], _ = answered
+        assert content is None and name == "get_weather"
+        jsonschema.validate(json.loads(arguments), UNIT_TOOLS[0]["function"]["parameters"])
+
+
+def test_streams_of_nested_calls_and_text_answers_say_what_the_answers_say(client: OpenAI) -> None:
+    question = 'Plan a 2-stop trip: Zürich then Kraków, "cheap" — note it in one line.'
+    request: dict[str, Any] = {"model": MODEL, "tools": TRIP_TOOLS, "tool_choice": "auto"}
+    request |= {"messages": [{"role": "user", "content": question}], "max_tokens": 80}
+    for seed in range(3):
+        streamed, answered = (
+            _streamed(client, **request, seed=seed),
+            _answered(client, **request, seed=seed),
+        )
+        assert streamed == answered, f"seed {seed}"
+        content, calls, _ = answered
+        for _, arguments in calls:
+            jsonschema.validate(json.loads(arguments), TRIP_TOOLS[0]["function"]["parameters"])
+        assert calls or content

@@ -1,4 +1,4 @@
-"""OpenAI tools: plans and their grammars, prompts, reading calls back, streaming call deltas."""
+"""OpenAI tools: plans and their grammars, prompts (reading calls back: test_answer.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,6 @@ from textgate.router.http.validation import ValidationError
 from textgate.router.openai.schemas import ChatCompletionRequest
 from textgate.router.openai.tools import (
     NO_TOOL,
-    ToolCallStream,
-    read_answer,
     response_format_grammar,
     template_reads_tools,
     tool_messages,
@@ -152,47 +150,6 @@ def test_template_reads_tools() -> None:
     assert template_reads_tools(Tokenizer())
     Tokenizer.chat_template = "{{ messages }}"
     assert not template_reads_tools(Tokenizer())
-
-
-def test_read_answer() -> None:
-    answer = read_answer('{"name": "get_weather", "arguments": {"city": "Paris"}}')
-    assert answer.content is None and answer.tool_calls is not None
-    (tool_call,) = answer.tool_calls
-    assert tool_call.id.startswith("call_") and tool_call.function.name == "get_weather"
-    assert json.loads(tool_call.function.arguments) == {"city": "Paris"}
-    text = read_answer(json.dumps(call(NO_TOOL, {"content": "Hi there"})))
-    assert text.tool_calls is None and text.content == "Hi there"
-    cut = read_answer('{"name": "get_weather", "argum')  # max_tokens cut it short
-    assert cut.tool_calls is None and cut.content == '{"name": "get_weather", "argum'
-
-
-def _stream(pieces: list[str]) -> tuple[list[dict[str, Any]], str, ToolCallStream]:
-    stream = ToolCallStream()
-    deltas: list[dict[str, Any]] = []
-    content = ""
-    for i, piece in enumerate(pieces):
-        new, text = stream.push(piece, i == len(pieces) - 1)
-        deltas += new
-        content += text
-    return deltas, content, stream
-
-
-def test_streamed_call_deltas_assemble_to_the_arguments() -> None:
-    text = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
-    deltas, content, stream = _stream([text[i : i + 3] for i in range(0, len(text), 3)])
-    assert stream.called and content == ""
-    first = deltas[0]
-    assert first["id"].startswith("call_") and first["type"] == "function"
-    assert first["function"] == {"name": "get_weather", "arguments": ""}
-    arguments = "".join(d["function"]["arguments"] for d in deltas[1:])
-    assert json.loads(arguments) == {"city": "Paris"}
-    assert all(d["index"] == 0 for d in deltas)
-
-
-def test_streamed_no_tool_answer_is_content() -> None:
-    text = json.dumps(call(NO_TOOL, {"content": "Hello"}))
-    deltas, content, stream = _stream([text[:20], text[20:40], text[40:]])
-    assert deltas == [] and content == "Hello" and not stream.called
 
 
 def test_a_tools_template_renders_the_tools_itself() -> None:
