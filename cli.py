@@ -56,7 +56,7 @@ def _add_quantize(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
 
 def _run_quantize(args: argparse.Namespace) -> int:
     from textgate.quantization.algorithms import QuantizeOptions, QuantSpec, quantize_model
-    from textgate.shard_server.model_source import resolve_model
+    from textgate.shard_server.loading.model_source import resolve_model
 
     options = QuantizeOptions(
         method=args.method,
@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from textgate.shard_server.model_source import ModelNotFoundError
+    from textgate.shard_server.loading.model_source import ModelNotFoundError
 
     args = build_parser().parse_args(argv)
     try:

@@ -153,7 +153,7 @@ def shard_argv(model_path: Path, config: LauncherConfig) -> list[str]:
 
 def served_model_id(config: LauncherConfig) -> str:
     """The name /info and /v1/models show: --model-id, or the embedded model's hub name."""
-    from textgate.shard_server.model_source import DEFAULT_MODEL_ID
+    from textgate.shard_server.loading.model_source import DEFAULT_MODEL_ID
 
     return config.model_id or DEFAULT_MODEL_ID
 
@@ -241,7 +241,7 @@ def supervise(children: list[Child], stop: threading.Event) -> None:
 
 
 def run(config: LauncherConfig) -> int:
-    from textgate.shard_server.model_source import resolve_model
+    from textgate.shard_server.loading.model_source import resolve_model
 
     stop = threading.Event()
     # Resolving (downloading, converting) runs in this thread: a signal interrupts it.

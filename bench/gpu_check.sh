@@ -52,7 +52,7 @@ prepare() {
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d "$KIT/wheels" "${specs[@]}" || return 1
   local model
-  model=$("$py" -c 'from textgate.shard_server.model_source import resolve_model; print(resolve_model(None))') || return 1
+  model=$("$py" -c 'from textgate.shard_server.loading.model_source import resolve_model; print(resolve_model(None))') || return 1
   "$py" -m textgate.bench.twin "$model" "$KIT/model" --copy-only >/dev/null || return 1
   git -C "$REPO" rev-parse HEAD >"$KIT/COMMIT"
   git -C "$REPO" status --porcelain --untracked-files=no | grep -q . && echo dirty >>"$KIT/COMMIT"
@@ -132,7 +132,7 @@ step_kernels() {
 
 step_sweep() {
   local model=/tmp/textgate-gpu-twin source=$KIT/model
-  [ -f "$source/config.json" ] || source=$("$PY" -c 'from textgate.shard_server.model_source import resolve_model; print(resolve_model(None))')
+  [ -f "$source/config.json" ] || source=$("$PY" -c 'from textgate.shard_server.loading.model_source import resolve_model; print(resolve_model(None))')
   local twin=()
   [ "$DRY" = 1 ] && twin=(--tiny)
   rm -rf "$model"

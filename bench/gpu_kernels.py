@@ -5,7 +5,7 @@ intermediate 14336, vocab 128256) is built on the device from random weights (bf
 the speed does not depend on the values). Measured, each the median of `--repeats` runs:
 - a decode step (one new token per sequence, every sequence `--context` tokens deep) at
   batch 1/32/128, for each attention backend (torch, triton, flash: those registered and
-  runnable here), with CUDA graphs off and on (`shard_server/cuda_graphs.py`);
+  runnable here), with CUDA graphs off and on (`shard_server/step/cuda_graphs.py`);
 - its ratio to the HBM roofline: the bytes a decode step must move (every linear weight
   once, plus the batch's whole KV context) ÷ the GPU's bandwidth (datasheet figures for
   known GPUs, or `--bandwidth-gbs`). 1.0 would be a step that only streams memory;

@@ -27,7 +27,7 @@ from textgate.bench.gpu_model import (
 )
 from textgate.bench.roofline import DTYPES
 from textgate.kernels import AttentionMetadata, get_attention_backend
-from textgate.shard_server.cuda_graphs import (
+from textgate.shard_server.step.cuda_graphs import (
     CudaGraphCapture,
     DecodeGraphRunner,
     eager_capture,

@@ -41,7 +41,7 @@ HEALTH_PATHS = {"transformers": "/health", "llama-cpp": "/v1/models", "textgate"
 
 def peer_command(peer: str, venv: Path, threads: int) -> ServerCommand:
     """The peer's server command line on a given port, serving the embedded default model."""
-    from textgate.shard_server.model_source import embedded_gguf_path, embedded_model_dir
+    from textgate.shard_server.loading.model_source import embedded_gguf_path, embedded_model_dir
 
     def command(port: int) -> list[str]:
         where = ["--host", "127.0.0.1", "--port", str(port)]

@@ -40,8 +40,8 @@ from textgate.quantization.algorithms.calibration import (
 )
 from textgate.quantization.registry import registered_methods
 from textgate.quantization.resident import resident_bytes
-from textgate.shard_server.kv_cache import KVCache
-from textgate.shard_server.model_source import resolve_model
+from textgate.shard_server.loading.model_source import resolve_model
+from textgate.shard_server.step.kv_cache import KVCache
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _BLOCK_SIZE = 16

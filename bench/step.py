@@ -25,9 +25,9 @@ from textgate.bench.report import format_table
 from textgate.bench.tokenizer import default_model_dir
 from textgate.proto import generate_pb2 as pb
 from textgate.quantization import int4_linear
-from textgate.shard_server.autoconfig import probe_request
-from textgate.shard_server.loader import load_model
-from textgate.shard_server.paged_model import CacheConfig, PagedModel
+from textgate.shard_server.loading.shard_loader import load_model
+from textgate.shard_server.protocols.paged_model import CacheConfig, PagedModel
+from textgate.shard_server.startup.step_timing import probe_request
 
 BLOCK_SIZE = 16
 

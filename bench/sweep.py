@@ -290,7 +290,7 @@ def model_folder(model_id: str | None) -> Path:
     """The local folder of the served model: a folder as given, else what the launcher uses."""
     if model_id is not None and Path(model_id).is_dir():
         return Path(model_id)
-    from textgate.shard_server.model_source import resolve_model
+    from textgate.shard_server.loading.model_source import resolve_model
 
     return resolve_model(model_id)
 

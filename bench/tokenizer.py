@@ -40,7 +40,7 @@ class BenchTokenizer:
 
 def default_model_dir() -> Path:
     """The embedded default model's folder (converted into the cache on first use)."""
-    from textgate.shard_server.model_source import resolve_model
+    from textgate.shard_server.loading.model_source import resolve_model
 
     return resolve_model(None)
 

@@ -1,7 +1,7 @@
 """`--quantize gguf`: a GGUF model served with its 4-bit linear layers kept quantized.
 
 A GGUF file (`--model-id model.gguf`, or the embedded default, itself a Q4_1 GGUF) is
-converted once into a floating-point folder (`shard_server/model_source.py`), which
+converted once into a floating-point folder (`shard_server/loading/model_source.py`), which
 remembers the file it came from. With `--quantize gguf` the linear layers stored as Q4_0,
 Q4_1 or Q4_K are read from the GGUF itself, as codes, and served by the same int4 layers
 as GPTQ and AWQ (`int4_linear.build_quantized_linear`: the CPU int4 kernel in bfloat16,

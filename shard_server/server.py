@@ -21,7 +21,7 @@ import torch
 from textgate.proto import generate_pb2 as pb
 from textgate.proto import generate_pb2_grpc as pb_grpc
 from textgate.shard_server import tracing
-from textgate.shard_server.model import BatchNotFound, InvalidCall, ShardModel
+from textgate.shard_server.protocols.shard_model import BatchNotFound, InvalidCall, ShardModel
 
 log = logging.getLogger("textgate.shard")
 

@@ -87,7 +87,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The embedded default model as a safetensors folder (converted once into the cache)."""
-    from textgate.shard_server.model_source import resolve_model
+    from textgate.shard_server.loading.model_source import resolve_model
 
     return resolve_model(None)
 

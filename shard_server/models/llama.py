@@ -20,7 +20,6 @@ from textgate.kernels import cpu_attention, cpu_layers, get_attention_backend, k
 from textgate.kernels.attention import AttentionBackend, AttentionMetadata
 from textgate.kernels.triton import layers as gpu_layers
 from textgate.quantization.weights import Weights
-from textgate.shard_server.kv_cache import KVCache
 from textgate.shard_server.layers.heads import HeadPartition
 from textgate.shard_server.layers.norm import RMSNorm
 from textgate.shard_server.layers.rotary import RotaryEmbedding, apply_rotary_signed, signed_sin
@@ -32,6 +31,7 @@ from textgate.shard_server.layers.tensor_parallel import (
 )
 from textgate.shard_server.models.config import ModelConfig
 from textgate.shard_server.models.registry import register
+from textgate.shard_server.step.kv_cache import KVCache
 
 
 @dataclass

@@ -16,7 +16,7 @@ from textgate.router.engine.paged_engine import PagedEngine
 from textgate.router.engine.request import SamplingParams, StoppingParams, ValidRequest
 from textgate.router.engine.scheduler import Scheduler, SchedulerConfig
 from textgate.router.shard_client import ShardedClient
-from textgate.shard_server.loader import load_model
+from textgate.shard_server.loading.shard_loader import load_model
 from textgate.shard_server.server import serve
 
 pytestmark = pytest.mark.slow

@@ -6,7 +6,7 @@ what they are alone (on a float32 server: bfloat16, which `--dtype auto` may pic
 CPU, rounds differently at other batch sizes, so greedy text can drift whatever the
 grammars do). Schemas bound their strings, arrays and numbers, as a schema for a
 135M model should: an unbounded string or integer lets it repeat one token until the
-budget, which then closes the text (shard_server/grammar_budget.py) with what it had.
+budget, which then closes the text (shard_server/step/grammar_budget.py) with what it had.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from textgate.kernels import (
     get_attention_backend,
     register_attention_backend,
 )
-from textgate.shard_server.kv_cache import KVCache
+from textgate.shard_server.step.kv_cache import KVCache
 
 DIM = 8
 BACKENDS = ["sdpa", "cpu"]

@@ -8,9 +8,9 @@ import torch.nn.functional as F
 
 from textgate.kernels import AttentionMetadata, cpu_build
 from textgate.kernels.cpu_layers import add_rms_norm, rotary_and_store, silu_and_mul
-from textgate.shard_server.kv_cache import KVCache
 from textgate.shard_server.layers.norm import RMSNorm
 from textgate.shard_server.layers.rotary import apply_rotary_signed, signed_sin
+from textgate.shard_server.step.kv_cache import KVCache
 
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -257,7 +257,7 @@ def test_backends_report_their_registered_name():
 
 @pytest.mark.parametrize(("flag", "expected"), [("auto", "cpu"), ("torch", "torch")])
 def test_the_shard_runs_and_reports_the_resolved_backend(tiny_model_dir, flag, expected):
-    from textgate.shard_server.loader import load_model
+    from textgate.shard_server.loading.shard_loader import load_model
 
     model = load_model(tiny_model_dir, "tiny", "float32", attention=flag)
     assert attention_backend_name(model.model.attention_backend) == expected

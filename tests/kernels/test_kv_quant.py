@@ -15,7 +15,7 @@ from textgate.kernels import (
     kv_quant,
 )
 from textgate.kernels.cpu_attention import QUANTIZED_KV_KINDS, store_quantized
-from textgate.shard_server.kv_cache import KVCache
+from textgate.shard_server.step.kv_cache import KVCache
 
 QUANTIZED = [torch.int8, torch.float8_e4m3fn]
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from textgate.kernels.triton import layers
-from textgate.shard_server.kv_cache import KVCache
 from textgate.shard_server.layers.norm import RMSNorm
 from textgate.shard_server.layers.rotary import apply_rotary, signed_sin
+from textgate.shard_server.step.kv_cache import KVCache
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # One rounding of the result apart (the reference rounds intermediate products too).

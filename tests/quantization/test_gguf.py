@@ -22,7 +22,7 @@ from textgate.quantization.int4_linear import Int4PackedLinear, build_quantized_
 from textgate.quantization.packing import UnpackedWeight, contiguous_g_idx, dequantize
 from textgate.quantization.resident import resident_bytes
 from textgate.quantization.weights import Weights
-from textgate.shard_server import model_source
+from textgate.shard_server.loading import model_source
 from textgate.shard_server.models import load_model
 from textgate.tests.prefill import prefill_logits
 from textgate.tests.tp_ranks import WORLD_SIZE, rank_outputs, spawn_ranks, step_logits

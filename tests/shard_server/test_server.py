@@ -17,11 +17,11 @@ import torch
 
 from textgate.proto import generate_pb2 as pb
 from textgate.proto import generate_pb2_grpc as pb_grpc
-from textgate.shard_server.loader import load_model
-from textgate.shard_server.model import ShardModel
-from textgate.shard_server.paged_model import CacheConfig
+from textgate.shard_server.loading.shard_loader import load_model
+from textgate.shard_server.protocols.paged_model import CacheConfig
+from textgate.shard_server.protocols.shard_model import ShardModel
+from textgate.shard_server.protocols.transformers_model import TransformersModel
 from textgate.shard_server.server import serve
-from textgate.shard_server.transformers_model import TransformersModel
 
 Stub = pb_grpc.TextGenerationServiceStub
 BLOCK = 4

@@ -16,8 +16,8 @@ from textgate.proto import generate_pb2 as pb
 from textgate.router import tracing as router_tracing
 from textgate.router.shard_client import ShardClient
 from textgate.shard_server import tracing as shard_tracing
-from textgate.shard_server.loader import load_model
-from textgate.shard_server.paged_model import CacheConfig
+from textgate.shard_server.loading.shard_loader import load_model
+from textgate.shard_server.protocols.paged_model import CacheConfig
 from textgate.shard_server.server import serve
 
 BLOCK = 4

@@ -1,0 +1,208 @@
+"""Pick and load the implementation that serves a model folder.
+
+Architectures with a native implementation run paged (continuous batching over the
+paged KV cache, tensor parallel); everything else runs through the transformers
+fallback on one shard.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from textgate.kernels import select_attention_backend
+from textgate.shard_server.layers.tensor_parallel import distributed_backend, rank_device
+from textgate.shard_server.protocols.paged_model import PagedModel
+from textgate.shard_server.protocols.shard_model import ShardModel
+from textgate.shard_server.startup.cache_config import CacheConfig
+from textgate.shard_server.startup.dtype_choice import DtypeChoice, pick_dtype
+from textgate.shard_server.startup.hardware import report_line
+from textgate.shard_server.step.sequence import TokenizerInfo
+
+log = logging.getLogger("textgate.shard")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The dtype `name` names; `auto` without a measurement: bfloat16 on GPU (float16 where
+    the GPU has no bf16), float32 on CPU (the transformers fallback; native models on CPU
+    measure instead, see `load_model`)."""
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; use one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def shard_device(rank: int, world_size: int = 1) -> torch.device:
+    """GPU `rank` where GPUs are visible (one per shard), else the CPU."""
+    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return rank_device(rank, world_size, num_gpus)
+
+
+def load_model(
+    model_path: Path,
+    model_id: str,
+    dtype: str,
+    rank: int = 0,
+    world_size: int = 1,
+    trust_remote_code: bool = False,
+    cache_config: CacheConfig | None = None,
+    native: bool = True,
+    quantize: str | None = None,
+    attention: str = "auto",
+) -> ShardModel:
+    """Load `model_path` for this rank: native and paged when the architecture allows.
+
+    `quantize` names the weight quantization method (None: the checkpoint's own, if any).
+    `attention` is `--attention` (kernels.select_attention_backend; native models only).
+
+    `dtype` "auto" on CPU builds a native model in each candidate dtype and keeps the one
+    whose own step measured fastest (`dtype_choice.pick_dtype`).
+    """
+    device = shard_device(rank, world_size)
+    if device.type == "cpu" and rank == 0:
+        log.info(report_line())
+    model_type = read_model_type(model_path)
+    torch_dtype = resolve_dtype(dtype, device)  # a bad name fails before anything loads
+    from textgate.shard_server.models import supported_model_types
+
+    if native and model_type in supported_model_types():
+        group = init_distributed(rank, world_size, device) if world_size > 1 else None
+        build = paged_builder(
+            model_path, model_id, device, group, world_size, cache_config, quantize, attention
+        )
+        from textgate.shard_server.models.loader import quantized_cpu_dtype
+
+        auto_on_cpu = dtype == "auto" and device.type == "cpu"
+        method_dtype = quantized_cpu_dtype(model_path, quantize) if auto_on_cpu else None
+        return load_paged(build, dtype, torch_dtype, device, method_dtype)
+    check_fallback_flags(model_type, world_size, cache_config, quantize)
+    from textgate.shard_server.protocols.transformers_model import TransformersModel
+
+    return TransformersModel(model_path, torch_dtype, device, model_id, trust_remote_code)
+
+
+def read_model_type(model_path: Path) -> str | None:
+    """`model_type` of the folder's config.json (None where it names none)."""
+    model_type: str | None = json.loads((model_path / "config.json").read_text()).get("model_type")
+    return model_type
+
+
+def paged_builder(
+    model_path: Path,
+    model_id: str,
+    device: torch.device,
+    group: Any,
+    world_size: int,
+    cache_config: CacheConfig | None,
+    quantize: str | None,
+    attention: str,
+) -> Callable[[torch.dtype], PagedModel]:
+    """A function that loads the native model in a given dtype and wraps it paged (the
+    attention backend depends on the dtype, so it is picked per candidate)."""
+    from textgate.shard_server.models import load_model as load_native
+
+    tokenizer = load_tokenizer(model_path)
+    config = cache_config or CacheConfig()
+
+    def build(dtype: torch.dtype) -> PagedModel:
+        backend = select_attention_backend(
+            attention, device, dtype, config.block_size, config.kv_cache_dtype != "auto"
+        )
+        model = load_native(
+            model_path, dtype, device, group, quantize=quantize, attention_backend=backend
+        )
+        return PagedModel(model, tokenizer, model_id, config, world_size, group)
+
+    return build
+
+
+def load_paged(
+    build: Callable[[torch.dtype], PagedModel],
+    dtype: str,
+    torch_dtype: torch.dtype,
+    device: torch.device,
+    method_dtype: torch.dtype | None = None,
+) -> PagedModel:
+    """`build` in `torch_dtype` (what the `dtype` flag resolved to); "auto" on CPU takes
+    `method_dtype` where the quantization method needs one (its kernel's), else measures
+    every candidate (`dtype_choice.pick_dtype`). The model records how its dtype was chosen."""
+    if dtype == "auto" and device.type == "cpu":
+        if method_dtype is None:
+            return pick_dtype(build)
+        log.info(
+            "--dtype auto: %s, the dtype of the quantization method's CPU kernel", method_dtype
+        )
+        paged = build(method_dtype)
+        paged.dtype_choice = DtypeChoice(method_dtype, "quantization")
+        return paged
+    paged = build(torch_dtype)
+    paged.dtype_choice = DtypeChoice(torch_dtype, "default" if dtype == "auto" else "flag")
+    return paged
+
+
+def check_fallback_flags(
+    model_type: str | None,
+    world_size: int,
+    cache_config: CacheConfig | None,
+    quantize: str | None,
+) -> None:
+    """Refuse flags the transformers fallback cannot honour, naming the model type."""
+    if quantize is not None:
+        raise ValueError(
+            f"--quantize needs a native implementation; model type {model_type!r} is served "
+            "by the transformers fallback, which loads unquantized weights"
+        )
+    if cache_config is not None and cache_config.kv_cache_dtype != "auto":
+        raise ValueError(
+            f"--kv-cache-dtype {cache_config.kv_cache_dtype} needs a native implementation; "
+            f"model type {model_type!r} is served by the transformers fallback, whose KV "
+            "cache is transformers' own"
+        )
+    if world_size > 1:
+        raise ValueError(
+            f"tensor parallel (--num-shard > 1) needs a native implementation; model type "
+            f"{model_type!r} is served by the transformers fallback, which runs one shard"
+        )
+
+
+def load_tokenizer(model_path: Path) -> TokenizerInfo:
+    """The tokenizer plus every eos id the model's generation config names."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    eos: Any = None
+    if (model_path / "generation_config.json").is_file():
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    return TokenizerInfo.from_tokenizer(tokenizer, eos)
+
+
+def init_distributed(rank: int, world_size: int, device: torch.device) -> Any:
+    """Join the shards' process group (gloo on CPU, nccl on GPU) from MASTER_ADDR/PORT."""
+    import torch.distributed as dist
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    backend = distributed_backend(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(minutes=10),
+        # NCCL binds its communicator to this rank's GPU at once (no device guessing).
+        device_id=device if device.type == "cuda" else None,
+    )
+    return dist.group.WORLD

@@ -1,0 +1,76 @@
+"""`StepInputs`: the flat varlen batch a `StepPlan` describes, built for one forward pass."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+
+from textgate.kernels import AttentionMetadata
+from textgate.proto import generate_pb2 as pb
+from textgate.shard_server.step.prompt_logprobs import wants_prompt_logprobs
+from textgate.shard_server.step.sequence import Sequence
+
+
+@dataclass
+class StepInputs:
+    """The flat varlen batch of one step, and where each sequence's results are."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [N] token rows whose logits are needed
+    sample_rows: list[int] = field(default_factory=list)  # rows of logits to sample from
+    sampled: list[Sequence] = field(default_factory=list)  # their sequences, same order
+    # seq id -> (position of its first token this step, its logits rows)
+    prefill_rows: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
+
+
+def build_step_inputs(
+    scheduled: Seq[pb.ScheduledRequest],
+    sequences: Mapping[int, Sequence],
+    block_size: int,
+    device: torch.device,
+) -> StepInputs:
+    """The step's tokens, positions and attention metadata, and which logits rows it needs:
+    the last row of a sequence that samples, every row of a chunk that wants prompt
+    logprobs (`prompt_logprobs.wants_prompt_logprobs`)."""
+    ids: list[int] = []
+    positions: list[int] = []
+    indices: list[int] = []  # token rows whose logits are needed
+    sample_rows: list[int] = []
+    sampled: list[Sequence] = []
+    prefill_rows: dict[int, tuple[int, list[int]]] = {}
+    for item in scheduled:
+        seq = sequences.get(item.request_id)
+        if seq is None:
+            raise KeyError(f"request {item.request_id} is not known to this shard")
+        start, offset, count = item.start_position, len(ids), len(item.token_ids)
+        ids.extend(item.token_ids)
+        positions.extend(range(start, start + count))
+        if wants_prompt_logprobs(seq, start):
+            prefill_rows[seq.id] = (start, list(range(len(indices), len(indices) + count)))
+            indices.extend(range(offset, offset + count))
+        elif item.produces_token:
+            indices.append(offset + count - 1)
+        if item.produces_token:
+            sample_rows.append(len(indices) - 1)
+            sampled.append(seq)
+    metadata = AttentionMetadata.build(
+        query_lens=[len(s.token_ids) for s in scheduled],
+        context_lens=[s.start_position for s in scheduled],
+        block_tables=[list(s.block_table) for s in scheduled],
+        block_size=block_size,
+        device=device,
+    )
+    return StepInputs(
+        input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        metadata=metadata,
+        logits_indices=torch.tensor(indices, dtype=torch.int64, device=device),
+        sample_rows=sample_rows,
+        sampled=sampled,
+        prefill_rows=prefill_rows,
+    )
