@@ -26,6 +26,8 @@ import textgate
 from textgate.proto import generate_pb2 as pb
 from textgate.router.config import RouterConfig
 from textgate.router.engine.step_loop import OverloadedError
+from textgate.router.generation.result import GenerationError
+from textgate.router.generation.validation import Tokenizer, ValidationError, Validator
 from textgate.router.http.access_log import AccessLogMiddleware
 from textgate.router.http.drain import Drain, DrainMiddleware
 from textgate.router.http.errors import (
@@ -37,12 +39,10 @@ from textgate.router.http.errors import (
 from textgate.router.http.playground import PLAYGROUND_PATHS, with_playground
 from textgate.router.http.sagemaker import sagemaker_route
 from textgate.router.http.state import Engine, RouterState
-from textgate.router.http.validation import Tokenizer, ValidationError, Validator
 from textgate.router.metrics import Metrics
 from textgate.router.openai.routes import openai_routes
 from textgate.router.openapi import DOCS_ASSETS_PATH, DOCS_PATH, SPEC_PATH, docs_routes
 from textgate.router.shard_client import ShardedClient
-from textgate.router.tgi.output import GenerationError
 from textgate.router.tgi.routes import tgi_routes
 from textgate.router.tracing import TracingMiddleware
 

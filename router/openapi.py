@@ -24,22 +24,16 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 from swagger_ui_bundle import swagger_ui_path
 
+from textgate.router.generation.schemas import GenerateRequest, SimpleToken
+from textgate.router.http.errors import ErrorResponse, OpenAIErrorResponse
 from textgate.router.openai.schemas import (
     ChatCompletion,
     ChatCompletionRequest,
     Completion,
     CompletionRequest,
     ModelList,
-    OpenAIErrorResponse,
 )
-from textgate.router.tgi.schemas import (
-    ErrorResponse,
-    GenerateRequest,
-    GenerateResponse,
-    Info,
-    SimpleToken,
-    StreamResponse,
-)
+from textgate.router.tgi.schemas import GenerateResponse, Info, StreamResponse
 
 SPEC_PATH = "/api-doc/openapi.json"
 DOCS_PATH = "/docs"

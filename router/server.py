@@ -29,9 +29,9 @@ from textgate.router.autoconfig import Measurements
 from textgate.router.config import RouterConfig
 from textgate.router.engine.factory import make_engine
 from textgate.router.engine.request import SamplingParams, StoppingParams
+from textgate.router.generation.validation import Tokenizer
 from textgate.router.http.drain import DrainingServer
 from textgate.router.http.guarded_h11 import guarded_h11
-from textgate.router.http.validation import Tokenizer
 from textgate.router.metrics import Metrics
 from textgate.router.shard_client import ShardedClient
 

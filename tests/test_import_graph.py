@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 from collections import defaultdict
+from collections.abc import Set
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -276,28 +277,15 @@ def test_a_layered_tree_passes(tmp_path):
 ROUTER_LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"logs", "config", "tracing", "metrics", "shard_client"}),
     frozenset({"engine"}),
+    frozenset({"generation"}),
     frozenset({"http"}),
     frozenset({"tgi", "openai"}),
     frozenset({"app", "openapi", "autoconfig", "server", "__main__", "__init__"}),
 )
-#: Imports that break the layering today, each (file, unit it imports): issue 24 moves the
-#: canonical request (TGI's GenerateParameters), validation and the error shapes out of
-#: the APIs into a request layer below http/. The list may only shrink.
-KNOWN_ROUTER_VIOLATIONS = frozenset(
-    {
-        ("router/http/errors.py", "openai"),
-        ("router/http/errors.py", "tgi"),
-        ("router/http/parameters.py", "tgi"),
-        ("router/http/sse.py", "tgi"),
-        ("router/http/validation.py", "tgi"),
-        ("router/openai/output.py", "tgi"),
-        ("router/openai/params.py", "tgi"),
-        ("router/openai/routes.py", "tgi"),
-        ("router/openai/schemas.py", "tgi"),
-        ("router/openai/stream.py", "tgi"),
-        ("router/openai/tools.py", "tgi"),
-    }
-)
+#: Imports that break the layering today, each (file, unit it imports). Empty since issue
+#: 24 moved the canonical request into `generation/`; it stays, for a violation that must
+#: be allowed for a while, and may only shrink.
+KNOWN_ROUTER_VIOLATIONS: frozenset[tuple[str, str]] = frozenset()
 
 
 def router_edges(root: Path) -> list[tuple[str, str, str]]:
@@ -332,7 +320,9 @@ def _layer(unit: str) -> int:
     raise AssertionError(f"router unit {unit!r} is in no layer of ROUTER_LAYERS")
 
 
-def layering_problems(edges: list[tuple[str, str, str]]) -> list[str]:
+def layering_problems(
+    edges: list[tuple[str, str, str]], known: Set[tuple[str, str]] = KNOWN_ROUTER_VIOLATIONS
+) -> list[str]:
     """One line per import from a unit to one of its own or a higher layer (bar layer 0's
     and the root's own), not in KNOWN_ROUTER_VIOLATIONS."""
     problems = []
@@ -340,7 +330,7 @@ def layering_problems(edges: list[tuple[str, str, str]]) -> list[str]:
     for path, source, target in edges:
         low, high = _layer(target), _layer(source)
         allowed = low < high or (low == high and high in (0, last))
-        if not allowed and (path, target) not in KNOWN_ROUTER_VIOLATIONS:
+        if not allowed and (path, target) not in known:
             problems.append(
                 f"{path}: router.{source} (layer {high}) imports router.{target} (layer {low})"
             )
@@ -368,8 +358,11 @@ def test_the_layering_check_catches_an_upward_import():
         ("router/engine/channel.py", "engine", "tgi"),  # down into an API: refused
         ("router/tgi/routes.py", "tgi", "engine"),  # up: fine
         ("router/tracing.py", "tracing", "logs"),  # within layer 0: fine
+        ("router/generation/validation.py", "generation", "engine"),  # up: fine
+        ("router/openai/output.py", "openai", "tgi"),  # one API into another: refused
         ("router/http/errors.py", "http", "tgi"),  # a known exception
     ]
-    assert layering_problems(edges) == [
-        "router/engine/channel.py: router.engine (layer 1) imports router.tgi (layer 3)"
+    assert layering_problems(edges, known={("router/http/errors.py", "tgi")}) == [
+        "router/engine/channel.py: router.engine (layer 1) imports router.tgi (layer 4)",
+        "router/openai/output.py: router.openai (layer 4) imports router.tgi (layer 4)",
     ]

@@ -9,10 +9,8 @@ class, and `huggingface_hub` still shows the message.
 
 from __future__ import annotations
 
+from pydantic import BaseModel, ConfigDict
 from starlette.responses import JSONResponse
-
-from textgate.router.openai.schemas import OpenAIError, OpenAIErrorResponse
-from textgate.router.tgi.schemas import ErrorResponse
 
 STATUS_BY_ERROR_TYPE = {
     "validation": 422,
@@ -38,6 +36,34 @@ OPENAI_TYPE_BY_ERROR_TYPE = {
 }
 
 OPENAI_PATH_PREFIX = "/v1/"
+
+
+class ErrorResponse(BaseModel):
+    """TGI's error body, and the last event of a TGI stream that failed."""
+
+    model_config = ConfigDict(frozen=True)
+
+    error: str
+    error_type: str
+
+
+class OpenAIError(BaseModel):
+    """The `error` object of OpenAI's error body; the SDK shows `message`."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class OpenAIErrorResponse(BaseModel):
+    """Every error of the OpenAI routes, and the last event of a stream that failed.
+
+    `error_type` is TGI's, kept so TGI's client still picks its exception class.
+    """
+
+    error: OpenAIError
+    error_type: str
 
 
 class PayloadTooLargeError(Exception):

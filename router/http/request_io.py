@@ -13,8 +13,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import Receive
 
+from textgate.router.generation.validation import ValidationError
 from textgate.router.http.errors import PayloadTooLargeError
-from textgate.router.http.validation import ValidationError
 
 T = TypeVar("T")
 CLIENT_CLOSED_REQUEST = 499

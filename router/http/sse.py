@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from textgate.router.tgi.schemas import ErrorResponse
+from textgate.router.http.errors import ErrorResponse
 
 KEEP_ALIVE_S = 15.0
 KEEP_ALIVE_FRAME = b":\n\n"  # an SSE comment: every client ignores it

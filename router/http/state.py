@@ -10,7 +10,7 @@ from textgate.proto import generate_pb2 as pb
 from textgate.router.config import RouterConfig
 from textgate.router.engine.channel import Channel
 from textgate.router.engine.request import ValidRequest
-from textgate.router.http.validation import Tokenizer, Validator
+from textgate.router.generation.validation import Tokenizer, Validator
 from textgate.router.metrics import Metrics
 from textgate.router.shard_client import ShardedClient
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, cast
 
-from textgate.router.http.validation import ValidationError
+from textgate.router.generation.validation import ValidationError
 
 NO_TEMPLATE = (
     "This model has no chat template: use /v1/completions or /generate with a prompt "

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import TypedDict
 
 import textgate
-from textgate.router.engine.channel import Finished, TokenInfo
+from textgate.router.engine.channel import Finished, FinishReason, TokenInfo
+from textgate.router.generation.result import Generated, visible_text
 from textgate.router.openai.answer import answer_message
 from textgate.router.openai.schemas import (
     ChatChoice,
@@ -27,8 +28,6 @@ from textgate.router.openai.schemas import (
     TopLogprob,
     Usage,
 )
-from textgate.router.tgi.output import Generated, visible_text
-from textgate.router.tgi.schemas import FinishReason
 
 # TGI's format: "{version}-{docker label}"; clients such as huggingface_hub require it.
 SYSTEM_FINGERPRINT = f"{textgate.__version__}-native"

@@ -14,8 +14,9 @@ from typing import Any, cast
 
 from textgate.router.config import RouterConfig
 from textgate.router.engine.request import ValidRequest
+from textgate.router.generation.schemas import GenerateParameters
+from textgate.router.generation.validation import MAX_SEED, ValidationError
 from textgate.router.http.errors import ModelNotFoundError
-from textgate.router.http.validation import MAX_SEED, ValidationError
 from textgate.router.openai.schemas import (
     ChatCompletionRequest,
     ChatMessage,
@@ -23,7 +24,6 @@ from textgate.router.openai.schemas import (
     SamplingRequest,
 )
 from textgate.router.openai.tools import ToolPlan, response_format_grammar
-from textgate.router.tgi.schemas import GenerateParameters
 
 
 @dataclass(frozen=True)

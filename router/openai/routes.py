@@ -26,6 +26,9 @@ from starlette.routing import BaseRoute, Route
 from textgate.router.engine.channel import Channel, ErrorEvent
 from textgate.router.engine.request import ValidRequest
 from textgate.router.engine.step_loop import OverloadedError
+from textgate.router.generation.result import Generated, GenerationError, collect
+from textgate.router.generation.schemas import GenerateRequest
+from textgate.router.generation.validation import ValidationError, Wording
 from textgate.router.http.delivery import (
     CLIENT_DISCONNECTED,
     StreamPacing,
@@ -40,7 +43,6 @@ from textgate.router.http.errors import (
 from textgate.router.http.request_io import ClientDisconnectedError, read_json, unless_disconnected
 from textgate.router.http.sse import SseResponse
 from textgate.router.http.state import RouterState
-from textgate.router.http.validation import ValidationError, Wording
 from textgate.router.metrics import RequestTimings
 from textgate.router.openai.chat_template import render_chat
 from textgate.router.openai.output import (
@@ -82,8 +84,6 @@ from textgate.router.openai.tools import (
     tool_messages,
     tool_plan,
 )
-from textgate.router.tgi.output import Generated, GenerationError, collect
-from textgate.router.tgi.schemas import GenerateRequest
 
 Handler = Callable[[Request], Awaitable[Response]]
 OPENAI_TRUNCATE = "truncate_prompt_tokens"

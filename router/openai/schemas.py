@@ -19,7 +19,7 @@ from pydantic import (
     model_validator,
 )
 
-from textgate.router.tgi.schemas import SimpleToken
+from textgate.router.generation.schemas import SimpleToken
 
 
 class StreamOptions(BaseModel):
@@ -308,22 +308,3 @@ class ChatTokenizeResponse(BaseModel):
 
     tokenize_response: list[SimpleToken]
     templated_text: str
-
-
-class OpenAIError(BaseModel):
-    """The `error` object of OpenAI's error body; the SDK shows `message`."""
-
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class OpenAIErrorResponse(BaseModel):
-    """Every error of the OpenAI routes, and the last event of a stream that failed.
-
-    `error_type` is TGI's, kept so TGI's client still picks its exception class.
-    """
-
-    error: OpenAIError
-    error_type: str

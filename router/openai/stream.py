@@ -16,6 +16,7 @@ from typing import Protocol
 from pydantic import BaseModel
 
 from textgate.router.engine.channel import Channel, ErrorEvent, Event, StepEvent
+from textgate.router.generation.result import TextLedger
 from textgate.router.http.delivery import StreamPacing, Write, deliveries
 from textgate.router.http.errors import openai_error
 from textgate.router.http.sse import sse_frame
@@ -37,7 +38,6 @@ from textgate.router.openai.schemas import (
     CompletionChoice,
     Usage,
 )
-from textgate.router.tgi.output import TextLedger
 
 DONE_FRAME = b"data: [DONE]\n\n"
 UNPACED = StreamPacing()

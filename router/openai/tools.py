@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from textgate.router.engine.request import GrammarSpec
-from textgate.router.http.validation import ValidationError
+from textgate.router.generation.grammar import GrammarSpecError, json_schema_grammar
+from textgate.router.generation.validation import ValidationError
 from textgate.router.openai.schemas import ChatCompletionRequest, ToolCall, ToolCallFunction
-from textgate.router.tgi.grammar import GrammarSpecError, json_schema_grammar
 
 NO_TOOL = "no_tool"
 """The function an "auto" answer calls to answer in text instead."""

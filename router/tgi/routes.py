@@ -23,6 +23,8 @@ from textgate.proto import generate_pb2 as pb
 from textgate.router.config import RouterConfig
 from textgate.router.engine.channel import Channel, ErrorEvent
 from textgate.router.engine.request import ValidRequest
+from textgate.router.generation.result import Generated, StreamEnd, best_of, collect
+from textgate.router.generation.schemas import GenerateRequest
 from textgate.router.http.delivery import (
     CLIENT_DISCONNECTED,
     StreamPacing,
@@ -33,15 +35,8 @@ from textgate.router.http.request_io import ClientDisconnectedError, read_json, 
 from textgate.router.http.sse import SseResponse
 from textgate.router.http.state import RouterState
 from textgate.router.metrics import CONTENT_TYPE, RequestTimings
-from textgate.router.tgi.output import (
-    Generated,
-    StreamEnd,
-    best_of,
-    collect,
-    generate_response,
-    stream_frames,
-)
-from textgate.router.tgi.schemas import GenerateRequest, Info
+from textgate.router.tgi.output import generate_response, stream_frames
+from textgate.router.tgi.schemas import Info
 
 HEALTH_TIMEOUT_S = 5.0
 # nginx's code for "client closed request": nobody reads it, but logs show why.

@@ -15,6 +15,7 @@ from textgate.proto import generate_pb2 as pb
 from textgate.router.engine.paged_engine import PagedEngine
 from textgate.router.engine.request import SamplingParams, StoppingParams, ValidRequest
 from textgate.router.engine.scheduler import Scheduler, SchedulerConfig
+from textgate.router.generation.result import collect
 from textgate.router.metrics import (
     DURATION_BUCKETS,
     KvCacheStats,
@@ -22,7 +23,6 @@ from textgate.router.metrics import (
     RequestTimings,
 )
 from textgate.router.shard_client import ShardedClient
-from textgate.router.tgi.output import collect
 from textgate.tests.router.fake_shard import FakeShard
 
 StartRouter = Callable[..., Awaitable[str]]

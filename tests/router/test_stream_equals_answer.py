@@ -23,11 +23,12 @@ from typing import Any
 import pytest
 
 from textgate.router.engine.channel import Channel, Finished, StepEvent, TokenInfo
+from textgate.router.generation.result import collect
+from textgate.router.generation.schemas import GenerateParameters
 from textgate.router.openai.output import ResponseMeta, TextOptions, chat_completion
 from textgate.router.openai.stream import ChatChunks
 from textgate.router.openai.tools import NO_TOOL
-from textgate.router.tgi.output import collect, generate_response, stream_frames
-from textgate.router.tgi.schemas import GenerateParameters
+from textgate.router.tgi.output import generate_response, stream_frames
 from textgate.shard_server.detokenizer import IncrementalDetokenizer
 
 CASES_PER_STYLE = 80

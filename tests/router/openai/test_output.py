@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from textgate.router.engine.channel import Finished, TokenInfo
+from textgate.router.generation.result import Generated
 from textgate.router.openai.output import (
     MIN_LOGPROB,
     ResponseMeta,
@@ -22,7 +23,6 @@ from textgate.router.openai.output import (
     likeliest,
     trim_stop,
 )
-from textgate.router.tgi.output import Generated
 
 META = ResponseMeta(id="x-1", created=1, model="m")
 

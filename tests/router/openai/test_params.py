@@ -8,7 +8,7 @@ import pytest
 
 from textgate.router.config import RouterConfig
 from textgate.router.engine.request import SamplingParams, StoppingParams, ValidRequest
-from textgate.router.http.validation import MAX_SEED, ValidationError
+from textgate.router.generation.validation import MAX_SEED, ValidationError
 from textgate.router.openai.params import (
     Fanout,
     candidates,

@@ -8,7 +8,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from textgate.router.http.validation import ValidationError
+from textgate.router.generation.validation import ValidationError
 from textgate.router.openai.schemas import ChatCompletionRequest
 from textgate.router.openai.tools import (
     NO_TOOL,

@@ -19,9 +19,9 @@ import pytest
 from textgate import launcher
 from textgate.router import server
 from textgate.router.config import RouterConfig
+from textgate.router.generation.schemas import GenerateRequest
+from textgate.router.generation.validation import MAX_CHARS_PER_TOKEN, ValidationError, Validator
 from textgate.router.http.guarded_h11 import guarded_h11
-from textgate.router.http.validation import MAX_CHARS_PER_TOKEN, ValidationError, Validator
-from textgate.router.tgi.schemas import GenerateRequest
 from textgate.tests.router.reliability.conftest import ThreadedRouter
 
 HEADER_DEADLINE_S = 0.4

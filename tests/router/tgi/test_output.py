@@ -8,15 +8,9 @@ from typing import Any
 import pytest
 
 from textgate.router.engine.channel import Channel, ErrorEvent, Finished, StepEvent, TokenInfo
-from textgate.router.tgi.output import (
-    Generated,
-    GenerationError,
-    best_of,
-    collect,
-    generate_response,
-    stream_frames,
-)
-from textgate.router.tgi.schemas import GenerateParameters
+from textgate.router.generation.result import Generated, GenerationError, best_of, collect
+from textgate.router.generation.schemas import GenerateParameters
+from textgate.router.tgi.output import generate_response, stream_frames
 
 
 def tok(i: int, logprob: float = -0.5) -> TokenInfo:

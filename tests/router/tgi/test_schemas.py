@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from textgate.router.generation.schemas import GenerateRequest
+from textgate.router.http.errors import ErrorResponse
 from textgate.router.tgi.schemas import (
     Details,
-    ErrorResponse,
-    GenerateRequest,
     GenerateResponse,
     StreamDetails,
     StreamResponse,

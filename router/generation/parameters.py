@@ -10,8 +10,8 @@ import secrets
 
 from textgate.router.config import RouterConfig
 from textgate.router.engine.request import GrammarSpec, SamplingParams, StoppingParams
-from textgate.router.tgi.grammar import GrammarSpecError, parse_grammar
-from textgate.router.tgi.schemas import GenerateParameters
+from textgate.router.generation.grammar import GrammarSpecError, parse_grammar
+from textgate.router.generation.schemas import GenerateParameters
 
 MAX_SEED = 2**64
 MAX_CHARS_PER_TOKEN = 100

@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from textgate.router.config import RouterConfig
-from textgate.router.http.validation import ValidationError, Validator, token_spans
-from textgate.router.tgi.schemas import GenerateRequest
+from textgate.router.generation.schemas import GenerateRequest
+from textgate.router.generation.validation import ValidationError, Validator, token_spans
 from textgate.tests.router.fake_shard import FakeTokenizer
 
 LONG_PROMPT = " ".join(["w5"] * 65)  # max_input_tokens is 64 in the test config

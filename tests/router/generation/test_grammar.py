@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from textgate.router.engine.request import GrammarSpec
-from textgate.router.tgi.grammar import GrammarSpecError, parse_grammar
+from textgate.router.generation.grammar import GrammarSpecError, parse_grammar
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
 

@@ -15,7 +15,7 @@ from typing import Any, Protocol, cast
 
 from textgate.router.config import RouterConfig
 from textgate.router.engine.request import GrammarSpec, ValidRequest
-from textgate.router.http.parameters import (
+from textgate.router.generation.parameters import (
     MAX_CHARS_PER_TOKEN,
     check_best_of,
     check_counts,
@@ -28,9 +28,9 @@ from textgate.router.http.parameters import (
 )
 
 # Re-exported: the routes catch and raise ValidationError under this module's name.
-from textgate.router.http.parameters import MAX_SEED as MAX_SEED
-from textgate.router.http.parameters import ValidationError as ValidationError
-from textgate.router.tgi.schemas import GenerateParameters, GenerateRequest, SimpleToken
+from textgate.router.generation.parameters import MAX_SEED as MAX_SEED
+from textgate.router.generation.parameters import ValidationError as ValidationError
+from textgate.router.generation.schemas import GenerateParameters, GenerateRequest, SimpleToken
 
 
 @dataclass(frozen=True)
