@@ -16,7 +16,7 @@ the dequantized weight in the same cell: below 1 is faster. The candidates:
   int8 linear (x86 engine) — lossy a second time, listed as the int8 path's speed.
 - `ref`: unpack and dequantize on every call, then matmul (the reference, not a path).
 
-This is how quantization/int4_linear.py chose its fast path; rerun it on a new machine.
+This is how kernels/int4_linear.py chose its fast path; rerun it on a new machine.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ import torch
 from textgate.bench.cli import parse_list
 from textgate.bench.report import format_table
 from textgate.bench.timing import best_seconds
+from textgate.kernels.int4_linear import Int4PackedLinear, expand_int4
 from textgate.kernels.linear import FastLinear
-from textgate.quantization.int4_linear import Int4PackedLinear, expand_int4
-from textgate.quantization.packing import (
+from textgate.kernels.packing import (
     UnpackedWeight,
     contiguous_g_idx,
     dequantize,

@@ -23,8 +23,8 @@ import torch
 from textgate.bench.cli import parse_list
 from textgate.bench.report import format_table
 from textgate.bench.tokenizer import default_model_dir
+from textgate.kernels import int4_linear
 from textgate.proto import generate_pb2 as pb
-from textgate.quantization import int4_linear
 from textgate.shard_server.loading.shard_loader import load_model
 from textgate.shard_server.protocols.paged_model import CacheConfig, PagedModel
 from textgate.shard_server.startup.step_timing import probe_request

@@ -9,7 +9,9 @@ Attention backends are registered by name (docs/kernels.md):
 block size: auto is flash where it can run, else triton on CUDA, cpu on the CPU; a name
 that cannot run there is a clear error. `cpu_layers` holds fused C versions of the
 layers' small ops, `triton` their Triton versions; `cpu_build` compiles the C kernels on
-first use.
+first use. The linears: `linear.FastLinear` (dense), and the packed ones,
+`int8_linear` (W8A8) and `int4_linear` (GPTQ/AWQ/GGUF 4-bit codes, in the checkpoint
+layouts of `packing`).
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 /*
  * Groupwise int4 weights, as aten._convert_weight_to_int4pack_for_cpu packs them, expanded to
  * a dense [k, n] matrix for the prompt-sized matmuls where the int4 kernel itself is slow
- * (quantization/int4_linear.py holds the PyTorch reference and says when this runs).
+ * (kernels/int4_linear.py holds the PyTorch reference and says when this runs).
  *
  * The packed layout (for n a multiple of `block`): uint8 [n / block][k][block / 2]; byte j of
  * block b, row i holds the codes of two output columns of that block, low nibble first: j
  * and j + block / 2 when `halves`, else 2j and 2j + 1. torch's layout depends on the CPU
- * (quantization/int4_linear.py reads it off torch: Int4Layout, torch_int4_layout).
+ * (kernels/int4_linear.py reads it off torch: Int4Layout, torch_int4_layout).
  * Column c, input i is worth (code - 8) * scale + zero, with scale and zero
  * at scales_and_zeros[g][c][0] and [1] (bfloat16, g = i / group_size) — what the int4 kernel
  * computes. out[i][c] gets that value rounded to bfloat16 (nearest even).

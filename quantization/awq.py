@@ -1,7 +1,7 @@
 """AWQ checkpoints in AutoAWQ's GEMM layout: `--quantize awq`.
 
 Reads `<prefix>.qweight/.qzeros/.scales` (layout and nibble order in
-`textgate.quantization.packing`): 4 bits with zero points, groups of consecutive inputs
+`textgate.kernels.packing`): 4 bits with zero points, groups of consecutive inputs
 (64 and 128 in practice; any size dividing the layer's inputs). Config from config.json's
 `quantization_config` (`bits`, `group_size`, `zero_point`, `version`) or AutoAWQ's own
 spelling (`w_bit`, `q_group_size`). Only `version: gemm` is read: GEMV, GEMV_fast, Marlin
@@ -19,14 +19,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from textgate.quantization.gptq import GroupQuantizedLoader
-from textgate.quantization.packing import (
+from textgate.kernels.packing import (
     AWQ_BITS,
     UnpackedWeight,
     contiguous_g_idx,
     unpack_awq_weight,
     unpack_awq_zeros,
 )
+from textgate.quantization.gptq import GroupQuantizedLoader
 from textgate.quantization.registry import register
 
 if TYPE_CHECKING:

@@ -35,9 +35,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from textgate.kernels.packing import UnpackedWeight, contiguous_g_idx
 from textgate.paths import converted_from
 from textgate.quantization.gptq import GroupQuantizedLoader
-from textgate.quantization.packing import UnpackedWeight, contiguous_g_idx
 from textgate.quantization.registry import register
 
 if TYPE_CHECKING:

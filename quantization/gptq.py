@@ -1,7 +1,7 @@
 """GPTQ checkpoints (AutoGPTQ, GPTQModel, transformers/optimum): `--quantize gptq`.
 
 Reads `<prefix>.qweight/.qzeros/.scales/.g_idx` in the standard layout (see
-`textgate.quantization.packing`), for 2, 4 and 8 bits, any group size (-1 included),
+`textgate.kernels.packing`), for 2, 4 and 8 bits, any group size (-1 included),
 act-order (`desc_act`) or not, symmetric or not, and both zero-point conventions:
 `checkpoint_format` (or GPTQModel's newer `format`) "gptq" (v1, zeros stored minus one,
 what AutoGPTQ and GPTQModel save by default) and "gptq_v2" (zeros as they are).
@@ -28,9 +28,8 @@ import torch
 from torch import Tensor, nn
 
 from textgate.kernels.cpu_isa import has_bf16_arithmetic
-from textgate.quantization.base import Weight, WeightsLoader
-from textgate.quantization.int4_linear import build_quantized_linear, int4_kernel_enabled
-from textgate.quantization.packing import (
+from textgate.kernels.int4_linear import build_quantized_linear, int4_kernel_enabled
+from textgate.kernels.packing import (
     GPTQ_BITS,
     GPTQ_V1,
     GPTQ_V2,
@@ -39,6 +38,7 @@ from textgate.quantization.packing import (
     unpack_gptq_weight,
     unpack_gptq_zeros,
 )
+from textgate.quantization.base import Weight, WeightsLoader
 from textgate.quantization.registry import register
 from textgate.quantization.unquantized import UnquantizedWeightsLoader
 

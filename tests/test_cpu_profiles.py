@@ -33,7 +33,7 @@ TESTS = (
     "tests/kernels/test_cpu_layers.py",
     "tests/kernels/test_cpu_attention.py",
     "tests/kernels/test_kv_quant.py",
-    "tests/quantization/test_int4_layout.py",
+    "tests/kernels/test_int4_layout.py",
     "tests/quantization/test_gptq.py",
     "tests/quantization/test_awq.py",
     "tests/quantization/test_int8.py",

@@ -1,14 +1,14 @@
 """Group-quantized (GPTQ/AWQ) weights times activations in Triton, beside its PyTorch reference.
 
 `int4_matmul(x, qweight, qzeros, scales, g_idx, bits)` computes `x @ W.T` for the weight
-W [N, K] a GPTQ checkpoint stores (layout in `textgate.quantization.packing`):
+W [N, K] a GPTQ checkpoint stores (layout in `textgate.kernels.packing`):
 `qweight` int32 [K / pack, N] packed along the inputs, `qzeros` int32 [groups, N / pack]
 packed along the outputs with the zero points as they are (GPTQ v2: the v1 minus-one
 already undone), `scales` [groups, N] (any float dtype, read as float32) and `g_idx`
 int32 [K] naming each input's group (act-order's scattered groups included),
 pack = 32 / bits, bits 2, 4 or 8.
 AWQ's GEMM layout (packed along the outputs, interleaved nibbles) is repacked into this
-one at load (`quantization/int4_linear.TritonInt4Linear`), so one program serves both.
+one at load (`kernels/int4_linear.TritonInt4Linear`), so one program serves both.
 
 Each program owns a [BLOCK_M, BLOCK_N] tile of the output and walks K in BLOCK_K steps:
 it unpacks the codes of BLOCK_K inputs, looks up each input's group scale and zero,
@@ -163,7 +163,7 @@ def reference_int4_matmul(
     x: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, g_idx: Tensor, bits: int = 4
 ) -> Tensor:
     """What `int4_matmul` computes, in PyTorch: unpack, dequantize `scale * (q - zero)` in
-    float32, round to x's dtype, then matmul (quantization/packing.py's `dequantize`)."""
+    float32, round to x's dtype, then matmul (kernels/packing.py's `dequantize`)."""
     check_layout(qweight, qzeros, scales, g_idx, bits)
     pack, mask = 32 // bits, (1 << bits) - 1
     shifts = torch.arange(pack, device=qweight.device, dtype=torch.int32) * bits  # [pack]

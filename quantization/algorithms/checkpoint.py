@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from textgate.quantization.packing import GPTQ_V1, UnpackedWeight, pack_awq, pack_gptq
+from textgate.kernels.packing import GPTQ_V1, UnpackedWeight, pack_awq, pack_gptq
 
 if TYPE_CHECKING:
     from textgate.quantization.algorithms.quantize import QuantizeOptions

@@ -15,8 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from textgate.quantization.algorithms.awq import apply_clip, search_clip, search_scales
-from textgate.quantization.algorithms.gptq import HessianAccumulator, gptq_quantize, split_rows
+from textgate.kernels.packing import UnpackedWeight, dequantize
+from textgate.quantization.algorithms.awq_search import apply_clip, search_clip, search_scales
+from textgate.quantization.algorithms.gptq_solver import (
+    HessianAccumulator,
+    gptq_quantize,
+    split_rows,
+)
 from textgate.quantization.algorithms.layers import (
     LINEAR_NAMES,
     CalibrationBatch,
@@ -24,7 +29,6 @@ from textgate.quantization.algorithms.layers import (
     observe_inputs,
 )
 from textgate.quantization.algorithms.rtn import QuantSpec, rtn_quantize
-from textgate.quantization.packing import UnpackedWeight, dequantize
 from textgate.registry import Registry
 
 if TYPE_CHECKING:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from textgate.kernels.packing import UnpackedWeight
 from textgate.quantization.algorithms.calibration import (
     calibration_samples,
     calibration_text_path,
@@ -31,7 +32,6 @@ from textgate.quantization.algorithms.layers import (
     linear,
 )
 from textgate.quantization.algorithms.rtn import QuantSpec
-from textgate.quantization.packing import UnpackedWeight
 
 METHODS = ("rtn", "gptq", "awq")
 

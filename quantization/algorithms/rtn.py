@@ -5,7 +5,7 @@ A layer's weight W [out, in] is cut into groups of `group_size` input columns; e
 the code `q = clamp(round(w / scale) + zero, 0, 2**bits - 1)` standing for
 `scale * (q - zero)`. GPTQ and AWQ change *which* weights are rounded (error feedback,
 per-channel rescaling), never the grid itself, so they share `fit_grid` and
-`quantize_codes` with RTN; their results are `UnpackedWeight`s as `quantization.packing`
+`quantize_codes` with RTN; their results are `UnpackedWeight`s as `kernels.packing`
 describes, ready for `pack_gptq` / `pack_awq`.
 """
 
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from textgate.quantization.packing import GPTQ_BITS, UnpackedWeight
+from textgate.kernels.packing import GPTQ_BITS, UnpackedWeight
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Every choice below is made at runtime from what the running CPU and the installed torch do
 (docs/hardware.md): the C kernels' instruction-set level (kernels/cpu_isa.py), the int8
 layers' kernel (kernels/int8_linear.py), the layout torch packs int4 codes in
-(quantization/int4_linear.py). The shard reports them in `/info` (`cpu_kernels`) and logs
+(kernels/int4_linear.py). The shard reports them in `/info` (`cpu_kernels`) and logs
 them at startup.
 """
 
@@ -14,8 +14,7 @@ from functools import cache
 
 import torch
 
-from textgate.kernels import cpu_build, cpu_isa, int8_linear
-from textgate.quantization import int4_linear
+from textgate.kernels import cpu_build, cpu_isa, int4_linear, int8_linear
 
 #: The CPU flags that decide a path somewhere (the rest of /proc/cpuinfo is left out).
 RELEVANT_FEATURES = (

@@ -22,7 +22,7 @@ def test_times_a_quantized_model(tiny_model_dir, capsys) -> None:
 
 
 def test_no_int4_expand_sends_every_chunk_to_the_int4_kernel(tiny_model_dir, monkeypatch) -> None:
-    from textgate.quantization import int4_linear
+    from textgate.kernels import int4_linear
 
     monkeypatch.setattr(int4_linear, "PROMPT_ROWS", int4_linear.PROMPT_ROWS)  # restored after
     argv = ["--model", str(tiny_model_dir), "--batch", "1", "--prompt-len", "4", "--steps", "1"]

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from textgate.kernels import int4_linear
+from textgate.kernels.int4_linear import TritonInt4Linear, build_quantized_linear
 from textgate.kernels.linear import FastLinear
-from textgate.quantization import int4_linear
-from textgate.quantization.int4_linear import TritonInt4Linear, build_quantized_linear
-from textgate.quantization.packing import (
+from textgate.kernels.packing import (
     GPTQ_V2,
     UnpackedWeight,
     contiguous_g_idx,

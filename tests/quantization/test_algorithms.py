@@ -5,13 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from textgate.quantization.algorithms.awq import (
+from textgate.kernels.packing import dequantize, pack_gptq, unpack_gptq
+from textgate.quantization.algorithms.awq_search import (
     activation_scales,
     apply_clip,
     search_clip,
     search_scales,
 )
-from textgate.quantization.algorithms.gptq import HessianAccumulator, gptq_quantize, split_rows
+from textgate.quantization.algorithms.gptq_solver import (
+    HessianAccumulator,
+    gptq_quantize,
+    split_rows,
+)
 from textgate.quantization.algorithms.rtn import (
     QuantSpec,
     fake_quantize,
@@ -19,7 +24,6 @@ from textgate.quantization.algorithms.rtn import (
     fit_grid,
     rtn_quantize,
 )
-from textgate.quantization.packing import dequantize, pack_gptq, unpack_gptq
 
 
 def _generator(seed: int = 0) -> torch.Generator:

@@ -6,12 +6,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from textgate.kernels.int4_linear import Int4PackedLinear
 from textgate.kernels.linear import FastLinear
+from textgate.kernels.packing import dequantize_awq, pack_awq
 from textgate.quantization import Weights, get_weights_loader
 from textgate.quantization.awq import AwqConfig
 from textgate.quantization.gptq import QuantizedWeight
-from textgate.quantization.int4_linear import Int4PackedLinear
-from textgate.quantization.packing import dequantize_awq, pack_awq
 from textgate.tests.fake_group import FakeGroup
 
 

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from textgate.kernels.int4_linear import Int4PackedLinear, build_quantized_linear
+from textgate.kernels.packing import UnpackedWeight, contiguous_g_idx, dequantize
 from textgate.paths import converted_from
 from textgate.quantization.gguf import (
     GgufFile,
@@ -18,8 +20,6 @@ from textgate.quantization.gguf import (
     gguf_tensor_name,
     zero_points,
 )
-from textgate.quantization.int4_linear import Int4PackedLinear, build_quantized_linear
-from textgate.quantization.packing import UnpackedWeight, contiguous_g_idx, dequantize
 from textgate.quantization.resident import resident_bytes
 from textgate.quantization.weights import Weights
 from textgate.shard_server.loading import model_source

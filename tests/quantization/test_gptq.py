@@ -10,17 +10,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from textgate.kernels.linear import FastLinear
-from textgate.quantization import Weights, get_weights_loader
-from textgate.quantization.gptq import GptqConfig, QuantizedWeight
-from textgate.quantization.int4_linear import (
+from textgate.kernels.int4_linear import (
     PROMPT_ROWS,
     Int4PackedLinear,
     build_quantized_linear,
     expand_int4,
     reference_expand_int4,
 )
-from textgate.quantization.packing import (
+from textgate.kernels.linear import FastLinear
+from textgate.kernels.packing import (
     GPTQ_V1,
     GPTQ_V2,
     contiguous_g_idx,
@@ -28,6 +26,8 @@ from textgate.quantization.packing import (
     pack_gptq,
     unpack_gptq,
 )
+from textgate.quantization import Weights, get_weights_loader
+from textgate.quantization.gptq import GptqConfig, QuantizedWeight
 from textgate.quantization.unquantized import UnquantizedWeight
 from textgate.tests.fake_group import FakeGroup
 

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from textgate.quantization.int4_linear import Int4PackedLinear
-from textgate.quantization.packing import contiguous_g_idx, dequantize_gptq, pack_gptq
+from textgate.kernels.int4_linear import Int4PackedLinear
+from textgate.kernels.packing import contiguous_g_idx, dequantize_gptq, pack_gptq
 from textgate.shard_server.models import load_model
 from textgate.tests.prefill import prefill_logits
 

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from textgate.cli import build_parser, main
 from textgate.kernels import AttentionMetadata
-from textgate.quantization.packing import dequantize_awq, dequantize_gptq
+from textgate.kernels.packing import dequantize_awq, dequantize_gptq
 from textgate.shard_server.models import load_model
 
 CALIBRATION = ["--num-samples", "4", "--seq-len", "32", "--no-progress"]

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from textgate.quantization.int4_linear import Int4PackedLinear
-from textgate.quantization.packing import contiguous_g_idx, pack_awq, pack_gptq
+from textgate.kernels.int4_linear import Int4PackedLinear
+from textgate.kernels.packing import contiguous_g_idx, pack_awq, pack_gptq
 from textgate.shard_server.models import load_model
 from textgate.tests.tp_ranks import WORLD_SIZE, rank_outputs, spawn_ranks, step_logits
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from textgate.quantization.int4_linear import Int4PackedLinear
+from textgate.kernels.int4_linear import Int4PackedLinear
 from textgate.shard_server.models import load_model
 from textgate.tests.fixtures import gptqmodel_cache
 from textgate.tests.prefill import prefill_logits

@@ -53,8 +53,8 @@ from torch import Tensor, nn
 
 from textgate.kernels.cpu_build import load_library
 from textgate.kernels.linear import FastLinear
+from textgate.kernels.packing import GPTQ_V2, UnpackedWeight, dequantize, pack_gptq
 from textgate.kernels.triton import triton_installed
-from textgate.quantization.packing import GPTQ_V2, UnpackedWeight, dequantize, pack_gptq
 
 log = logging.getLogger("textgate.quantization")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from textgate.quantization.packing import (
+from textgate.kernels.packing import (
     GPTQ_V1,
     GPTQ_V2,
     contiguous_g_idx,

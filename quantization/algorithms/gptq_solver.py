@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from textgate.kernels.packing import UnpackedWeight
 from textgate.quantization.algorithms.rtn import QuantSpec, fit_grid, quantize_codes
-from textgate.quantization.packing import UnpackedWeight
 
 
 class HessianAccumulator:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from textgate.quantization import int4_linear
-from textgate.quantization.int4_linear import INT4_LAYOUTS, expand_int4, reference_expand_int4
+from textgate.kernels import int4_linear
+from textgate.kernels.int4_linear import INT4_LAYOUTS, expand_int4, reference_expand_int4
 
 #: What ATen's int4 packing kernel does on each CPU capability (torch 2.13).
 EXPECTED = {"AVX512": "block64-halves", "AVX2": "block32-halves", "DEFAULT": "block32-pairs"}

@@ -1,7 +1,8 @@
 """The on-disk layouts of GPTQ and AWQ checkpoints: pack, unpack and dequantize.
 
-Pure torch, no kernels: writers (`textgate quantize`) pack with these, loaders unpack
-with them, and `dequantize_*` is the reference every fast path is tested against.
+Pure torch: writers (`textgate quantize`) pack with these, loaders unpack with them,
+and `dequantize_*` is the reference every fast path is tested against. It sits beside the
+int4 kernels that read these layouts (`int4_linear`, `triton/int4_matmul.py`).
 
 Common vocabulary (all functions): a layer has `out` output and `in` input features;
 `intweight` [out, in] holds integer codes in [0, 2**bits); `scales` and `zeros` are
