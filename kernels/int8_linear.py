@@ -45,7 +45,7 @@ are within noise, so one kernel serves decode and prefill. Against bf16 (the `--
 pick on AVX512-BF16 CPUs) it is 1.4-2.1x per layer at M=1..32: VNNI does 64 int8
 multiply-adds per 512-bit instruction, `vdpbf16ps` 32 bf16 ones, so 2x is the ceiling.
 The earlier table of torch.ao, `torch._int_mm` and `aten._weight_int8pack_mm` candidates is
-in git history (`python -m textgate.bench.int8_linear`); none beat oneDNN's path at M=32.
+in git history (`python -m textgate.bench.micro.int8_linear`); none beat oneDNN's path at M=32.
 
 `reference_int8_linear` (dequantize then matmul in float32) is the definition; it runs
 wherever the fast paths cannot (GPU, `TEXTGATE_CPU_KERNELS=0` on a CPU whose oneDNN

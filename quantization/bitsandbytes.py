@@ -57,7 +57,7 @@ def _serving(module: nn.Module) -> nn.Module:
     on every call; in eval mode 4-bit weights are repacked once, on the first call, for its
     AVX512-BF16 kernel, and LLM.int8() takes its int8 path. As a ratio to the dense
     FastLinear, 576x1536, 2 threads, same process, train -> eval (`python -m
-    textgate.bench.bnb_linear --method nf4 --dtype bfloat16`, `--method int8 --dtype
+    textgate.bench.micro.bnb_linear --method nf4 --dtype bfloat16`, `--method int8 --dtype
     float32`): nf4 5.6x -> 1.3x at 1 row, 2.4x -> 1.4x at 32; LLM.int8() 3.2x -> 2.0x at 1
     row, 3.1x -> 1.2x at 32."""
     return module.eval()
@@ -147,7 +147,7 @@ class FourBitBnbWeightsLoader(BnbWeightsLoader):
 
     def cpu_dtype(self) -> torch.dtype | None:
         """bfloat16 where bitsandbytes' packed CPU kernel runs (AVX512-BF16, its own check):
-        its fast path, not a close race. Measured (`python -m textgate.bench.step --quantize
+        its fast path, not a close race. Measured (`python -m textgate.bench.micro.step --quantize
         bitsandbytes-nf4 --batch 1,8,32 --prompt-len 128`, 2-core EPYC, fp32 -> bf16): decode
         11.24 -> 9.46 / 18.07 -> 15.40 / 39.78 -> 37.19 ms at batch 1 / 8 / 32, a 128-token
         prefill 67.5 -> 63.9 ms; `auto`'s timing of the two once picked fp32 by 3%."""

@@ -9,7 +9,7 @@ al. 2023, α = 0.5). Int8Linear multiplies by `smooth = 1 / s` in the pass that 
 rows, so it costs nothing at run time and needs no folding into the preceding layer.
 
 Measured on the default model (perplexity on 8 held-out windows of 512 tokens, fp32 35.200;
-`python -m textgate.bench.perplexity --quantize int8 --max-windows 8`). Which layers cost
+`python -m textgate.bench.model_tools.perplexity --quantize int8 --max-windows 8`). Which layers cost
 it, plain W8A8 (36.351, +3.3%) with one kind of layer in int8 and the rest fp32: q/k/v
 35.516, down 35.527, gate/up 35.338, head 35.331, o 35.171; all int8 but one kind: q/k/v
 35.997, gate/up 35.960, down 36.012, head 36.174, o 36.536. No single layer kind holds the

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from textgate.bench.workload import load_conversations
+from textgate.bench.serving.workload import load_conversations
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from textgate.bench.perplexity import perplexity
+from textgate.bench.model_tools.perplexity import perplexity
 from textgate.cli import main
 
 CALIBRATION = ["--num-samples", "8", "--seq-len", "128", "--no-progress"]

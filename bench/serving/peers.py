@@ -1,0 +1,122 @@
+"""`python -m textgate.bench.serving.peers`: textgate and a peer server side by side, one run.
+
+Starts textgate (`textgate-launcher`, any flags after `--textgate-args`) and a peer on
+free ports, waits until both are healthy, then runs `textgate-bench --url TEXTGATE
+--compare PEER …` with the remaining arguments, so both see the same prompts in the same
+session and the ratios are measured, not recalled. Both servers stay up for the whole run;
+the idle one costs nothing measurable.
+
+    python -m textgate.bench.serving.peers --peer transformers --peer-venv build/peers/transformers \\
+        -- --backend openai-chat --dataset conversations --output-len 64 --concurrency 1,8,32 \\
+           --no-ignore-eos
+    python -m textgate.bench.serving.peers --peer llama-cpp --peer-venv build/peers/llama-cpp \\
+        --textgate-args="--quantize int8" -- --backend openai-chat --concurrency 1,8
+    python -m textgate.bench.serving.peers --peer textgate --peer-args=--no-adaptive \\
+        -- --backend tgi --concurrency 32
+
+Peers (each in its own venv; `make bench-peers` creates them):
+- `transformers`: `transformers serve MODEL_DIR --continuous-batching --cb-block-size 32
+  --cb-num-blocks 192 --cb-max-batch-tokens 256 --device cpu` on the converted default model.
+- `llama-cpp`: llama-cpp-python's server on the embedded GGUF, `--n_threads 2
+  --interrupt_requests False` (it serializes requests; interrupting would cut them).
+- `textgate`: textgate itself with other flags (`--peer-args`), for A/B runs of one flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from collections.abc import Sequence
+from contextlib import ExitStack
+from pathlib import Path
+
+from textgate.bench.serving import cli
+from textgate.bench.serving.sweep import ServerCommand, launcher_command, running_server
+
+PEERS = ("transformers", "llama-cpp", "textgate")
+# Where each peer answers 200 once it can serve (llama-cpp-python has no /health).
+HEALTH_PATHS = {"transformers": "/health", "llama-cpp": "/v1/models", "textgate": "/health"}
+
+
+def peer_command(peer: str, venv: Path, threads: int) -> ServerCommand:
+    """The peer's server command line on a given port, serving the embedded default model."""
+    from textgate.shard_server.loading.model_source import embedded_gguf_path, embedded_model_dir
+
+    def command(port: int) -> list[str]:
+        where = ["--host", "127.0.0.1", "--port", str(port)]
+        if peer == "transformers":
+            return [
+                str(venv / "bin" / "transformers"),
+                "serve",
+                str(embedded_model_dir()),
+                "--continuous-batching",
+                "--cb-block-size",
+                "32",
+                "--cb-num-blocks",
+                "192",
+                "--cb-max-batch-tokens",
+                "256",
+                "--device",
+                "cpu",
+                *where,
+            ]
+        return [
+            str(venv / "bin" / "python"),
+            "-m",
+            "llama_cpp.server",
+            "--model",
+            str(embedded_gguf_path()),
+            "--n_threads",
+            str(threads),
+            "--interrupt_requests",
+            "False",
+            "--n_ctx",
+            "4096",
+            *where,
+        ]
+
+    return command
+
+
+def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(
+        prog="python -m textgate.bench.serving.peers",
+        description="textgate and a peer server side by side; arguments after `--` go to "
+        "textgate-bench (its --url and --compare are set here).",
+    )
+    parser.add_argument("--peer", choices=PEERS, required=True)
+    parser.add_argument(
+        "--peer-venv", type=Path, default=None, help="the peer's virtualenv (not for textgate)"
+    )
+    parser.add_argument("--peer-args", default="", help="textgate peer: its launcher flags")
+    parser.add_argument("--threads", type=int, default=2, help="llama-cpp: --n_threads")
+    parser.add_argument(
+        "--textgate-args", default="", help="extra textgate-launcher flags, one string"
+    )
+    parser.add_argument(
+        "--peer-label", default=None, help="label of the peer in the report (default: --peer)"
+    )
+    args, rest = parser.parse_known_args(argv)
+    return args, [a for a in rest if a != "--"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, bench_args = parse_args(argv)
+    if any(a in ("--url", "--compare") for a in bench_args):
+        raise SystemExit("--url and --compare are set by this command")
+    textgate = launcher_command(shlex.split(args.textgate_args))
+    if args.peer == "textgate":
+        peer = launcher_command(shlex.split(args.peer_args))
+    elif args.peer_venv is None:
+        raise SystemExit(f"--peer {args.peer} needs --peer-venv")
+    else:
+        peer = peer_command(args.peer, args.peer_venv, args.threads)
+    with ExitStack() as stack:
+        url = stack.enter_context(running_server(textgate))
+        peer_url = stack.enter_context(running_server(peer, health_path=HEALTH_PATHS[args.peer]))
+        return cli.main(["--url", url, "--compare", peer_url, *bench_args])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
