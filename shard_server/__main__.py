@@ -18,9 +18,9 @@ from textgate.logs import setup_logging
 from textgate.shard_server import tracing
 from textgate.shard_server.flag_types import cuda_graph_sizes
 from textgate.shard_server.loading.shard_loader import load_model
-from textgate.shard_server.protocols.paged_model import CacheConfig
 from textgate.shard_server.protocols.shard_model import ShardModel
 from textgate.shard_server.server import model_thread, serve
+from textgate.shard_server.startup.cache_config import CacheConfig
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
