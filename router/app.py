@@ -25,7 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import textgate
 from textgate.proto import generate_pb2 as pb
 from textgate.router.config import RouterConfig
-from textgate.router.engine.step_loop import OverloadedError
+from textgate.router.engine.admission import OverloadedError
 from textgate.router.generation.result import GenerationError
 from textgate.router.generation.validation import Tokenizer, ValidationError, Validator
 from textgate.router.http.access_log import AccessLogMiddleware

@@ -9,19 +9,36 @@ with the steps they timed there; padded shards (the transformers fallback) get a
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from typing import Protocol
 
 from textgate.proto import generate_pb2 as pb
 from textgate.router.config import RouterConfig
 from textgate.router.engine.batch_controller import BatchController, StartupSteps
+from textgate.router.engine.channel import Channel
 from textgate.router.engine.padded_engine import PaddedEngine
 from textgate.router.engine.padded_queue import BatchLimits
 from textgate.router.engine.paged_engine import PagedEngine
+from textgate.router.engine.request import ValidRequest
 from textgate.router.engine.scheduler import Scheduler, SchedulerConfig
-from textgate.router.engine.step_loop import StepLoop
 from textgate.router.metrics import Metrics
 from textgate.router.shard_client import ShardedClient
 
 log = logging.getLogger("textgate.router")
+
+
+class Engine(Protocol):
+    """What the handlers and the server need from an engine (PagedEngine, PaddedEngine)."""
+
+    step_timeout_s: float
+
+    @property
+    def num_active(self) -> int: ...
+
+    def submit(self, requests: Sequence[ValidRequest]) -> list[Channel]: ...
+
+    async def close(self) -> None: ...
+
 
 DEFAULT_MAX_NUM_SEQS = 256
 """Running requests of a paged engine when max_batch_size is unset."""
@@ -34,7 +51,7 @@ def make_engine(
     warmup: pb.WarmupResponse,
     *,
     metrics: Metrics | None = None,
-) -> StepLoop:
+) -> Engine:
     """A PagedEngine for paged shards (block_size > 0), else a PaddedEngine.
 
     `config` is resolved (`server.resolve_config`); `metrics` (the app's) gets the

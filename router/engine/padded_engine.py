@@ -10,7 +10,8 @@ Shards drop finished requests from their batches themselves; the router only
 filters out the ones it cancels. A shard error fails every request of the batches
 involved (with a final `ErrorEvent`) and clears them from the shards' cache. Every
 admitted request ends with exactly one final event (unless its client left first).
-Admission, the loop task and close are `step_loop.StepLoop`'s; this module is the step.
+Admission, the shard calls and the loop task are the parts `paged_engine.PagedEngine` is
+made of too (`admission`, `shard_calls`, `step_task`).
 """
 
 from __future__ import annotations
@@ -18,21 +19,24 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterable, Sequence
 
 from textgate.proto import generate_pb2 as pb
+from textgate.router.engine.admission import Admitted, Entry
+from textgate.router.engine.channel import Channel
 from textgate.router.engine.padded_queue import BatchLimits, Queue, Running
-from textgate.router.engine.step_loop import Entry, ShardCall, StepLoop
+from textgate.router.engine.request import ValidRequest
+from textgate.router.engine.shard_calls import ShardCalls, StepFailed
+from textgate.router.engine.step_task import SHUTDOWN_MESSAGE, StepTask
 from textgate.router.metrics import DECODE, PREFILL, Metrics
 from textgate.router.shard_client import ShardedClient
+from textgate.router.tracing import enabled as tracing_enabled
 
 log = logging.getLogger("textgate.router")
 
 
-class PaddedEngine(StepLoop):
+class PaddedEngine:
     """Owns the waiting queue and the running batch; one task steps the shards."""
-
-    name = "padded-engine"
 
     def __init__(
         self,
@@ -43,12 +47,47 @@ class PaddedEngine(StepLoop):
         metrics: Metrics | None = None,
     ) -> None:
         """`metrics` gets the queue, batch and per-call metrics (a private one by default)."""
-        super().__init__(shards, max_concurrent_requests, metrics)
+        self._metrics = metrics or Metrics()
+        self._admitted = Admitted(max_concurrent_requests)
+        self._shards = ShardCalls(shards, self._metrics)
+        self._task = StepTask("padded-engine", self.step, self._has_work, self._recover)
         self._queue: Queue[Entry] = Queue(limits)
         self._running: pb.CachedBatch | None = None
         self._in_shards: set[int] = set()
         self._steps_since_prefill = 0
         self._batch_ids = itertools.count()
+
+    @property
+    def num_active(self) -> int:
+        """Admitted requests without a final event yet."""
+        return len(self._admitted)
+
+    @property
+    def step_timeout_s(self) -> float:
+        """A shard call not answered within this many seconds fails, its batch with it."""
+        return self._shards.timeout_s
+
+    @step_timeout_s.setter
+    def step_timeout_s(self, seconds: float) -> None:
+        self._shards.timeout_s = seconds
+
+    def submit(self, requests: Sequence[ValidRequest]) -> list[Channel]:
+        """Admit all of `requests` or none (OverloadedError); one channel each."""
+        entries = self._admitted.admit(requests, on_cancel=self._task.wake)
+        for entry in entries:
+            self._queue.append(entry)
+        self._metrics.queue_size(len(self._queue))
+        self._task.wake()
+        return [entry.channel for entry in entries]
+
+    async def close(self) -> None:
+        """Stop stepping; whatever is still admitted gets a final error event."""
+        self._admitted.closed = True
+        await self._task.close()
+        self._queue.remove_if(lambda _: True)
+        self._admitted.fail(self._admitted, SHUTDOWN_MESSAGE)
+        self._in_shards.clear()
+        self._running = None
 
     async def step(self) -> None:
         """One round: drop cancelled requests, admit and prefill new ones, decode all."""
@@ -77,37 +116,27 @@ class PaddedEngine(StepLoop):
         else:
             self._metrics.running_batch(running.size, running.max_tokens)
 
-    def _enqueue(self, entry: Entry) -> None:
-        self._queue.append(entry)
-
     def _has_work(self) -> bool:
         return self._running is not None or bool(len(self._queue))
 
-    def _num_waiting(self) -> int:
-        return len(self._queue)
-
-    def _release(self, entry: Entry) -> None:
-        super()._release(entry)
-        self._in_shards.discard(entry.id)
-
-    def _fail_all(self, message: str) -> None:
-        self._queue.remove_if(lambda _: True)
-        self._fail(list(self._entries.values()), message)
-        self._in_shards.clear()
-        self._running = None
+    def _forget(self, entries: Iterable[Entry]) -> None:
+        """The requests are done with (finished, failed, or their client left)."""
+        for entry in list(entries):
+            self._admitted.release(entry)
+            self._in_shards.discard(entry.id)
 
     async def _recover(self, exc: Exception) -> None:
         """Fail the requests in the shards; waiting ones stay queued for the next step."""
-        self._fail_ids(self._in_shards, "Request failed during generation")
+        self._forget(self._admitted.fail_ids(self._in_shards, "Request failed during generation"))
         self._in_shards.clear()
         self._running = None
         self._report_batch()
-        await self._clear_cache(None)
+        await self._shards.clear_cache(None)
 
     def _running_view(self) -> Running | None:
         if self._running is None:
             return None
-        entries = [self._entries[i] for i in self._running.request_ids if i in self._in_shards]
+        entries = [self._admitted[i] for i in self._running.request_ids if i in self._in_shards]
         return Running(
             size=len(entries),
             max_tokens=sum(e.request.max_tokens for e in entries),
@@ -118,20 +147,18 @@ class PaddedEngine(StepLoop):
         """The first waiting request fits no batch, even alone: refuse it, or it blocks all."""
         head = next(iter(self._queue))
         self._queue.remove_if(lambda e: e is head)
-        self._fail([head], "Request does not fit in the batch token budget", "validation")
+        self._admitted.fail([head], "Request does not fit in the batch token budget", "validation")
 
     def _drop_cancelled_waiting(self) -> None:
-        for entry in self._queue.remove_if(lambda e: e.channel.cancelled):
-            self._release(entry)
+        self._forget(self._queue.remove_if(lambda e: e.channel.cancelled))
 
     async def _filter_cancelled(self) -> None:
         cancelled = [
-            self._entries[i] for i in self._in_shards if self._entries[i].channel.cancelled
+            self._admitted[i] for i in self._in_shards if self._admitted[i].channel.cancelled
         ]
         if not cancelled or self._running is None:
             return
-        for entry in cancelled:
-            self._release(entry)
+        self._forget(cancelled)
         batch = self._running
         keep = [i for i in batch.request_ids if i in self._in_shards]
         log.debug("filtering batch %d: %d cancelled", batch.id, len(cancelled))
@@ -144,8 +171,9 @@ class PaddedEngine(StepLoop):
         except Exception as exc:
             self._running = None
             log.error("shard call failed: %s", exc)
-            self._fail_ids(batch.request_ids, f"Request failed during generation: {exc}")
-            await self._clear_cache(batch.id)
+            message = f"Request failed during generation: {exc}"
+            self._forget(self._admitted.fail_ids(batch.request_ids, message))
+            await self._shards.clear_cache(batch.id)
 
     async def _prefill(self, entries: list[Entry]) -> pb.CachedBatch | None:
         batch = pb.Batch(
@@ -160,25 +188,35 @@ class PaddedEngine(StepLoop):
             entry.channel.started_at = now
             self._in_shards.add(entry.id)
         ids = [e.id for e in entries]
-        call = ShardCall(PREFILL, fail_ids=ids, clear_batch_id=batch.id)
-        return await self._step_batch(call, self._shards.prefill(batch))
+        return await self._step_batch(PREFILL, ids, self._shards.prefill(batch), batch.id)
 
     async def _decode(self, batches: list[pb.CachedBatch]) -> pb.CachedBatch | None:
         ids = [i for b in batches for i in b.request_ids]
-        return await self._step_batch(ShardCall(DECODE, fail_ids=ids), self._shards.decode(batches))
+        return await self._step_batch(DECODE, ids, self._shards.decode(batches), None)
 
     async def _step_batch(
-        self, call: ShardCall, response: Awaitable[pb.PrefillResponse | pb.DecodeResponse]
+        self,
+        method: str,
+        ids: list[int],
+        call: Awaitable[pb.PrefillResponse | pb.DecodeResponse],
+        clear_batch_id: int | None,
     ) -> pb.CachedBatch | None:
-        """Run a Prefill or Decode; the batch the shards keep (None: none left, or failed)."""
-        result = await self._call_shards(
-            call, response, expected_ids=call.fail_ids, running=_cached_ids
-        )
-        if result is None or not result[0].HasField("batch"):
+        """Run a Prefill or Decode of the requests `ids` and route its tokens; the batch the
+        shards keep (None: none left, or the call failed: then its requests failed too, and
+        the shards drop `clear_batch_id`, or everything with None)."""
+        traces = [self._admitted.get(i) for i in ids] if tracing_enabled() else []
+        try:
+            response = await self._shards.run(
+                method, call, [e.trace for e in traces if e is not None]
+            )
+        except StepFailed as exc:
+            self._forget(self._admitted.fail_ids(ids, str(exc)))
+            await self._shards.clear_cache(clear_batch_id)
             return None
-        return result[0].batch
-
-
-def _cached_ids(response: pb.PrefillResponse | pb.DecodeResponse) -> set[int]:
-    """Requests the shards keep in the batch they cached after the step."""
-    return set(response.batch.request_ids) if response.HasField("batch") else set()
+        routed_at = time.monotonic()
+        kept = set(response.batch.request_ids) if response.HasField("batch") else set()
+        routed = self._admitted.route(response.generations, expected_ids=ids, running=kept)
+        self._in_shards.difference_update(routed.finished)
+        self._forget(routed.failed)
+        self._metrics.batch_filtered(method, time.monotonic() - routed_at)
+        return response.batch if response.HasField("batch") else None

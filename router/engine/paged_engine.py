@@ -1,38 +1,46 @@
-"""The paged engine loop: the scheduler plans each step, the shards run it.
+"""The paged engine: the scheduler plans each step, the shards run it.
 
-One step reads::
+One step, `PagedEngine.step`, reads::
 
     output = scheduler.schedule()           # which tokens, which KV blocks (pure Python)
     response = shards.step(new, plan)       # the shards compute and sample
-    scheduler.update(result_of(response))   # record tokens, finish, free blocks
+    routed = admitted.route(response)       # every token to its request's channel
+    scheduler.update(routed)                # record tokens, finish, free blocks
 
 It serves shards that report a block size (native models over the paged KV cache);
-`padded_engine.PaddedEngine` serves the padded transformers fallback. Both are `step_loop.StepLoop`s,
-with the same face to the HTTP handlers: `submit` -> channels, `num_active`, `close`.
+`padded_engine.PaddedEngine` serves the padded transformers fallback. Both have the same
+face to the HTTP handlers (`submit` -> channels, `num_active`, `close`) and are made of
+the same parts: an `admission.Admitted` table, `shard_calls.ShardCalls` and a
+`step_task.StepTask`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
+from collections.abc import Iterable, Sequence
 
 from textgate.proto import generate_pb2 as pb
+from textgate.router.engine.admission import Admitted, Entry
 from textgate.router.engine.batch_controller import ControllerState
 from textgate.router.engine.busy_meter import BusyMeter
+from textgate.router.engine.channel import Channel
+from textgate.router.engine.request import ValidRequest
 from textgate.router.engine.scheduler import ModelStepResult, Scheduler, SchedulerOutput
-from textgate.router.engine.step_loop import Entry, ShardCall, StepLoop
+from textgate.router.engine.shard_calls import ShardCalls, StepFailed
+from textgate.router.engine.step_task import SHUTDOWN_MESSAGE, StepTask
 from textgate.router.metrics import DECODE, PREFILL, KvCacheStats, Metrics
 from textgate.router.shard_client import ShardedClient
+from textgate.router.tracing import enabled as tracing_enabled
 
 log = logging.getLogger("textgate.router")
 
+IDLE_WAIT_S = 0.05
+"""How long a step that could schedule nothing waits for a request to come or go."""
 
-class PagedEngine(StepLoop):
+
+class PagedEngine:
     """Owns the scheduler; one task steps the shards while requests are in flight."""
-
-    name = "paged-engine"
 
     def __init__(
         self,
@@ -44,8 +52,11 @@ class PagedEngine(StepLoop):
     ) -> None:
         """`metrics` gets the step metrics and watches the KV cache and the batch controller
         (a private one by default)."""
-        super().__init__(shards, max_concurrent_requests, metrics)
         self.scheduler = scheduler
+        self._metrics = metrics or Metrics()
+        self._admitted = Admitted(max_concurrent_requests)
+        self._shards = ShardCalls(shards, self._metrics)
+        self._task = StepTask("paged-engine", self.step, self._has_work, self._recover)
         # Utilization on every device: the share of wall time inside shard steps.
         self._busy = BusyMeter()
         # Requests the shards hold state for (preempted ones keep theirs: only KV is lost).
@@ -54,64 +65,68 @@ class PagedEngine(StepLoop):
         self._metrics.watch_kv_cache(self._kv_cache_stats)
         self._metrics.watch_batch_controller(self._controller_state)
 
-    def _enqueue(self, entry: Entry) -> None:
-        request = entry.request
-        try:
-            self.scheduler.add_request(entry.id, request.input_ids, request.max_new_tokens)
-        except ValueError as exc:
-            self._fail([entry], str(exc), "validation")
+    @property
+    def num_active(self) -> int:
+        """Admitted requests without a final event yet."""
+        return len(self._admitted)
 
-    def _has_work(self) -> bool:
-        # Requests that left still hold state in the shards until a step drops them.
-        return self.scheduler.has_unfinished_requests() or bool(self._finished_for_shards)
+    @property
+    def step_timeout_s(self) -> float:
+        """A shard call not answered within this many seconds fails (a step: its requests
+        with it): a hung shard is reported, not waited on forever."""
+        return self._shards.timeout_s
 
-    def _num_waiting(self) -> int:
-        return self.scheduler.num_waiting
+    @step_timeout_s.setter
+    def step_timeout_s(self, seconds: float) -> None:
+        self._shards.timeout_s = seconds
 
-    def _fail_all(self, message: str) -> None:
-        self._fail(list(self._entries.values()), message)
-        self._in_shards.clear()
-        self._finished_for_shards = []
+    def submit(self, requests: Sequence[ValidRequest]) -> list[Channel]:
+        """Admit all of `requests` or none (OverloadedError); one channel each."""
+        entries = self._admitted.admit(requests, on_cancel=self._task.wake)
+        for entry in entries:
+            request = entry.request
+            try:
+                self.scheduler.add_request(entry.id, request.input_ids, request.max_new_tokens)
+            except ValueError as exc:
+                self._admitted.fail([entry], str(exc), "validation")
+        self._metrics.queue_size(self.scheduler.num_waiting)
+        self._task.wake()
+        return [entry.channel for entry in entries]
 
-    async def _recover(self, exc: Exception) -> None:
-        """Fail everything and start afresh: the scheduler's state is not to be trusted."""
-        self._fail_all(f"Request failed during generation: {exc}")
-        # What the controller learned about step costs still holds.
-        self.scheduler = Scheduler(self.scheduler.config, self.scheduler.controller)
-        self._went_idle()
-        await self._clear_cache(None)
+    async def close(self) -> None:
+        """Stop stepping; whatever is still admitted gets a final error event."""
+        self._admitted.closed = True
+        await self._task.close()
+        self._fail_all(SHUTDOWN_MESSAGE)
 
     async def step(self) -> None:
-        """Abort cancelled requests, then plan, run and record one step."""
+        """One step: schedule, run on the shards, route the tokens, update the scheduler."""
         started = time.monotonic()
-        for entry in [e for e in self._entries.values() if e.channel.cancelled]:
-            self._abort(entry)
+        self._forget(entry for entry in self._admitted if entry.channel.cancelled)
         output = self.scheduler.schedule()
         self._finished_for_shards.extend(output.finished_ids)
         if not output.scheduled:
-            self.scheduler.update(ModelStepResult())
-            # The gauges turn first: the scheduler is already what they describe.
-            self._report_step()
-            await self._drop_finished_in_shards()
-            if not self.scheduler.has_unfinished_requests():
-                return
-            self._wakeup.clear()
-            # Nothing fits until a request leaves; wait for a cancellation or a new request.
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wakeup.wait(), timeout=0.05)
+            await self._idle_step()
             return
-        # A failed step leaves the scheduler's plan unrun: everything in flight fails.
-        call = ShardCall(self._method(output), fail_ids=list(self._entries))
         producing = [s.request_id for s in output.scheduled if s.produces_token]
+        method = self._method(output)
         call_started = time.monotonic()
-        result = await self._call_shards(call, self._run(output), expected_ids=producing)
-        ended = time.monotonic()
-        self._busy.record(call_started, ended)
-        if result is None:
+        try:
+            response = await self._run(output, method, producing)
+        except StepFailed as exc:
+            self._busy.record(call_started, time.monotonic())
+            # The scheduler's plan is unrun: everything in flight fails with it.
+            self._forget(self._admitted.fail(self._admitted, str(exc)))
+            await self._shards.clear_cache(None)
             self.scheduler.update(ModelStepResult())
             self._report_step()
             return
-        routed = result[1]
+        answered = time.monotonic()
+        routed = self._admitted.route(response.generations, expected_ids=producing)
+        self._forget(routed.failed)
+        ended = time.monotonic()
+        self._metrics.batch_filtered(method, ended - answered)
+        self._busy.record(call_started, ended)
         self.scheduler.update(
             ModelStepResult(
                 sampled_token_ids=routed.sampled,
@@ -123,23 +138,10 @@ class PagedEngine(StepLoop):
         )
         self._report_step()
 
-    async def _drop_finished_in_shards(self) -> None:
-        """An empty step that only drops what the shards hold for requests that left."""
-        if not self._finished_for_shards:
-            return
-        try:
-            await self._shards.step([], pb.StepPlan(finished_ids=self._take_finished()))
-        except Exception as exc:
-            # Nothing is waiting on them; a shard that lost its way fails the next step.
-            log.error("dropping finished requests from the shards failed: %s", exc)
-
-    def _take_finished(self) -> list[int]:
-        """The requests the next step tells the shards to drop; they no longer hold them."""
-        finished, self._finished_for_shards = self._finished_for_shards, []
-        self._in_shards.difference_update(finished)
-        return finished
-
-    async def _run(self, output: SchedulerOutput) -> pb.StepResponse:
+    async def _run(
+        self, output: SchedulerOutput, method: str, producing: list[int]
+    ) -> pb.StepResponse:
+        """Send the plan (and the requests the shards have not seen) to the shards."""
         plan = pb.StepPlan(
             scheduled=[
                 pb.ScheduledRequest(
@@ -158,23 +160,69 @@ class PagedEngine(StepLoop):
             self._metrics.next_batch(len(new))
         now = time.monotonic()
         for request_id in new:
-            self._entries[request_id].channel.started_at = now
+            self._admitted[request_id].channel.started_at = now
         self._in_shards.update(new)
-        requests = [self._entries[i].request.to_pb(i) for i in new]
-        return await self._shards.step(requests, plan)
+        requests = [self._admitted[i].request.to_pb(i) for i in new]
+        traces = [self._admitted[i].trace for i in producing] if tracing_enabled() else []
+        return await self._shards.run(method, self._shards.step(requests, plan), traces)
 
-    def _abort(self, entry: Entry) -> None:
-        """Forget a request that will not finish normally; its blocks are freed now."""
-        super()._abort(entry)
-        self.scheduler.abort(entry.id)
-        if entry.id in self._in_shards:
-            # A preempted request waits without blocks, but the shards still hold its state.
-            self._finished_for_shards.append(entry.id)
+    async def _idle_step(self) -> None:
+        """Nothing could be scheduled: drop what left from the shards, then wait a little
+        for a request to come or go (nothing fits until one leaves)."""
+        self.scheduler.update(ModelStepResult())
+        # The gauges turn first: the scheduler is already what they describe.
+        self._report_step()
+        await self._drop_finished_in_shards()
+        if self.scheduler.has_unfinished_requests():
+            await self._task.wait_for_wake(IDLE_WAIT_S)
+
+    def _has_work(self) -> bool:
+        # Requests that left still hold state in the shards until a step drops them.
+        return self.scheduler.has_unfinished_requests() or bool(self._finished_for_shards)
+
+    def _forget(self, entries: Iterable[Entry]) -> None:
+        """Free what each request (failed, or whose client left) holds: its slot, its
+        blocks now, and its state in the shards with the next step."""
+        for entry in list(entries):
+            self._admitted.release(entry)
+            self.scheduler.abort(entry.id)
+            if entry.id in self._in_shards:
+                # A preempted request waits without blocks, but the shards still hold it.
+                self._finished_for_shards.append(entry.id)
+
+    def _fail_all(self, message: str) -> None:
+        self._admitted.fail(self._admitted, message)
+        self._in_shards.clear()
+        self._finished_for_shards = []
+
+    async def _recover(self, exc: Exception) -> None:
+        """A step raised: fail everything and start afresh, the scheduler's state is not
+        to be trusted (what the controller learned about step costs still holds)."""
+        self._fail_all(f"Request failed during generation: {exc}")
+        self.scheduler = Scheduler(self.scheduler.config, self.scheduler.controller)
+        self._went_idle()
+        await self._shards.clear_cache(None)
+
+    async def _drop_finished_in_shards(self) -> None:
+        """An empty step that only drops what the shards hold for requests that left."""
+        if not self._finished_for_shards:
+            return
+        try:
+            await self._shards.step([], pb.StepPlan(finished_ids=self._take_finished()))
+        except Exception as exc:
+            # Nothing is waiting on them; a shard that lost its way fails the next step.
+            log.error("dropping finished requests from the shards failed: %s", exc)
+
+    def _take_finished(self) -> list[int]:
+        """The requests the next step tells the shards to drop; they no longer hold them."""
+        finished, self._finished_for_shards = self._finished_for_shards, []
+        self._in_shards.difference_update(finished)
+        return finished
 
     def _method(self, output: SchedulerOutput) -> str:
         """TGI's `method` label: a step computing any prompt token counts as a prefill."""
         for scheduled in output.scheduled:
-            entry = self._entries.get(scheduled.request_id)
+            entry = self._admitted.get(scheduled.request_id)
             prompt_length = entry.request.input_length if entry is not None else 0
             if scheduled.num_new_tokens > 1 or scheduled.start_position < prompt_length:
                 return PREFILL

@@ -2,28 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from textgate.proto import generate_pb2 as pb
 from textgate.router.config import RouterConfig
-from textgate.router.engine.channel import Channel
-from textgate.router.engine.request import ValidRequest
+from textgate.router.engine.factory import Engine
 from textgate.router.generation.validation import Tokenizer, Validator
 from textgate.router.metrics import Metrics
 from textgate.router.shard_client import ShardedClient
-
-
-class Engine(Protocol):
-    """What the handlers need from the loop that steps the shards (PaddedEngine, PagedEngine)."""
-
-    @property
-    def num_active(self) -> int: ...
-
-    def submit(self, requests: Sequence[ValidRequest]) -> list[Channel]: ...
-
-    async def close(self) -> None: ...
 
 
 @dataclass(frozen=True)

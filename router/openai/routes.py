@@ -23,9 +23,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from textgate.router.engine.admission import OverloadedError
 from textgate.router.engine.channel import Channel, ErrorEvent
 from textgate.router.engine.request import ValidRequest
-from textgate.router.engine.step_loop import OverloadedError
 from textgate.router.generation.result import Generated, GenerationError, collect
 from textgate.router.generation.schemas import GenerateRequest
 from textgate.router.generation.validation import ValidationError, Wording

@@ -236,9 +236,9 @@ async def test_overload_counts_and_batch_gauges_show_the_running_batch(
 @pytest.fixture
 async def paged_shards(tiny_model_dir: Path, tmp_path: Path) -> AsyncIterator[ShardedClient]:
     """A real paged shard (tiny native model, 4-token blocks) on a unix socket."""
-    from textgate.shard_server.loader import load_model
-    from textgate.shard_server.paged_model import CacheConfig
+    from textgate.shard_server.loading.shard_loader import load_model
     from textgate.shard_server.server import serve
+    from textgate.shard_server.startup.cache_config import CacheConfig
 
     model = load_model(tiny_model_dir, "tiny", "float32", cache_config=CacheConfig(block_size=4))
     uds = str(tmp_path / "s")

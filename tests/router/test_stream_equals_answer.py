@@ -29,7 +29,7 @@ from textgate.router.openai.output import ResponseMeta, TextOptions, chat_comple
 from textgate.router.openai.stream import ChatChunks
 from textgate.router.openai.tools import NO_TOOL
 from textgate.router.tgi.output import generate_response, stream_frames
-from textgate.shard_server.detokenizer import IncrementalDetokenizer
+from textgate.shard_server.step.detokenizer import IncrementalDetokenizer
 
 CASES_PER_STYLE = 80
 META = ResponseMeta(id="chatcmpl-1", created=1, model="m")

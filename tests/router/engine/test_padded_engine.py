@@ -7,11 +7,11 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
+from textgate.router.engine.admission import OverloadedError
 from textgate.router.engine.channel import Channel, ErrorEvent, Event, StepEvent
 from textgate.router.engine.padded_engine import PaddedEngine
 from textgate.router.engine.padded_queue import BatchLimits
 from textgate.router.engine.request import SamplingParams, StoppingParams, ValidRequest
-from textgate.router.engine.step_loop import OverloadedError
 from textgate.router.shard_client import ShardedClient
 from textgate.tests.router.fake_shard import FakeShard
 

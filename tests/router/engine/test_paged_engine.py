@@ -15,9 +15,9 @@ from textgate.router.engine.paged_engine import PagedEngine
 from textgate.router.engine.request import SamplingParams, StoppingParams, ValidRequest
 from textgate.router.engine.scheduler import Scheduler, SchedulerConfig
 from textgate.router.shard_client import ShardedClient
-from textgate.shard_server.loader import load_model
-from textgate.shard_server.paged_model import CacheConfig
+from textgate.shard_server.loading.shard_loader import load_model
 from textgate.shard_server.server import serve
+from textgate.shard_server.startup.cache_config import CacheConfig
 
 BLOCK = 4
 PROMPTS = [[5, 17, 42, 8, 9, 10, 11, 12, 13], [9, 3], [11, 12, 13, 14, 15, 16], [7] * 12]

@@ -13,7 +13,7 @@ import httpx
 import uvicorn
 
 from textgate.router.config import RouterConfig
-from textgate.router.engine.step_loop import SHUTDOWN_MESSAGE
+from textgate.router.engine.step_task import SHUTDOWN_MESSAGE
 from textgate.router.http.drain import DrainingServer
 from textgate.router.server import bound_port, build_router
 from textgate.router.shard_client import ShardedClient

@@ -17,12 +17,12 @@ import httpx
 import pytest
 
 from textgate.router.engine.channel import Channel, ErrorEvent, Event, StepEvent
+from textgate.router.engine.factory import Engine
 from textgate.router.engine.padded_engine import PaddedEngine
 from textgate.router.engine.padded_queue import BatchLimits
 from textgate.router.engine.paged_engine import PagedEngine
 from textgate.router.engine.request import SamplingParams, StoppingParams, ValidRequest
 from textgate.router.engine.scheduler import Scheduler, SchedulerConfig
-from textgate.router.engine.step_loop import StepLoop
 from textgate.router.shard_client import ShardedClient
 from textgate.tests.router.fake_shard import FakeShard, fake_shards
 from textgate.tests.router.reliability.conftest import ThreadedRouter
@@ -131,7 +131,7 @@ async def events_of(channel: Channel) -> list[Event]:
     return [event async for event in channel]
 
 
-async def assert_engine_serves(engine: StepLoop) -> None:
+async def assert_engine_serves(engine: Engine) -> None:
     (channel,) = engine.submit([valid_request(3)])
     events = await events_of(channel)
     assert all(isinstance(e, StepEvent) for e in events), events

@@ -1,14 +1,14 @@
-"""The shared loop without shards: admission, wake-ups, recovery after a bug, close."""
+"""The engines' shared parts without shards: admission, wake-ups, recovery after a bug, close."""
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from typing import cast
 
 import pytest
 
+from textgate.router.engine.admission import Admitted, Entry, OverloadedError
 from textgate.router.engine.channel import (
     Channel,
     ErrorEvent,
@@ -18,9 +18,7 @@ from textgate.router.engine.channel import (
     TokenInfo,
 )
 from textgate.router.engine.request import SamplingParams, StoppingParams, ValidRequest
-from textgate.router.engine.step_loop import SHUTDOWN_MESSAGE, Entry, OverloadedError, StepLoop
-from textgate.router.metrics import Metrics
-from textgate.router.shard_client import ShardedClient
+from textgate.router.engine.step_task import SHUTDOWN_MESSAGE, StepTask
 
 
 def request(prompt: tuple[int, ...] = (5,)) -> ValidRequest:
@@ -32,24 +30,43 @@ def request(prompt: tuple[int, ...] = (5,)) -> ValidRequest:
     )
 
 
-class OneAtATime(StepLoop):
-    """Finishes the oldest waiting request per step, once `open` is set; raises on demand."""
-
-    name = "test-loop"
+class OneAtATime:
+    """An engine of the parts the real ones are made of (an Admitted table, a StepTask):
+    it finishes the oldest waiting request per step, once `open` is set; raises on demand."""
 
     def __init__(self, max_concurrent_requests: int) -> None:
-        # It never calls the shards.
-        super().__init__(cast(ShardedClient, None), max_concurrent_requests, Metrics())
+        self.admitted = Admitted(max_concurrent_requests)
+        self.task = StepTask("test-loop", self.step, lambda: bool(self.waiting), self.recover)
         self.waiting: deque[Entry] = deque()
         self.open = asyncio.Event()
         self.raise_next = False
         self.recovered: list[str] = []
 
+    @property
+    def num_active(self) -> int:
+        return len(self.admitted)
+
+    def submit(self, requests: list[ValidRequest]) -> list[Channel]:
+        entries = self.admitted.admit(requests, on_cancel=self.task.wake)
+        for entry in entries:
+            if not entry.request.input_ids:
+                self.admitted.fail([entry], "empty prompt", "validation")
+            else:
+                self.waiting.append(entry)
+        self.task.wake()
+        return [entry.channel for entry in entries]
+
+    async def close(self) -> None:
+        self.admitted.closed = True
+        await self.task.close()
+        self.waiting.clear()
+        self.admitted.fail(self.admitted, SHUTDOWN_MESSAGE)
+
     async def step(self) -> None:
         await self.open.wait()
         for entry in [e for e in self.waiting if e.channel.cancelled]:
             self.waiting.remove(entry)
-            self._release(entry)
+            self.admitted.release(entry)
         if self.raise_next:
             self.raise_next = False
             raise RuntimeError("boom")
@@ -57,27 +74,12 @@ class OneAtATime(StepLoop):
             entry = self.waiting.popleft()
             finished = Finished("x", 1, "length", None)
             entry.channel.push(StepEvent([TokenInfo(7, "x", -0.1)], finished=finished))
-            self._release(entry)
+            self.admitted.release(entry)
 
-    def _enqueue(self, entry: Entry) -> None:
-        if not entry.request.input_ids:
-            self._fail([entry], "empty prompt", "validation")
-            return
-        self.waiting.append(entry)
-
-    def _has_work(self) -> bool:
-        return bool(self.waiting)
-
-    def _num_waiting(self) -> int:
-        return len(self.waiting)
-
-    def _fail_all(self, message: str) -> None:
-        self.waiting.clear()
-        self._fail(list(self._entries.values()), message)
-
-    async def _recover(self, exc: Exception) -> None:
+    async def recover(self, exc: Exception) -> None:
         self.recovered.append(str(exc))
-        self._fail_all(f"failed: {exc}")
+        self.waiting.clear()
+        self.admitted.fail(self.admitted, f"failed: {exc}")
 
 
 async def events_of(channel: Channel, timeout: float = 5.0) -> list[Event]:
