@@ -3,7 +3,8 @@
 A unit is a sub-package of `shard_server/` (`step`, `startup`, `models`, ...) or a module at
 its root (`server`, `__main__`, ...). Every import statement of every file under
 `shard_server/` counts: module level, inside functions, under `TYPE_CHECKING`, absolute
-or relative. The file walk and the cycle search are tests/test_import_graph.py's.
+or relative. The file walk, the cycle search and the tree writer are those of
+tests/test_import_graph.py.
 """
 
 from __future__ import annotations
@@ -12,7 +13,13 @@ import ast
 from collections import defaultdict
 from pathlib import Path
 
-from textgate.tests.test_import_graph import PACKAGE, ROOT, _strongly_connected, python_files
+from textgate.tests.test_import_graph import (
+    PACKAGE,
+    ROOT,
+    _strongly_connected,
+    _write,
+    python_files,
+)
 
 SHARD = "shard_server"
 # Lowest first. Units of one layer may import each other only in the last one (the
@@ -108,14 +115,6 @@ def test_the_shard_is_layered() -> None:
     assert shard_cycles(edges) == []
     problems = layering_problems(edges)
     assert not problems, "\n".join(problems)
-
-
-def _write(root: Path, files: dict[str, str]) -> Path:
-    for name, text in files.items():
-        path = root / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    return root
 
 
 def test_the_checker_catches_a_planted_cycle(tmp_path: Path) -> None:
