@@ -16,8 +16,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry.context import Context
@@ -40,12 +40,22 @@ FAILURE_LOG_INTERVAL_S = 60.0
 _PROPAGATOR = TraceContextTextMapPropagator()
 
 
+Install = Callable[["TracerProvider | None"], None]
+"""A process's tracing hook: trace with this provider from now on (None: stop tracing)."""
+
+
+def _nothing_installed(_: TracerProvider | None) -> None:
+    pass
+
+
 @dataclass
 class Telemetry:
     """One process's tracer provider and the processor that exports its spans."""
 
     provider: TracerProvider
     processor: BatchSpanProcessor
+    install: Install = field(default=_nothing_installed)
+    """Where the provider was installed (`start_tracing`); `stop_tracing` uninstalls it."""
 
     def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
         """Export what is queued, for at most `timeout_s`, and stop the export thread.
@@ -81,6 +91,27 @@ def start_otlp(endpoint: str, service_name: str, **attributes: str) -> Telemetry
     provider.add_span_processor(processor)
     log.info("Tracing to %s as %s", endpoint, service_name)
     return Telemetry(provider, processor)
+
+
+def start_tracing(
+    endpoint: str | None, service_name: str, install: Install, **attributes: str
+) -> Telemetry | None:
+    """Export this process's spans to `endpoint` and `install` the provider (the router's
+    or the shard's tracing module); with no endpoint, tracing stays off (None)."""
+    if endpoint is None:
+        return None
+    telemetry = start_otlp(endpoint, service_name, **attributes)
+    telemetry.install = install
+    install(telemetry.provider)
+    return telemetry
+
+
+def stop_tracing(telemetry: Telemetry | None) -> None:
+    """Turn tracing off and flush the last spans (bounded: SHUTDOWN_TIMEOUT_S)."""
+    if telemetry is None:
+        return
+    telemetry.install(None)
+    telemetry.shutdown()
 
 
 class _RateLimitedExporter:

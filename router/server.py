@@ -34,6 +34,7 @@ from textgate.router.http.drain import DrainingServer
 from textgate.router.http.guarded_h11 import guarded_h11
 from textgate.router.metrics import Metrics
 from textgate.router.shard_client import ShardedClient
+from textgate.telemetry import start_tracing, stop_tracing
 
 log = logging.getLogger("textgate.router")
 
@@ -46,7 +47,7 @@ DRAIN_EXIT_TIMEOUT_S = 5
 
 async def serve(config: RouterConfig) -> None:
     """Run the router until a signal; raises if the shards cannot be reached or warmed up."""
-    telemetry = tracing.start(config.otlp_endpoint, config.otlp_service_name)
+    telemetry = start_tracing(config.otlp_endpoint, config.otlp_service_name, tracing.install)
     try:
         shards = await ShardedClient.connect(config.shard_uds_path, CONNECT_TIMEOUT_S)
         try:
@@ -56,7 +57,7 @@ async def serve(config: RouterConfig) -> None:
         finally:
             await shards.close()
     finally:
-        tracing.stop(telemetry)
+        stop_tracing(telemetry)
 
 
 async def build_router(

@@ -38,7 +38,7 @@ from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from textgate.router.logs import QUIET_PATHS
 from textgate.router.logs import current_request as current_record
-from textgate.telemetry import Telemetry, WallClock, extract, inject, start_otlp
+from textgate.telemetry import WallClock, extract, inject
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -261,20 +261,3 @@ def grpc_metadata() -> list[tuple[str, str]] | None:
     if _tracer is None:
         return None
     return inject() or None
-
-
-def start(endpoint: str | None, service_name: str) -> Telemetry | None:
-    """Export the router's spans to `endpoint` (None: tracing stays off)."""
-    if endpoint is None:
-        return None
-    telemetry = start_otlp(endpoint, service_name)
-    install(telemetry.provider)
-    return telemetry
-
-
-def stop(telemetry: Telemetry | None) -> None:
-    """Flush the last spans (bounded: `telemetry.SHUTDOWN_TIMEOUT_S`) and turn tracing off."""
-    if telemetry is None:
-        return
-    install(None)
-    telemetry.shutdown()

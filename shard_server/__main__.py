@@ -21,6 +21,7 @@ from textgate.shard_server.loading.shard_loader import load_model
 from textgate.shard_server.protocols.shard_model import ShardModel
 from textgate.shard_server.server import model_thread, serve
 from textgate.shard_server.startup.cache_config import CacheConfig
+from textgate.telemetry import start_tracing, stop_tracing
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -101,11 +102,16 @@ def main(argv: list[str] | None = None) -> None:
         quantize=args.quantize,
         attention=args.attention,
     ).result()
-    telemetry = tracing.start(args.otlp_endpoint, f"{args.otlp_service_name}.shard", rank)
+    telemetry = start_tracing(
+        args.otlp_endpoint,
+        f"{args.otlp_service_name}.shard",
+        tracing.install,
+        **{"service.instance.id": f"shard-{rank}"},
+    )
     try:
         asyncio.run(_serve_until_signal(model, args.uds_path, rank, world_size, executor))
     finally:
-        tracing.stop(telemetry)
+        stop_tracing(telemetry)
 
 
 async def _serve_until_signal(

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
-from textgate.telemetry import Telemetry, extract, start_otlp
+from textgate.telemetry import extract
 
 TRACER_NAME = "textgate.shard"
 
@@ -40,23 +40,6 @@ def install(provider: trace.TracerProvider | None) -> None:
     """Trace with `provider` from now on; None turns tracing off."""
     global _tracer
     _tracer = None if provider is None else provider.get_tracer(TRACER_NAME)
-
-
-def start(endpoint: str | None, service_name: str, rank: int) -> Telemetry | None:
-    """Export this shard's spans to `endpoint` as `service_name` (None: tracing stays off)."""
-    if endpoint is None:
-        return None
-    telemetry = start_otlp(endpoint, service_name, **{"service.instance.id": f"shard-{rank}"})
-    install(telemetry.provider)
-    return telemetry
-
-
-def stop(telemetry: Telemetry | None) -> None:
-    """Flush the last spans (bounded) and turn tracing off."""
-    if telemetry is None:
-        return
-    install(None)
-    telemetry.shutdown()
 
 
 @contextlib.contextmanager
