@@ -25,7 +25,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from textgate.proto import generate_pb2 as pb
-from textgate.router.logs import current_request
+from textgate.router.request_record import current_request
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 DURATION_BUCKETS = tuple(0.0001 * 1.5**k for k in range(1, 36))
@@ -409,7 +409,7 @@ def _escape_help(text: str) -> str:
 
 
 def _note(**facts: Any) -> None:
-    """Put what a request did into its access-log record (`router.logs`), when it has one."""
+    """Put what a request did into its access-log record (`router.request_record`), when it has one."""
     record = current_request()
     if record is not None:
         for name, value in facts.items():

@@ -36,8 +36,8 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
-from textgate.router.logs import QUIET_PATHS
-from textgate.router.logs import current_request as current_record
+from textgate.router.request_record import QUIET_PATHS
+from textgate.router.request_record import current_request as current_record
 from textgate.telemetry import WallClock, extract, inject
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """The docs name real code: every module, file and `module.function` they cite exists.
 
-A reference is a backticked dotted path under the package (`router.engine.step_loop.StepLoop`,
-`launcher.main`) or a backticked file path (`router/http/app.py`). Dotted paths are imported
+A reference is a backticked dotted path under the package (`router.engine.paged_engine.PagedEngine`,
+`launcher.main`) or a backticked file path (`router/app.py`). Dotted paths are imported
 (the longest importable module prefix) and the rest looked up as attributes; file paths must
 exist in the repository. Renaming a function without updating the doc fails here.
 """
@@ -77,11 +77,11 @@ def test_every_cited_name_exists(doc: str) -> None:
 
 def test_the_checker_catches_a_stale_reference() -> None:
     dotted, files = references(
-        "see `router.engine.step_loop.StepLoop.submit`, `router.nowhere.fn()` and "
-        "`router/http/app.py`, `router/gone.py`; `not.a.package` is prose"
+        "see `router.engine.paged_engine.PagedEngine.submit`, `router.nowhere.fn()` and "
+        "`router/app.py`, `router/gone.py`; `not.a.package` is prose"
     )
-    assert dotted == ["router.engine.step_loop.StepLoop.submit", "router.nowhere.fn"]
-    assert files == ["router/http/app.py", "router/gone.py"]
+    assert dotted == ["router.engine.paged_engine.PagedEngine.submit", "router.nowhere.fn"]
+    assert files == ["router/app.py", "router/gone.py"]
     resolve(dotted[0])
     with pytest.raises(AttributeError):
         resolve(dotted[1])

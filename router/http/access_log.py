@@ -13,7 +13,7 @@ import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from textgate.router.logs import QUIET_PATHS, end_request_record, start_request_record
+from textgate.router.request_record import QUIET_PATHS, end_request_record, start_request_record
 
 log = logging.getLogger("textgate.router.access")
 
