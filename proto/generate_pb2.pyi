@@ -224,20 +224,22 @@ class GeneratedText(_message.Message):
     def __init__(self, text: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class Generation(_message.Message):
-    __slots__ = ("request_id", "prefill_tokens", "tokens", "generated_text", "top_tokens", "error")
+    __slots__ = ("request_id", "prefill_tokens", "tokens", "generated_text", "top_tokens", "error", "prefill_top_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TEXT_FIELD_NUMBER: _ClassVar[int]
     TOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     prefill_tokens: Tokens
     tokens: Tokens
     generated_text: GeneratedText
     top_tokens: _containers.RepeatedCompositeFieldContainer[Tokens]
     error: str
-    def __init__(self, request_id: _Optional[int] = ..., prefill_tokens: _Optional[_Union[Tokens, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., generated_text: _Optional[_Union[GeneratedText, _Mapping]] = ..., top_tokens: _Optional[_Iterable[_Union[Tokens, _Mapping]]] = ..., error: _Optional[str] = ...) -> None: ...
+    prefill_top_tokens: _containers.RepeatedCompositeFieldContainer[Tokens]
+    def __init__(self, request_id: _Optional[int] = ..., prefill_tokens: _Optional[_Union[Tokens, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., generated_text: _Optional[_Union[GeneratedText, _Mapping]] = ..., top_tokens: _Optional[_Iterable[_Union[Tokens, _Mapping]]] = ..., error: _Optional[str] = ..., prefill_top_tokens: _Optional[_Iterable[_Union[Tokens, _Mapping]]] = ...) -> None: ...
 
 class FilterBatchRequest(_message.Message):
     __slots__ = ("batch_id", "request_ids")

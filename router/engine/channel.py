@@ -57,6 +57,9 @@ class StepEvent:
     """Alternatives for each of `tokens` (when top_n_tokens > 0)."""
     prefill: list[TokenInfo] = field(default_factory=list)
     """Prompt tokens with logprobs (prefill step, when asked for)."""
+    prefill_top: list[list[TokenInfo]] = field(default_factory=list)
+    """Each prompt token's top-n alternatives, when top_n_tokens was asked for too (the
+    first prompt token has none)."""
     finished: Finished | None = None
 
     @classmethod
@@ -74,6 +77,7 @@ class StepEvent:
             tokens=tokens_from_pb(generation.tokens),
             top_tokens=[tokens_from_pb(t) for t in generation.top_tokens],
             prefill=tokens_from_pb(generation.prefill_tokens),
+            prefill_top=[tokens_from_pb(t) for t in generation.prefill_top_tokens],
             finished=finished,
         )
 
@@ -86,6 +90,7 @@ class StepEvent:
             tokens=[t for e in events for t in e.tokens],
             top_tokens=[top for e in events for top in e.top_tokens],
             prefill=[t for e in events for t in e.prefill],
+            prefill_top=[top for e in events for top in e.prefill_top],
             finished=events[-1].finished,
         )
 

@@ -39,6 +39,7 @@ class Generated:
     tokens: list[TokenInfo] = field(default_factory=list)
     top_tokens: list[list[TokenInfo]] = field(default_factory=list)
     prefill: list[TokenInfo] = field(default_factory=list)
+    prefill_top: list[list[TokenInfo]] = field(default_factory=list)
     ended_at: float = field(default_factory=time.monotonic)
 
     @property
@@ -87,6 +88,7 @@ async def collect(channel: Channel) -> Generated:
     tokens: list[TokenInfo] = []
     top_tokens: list[list[TokenInfo]] = []
     prefill: list[TokenInfo] = []
+    prefill_top: list[list[TokenInfo]] = []
     ledger = TextLedger()
     async for event in channel:
         if isinstance(event, ErrorEvent):
@@ -95,6 +97,7 @@ async def collect(channel: Channel) -> Generated:
         tokens += event.tokens
         top_tokens += event.top_tokens
         prefill += event.prefill
+        prefill_top += event.prefill_top
         if event.finished is not None:
             return Generated(
                 finished=event.finished,
@@ -104,6 +107,7 @@ async def collect(channel: Channel) -> Generated:
                 tokens=tokens,
                 top_tokens=top_tokens,
                 prefill=prefill,
+                prefill_top=prefill_top,
             )
     raise GenerationError(INCOMPLETE)
 

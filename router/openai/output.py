@@ -177,26 +177,44 @@ def completion_logprobs(
     tokens: Sequence[TokenInfo],
     top_tokens: Sequence[Sequence[TokenInfo]],
     text_offset: int = 0,
+    prompt_top: Sequence[Sequence[TokenInfo]] = (),
 ) -> CompletionLogprobs:
     """Legacy completions `logprobs` of (echoed) `prompt` tokens then non-special generated ones.
 
-    `text_offset` is where the first token's text starts in the choice's text. Prompt
-    tokens have no alternatives (null), the first one no logprob either.
+    `text_offset` is where the first token's text starts in the choice's text. The first
+    prompt token has no logprob and no alternatives (null); every other one has its
+    `prompt_top` alternatives with itself among them, as OpenAI and vLLM give them.
     """
     result = CompletionLogprobs()
-    entries: list[tuple[TokenInfo, Sequence[TokenInfo] | None]] = [(t, None) for t in prompt]
+    entries: list[tuple[TokenInfo, dict[str, float] | None]] = [
+        (t, None if i == 0 else _with_itself(t, prompt_top[i] if i < len(prompt_top) else ()))
+        for i, t in enumerate(prompt)
+    ]
     entries += [
-        (t, top_tokens[i] if i < len(top_tokens) else None)
+        (t, _alternatives(top_tokens[i]) if i < len(top_tokens) and top_tokens[i] else None)
         for i, t in enumerate(tokens)
         if not t.special
     ]
     for token, top in entries:
         result.tokens.append(token.text)
         result.token_logprobs.append(None if token.logprob is None else _logprob(token.logprob))
-        result.top_logprobs.append({t.text: _logprob(t.logprob) for t in top} if top else None)
+        result.top_logprobs.append(top)
         result.text_offset.append(text_offset)
         text_offset += len(token.text)
     return result
+
+
+def _alternatives(top: Sequence[TokenInfo]) -> dict[str, float]:
+    return {t.text: _logprob(t.logprob) for t in top}
+
+
+def _with_itself(token: TokenInfo, top: Sequence[TokenInfo]) -> dict[str, float] | None:
+    """A prompt token's alternatives, the token itself included (null without a logprob)."""
+    if token.logprob is None:
+        return None
+    alternatives = _alternatives(top)
+    alternatives.setdefault(token.text, _logprob(token.logprob))
+    return alternatives
 
 
 def chat_completion(
@@ -261,7 +279,12 @@ def _completion_choice(
     result = None
     if logprobs:
         echoed = generated.prefill if echo else []
-        result = completion_logprobs(echoed, generated.tokens, generated.top_tokens)
+        result = completion_logprobs(
+            echoed,
+            generated.tokens,
+            generated.top_tokens,
+            prompt_top=generated.prefill_top if echo else (),
+        )
     return CompletionChoice(
         index=index,
         text=prefix + answer_text(generated.finished, options),

@@ -122,14 +122,27 @@ def test_chat_logprobs_shape_and_floor() -> None:
 
 
 def test_completion_logprobs_with_echoed_prompt() -> None:
-    prompt = [tok("Hi", None), tok(" there", -2.0)]
+    prompt = [tok("Hi", None), tok(" there", -2.0), tok(" you", None)]
     result = completion_logprobs(prompt, [tok("!", -0.5)], [[tok("!", -0.5), tok("?", -1.5)]])
     assert result.model_dump() == {
-        "tokens": ["Hi", " there", "!"],
-        "token_logprobs": [None, -2.0, -0.5],
-        "top_logprobs": [None, None, {"!": -0.5, "?": -1.5}],
-        "text_offset": [0, 2, 8],
+        "tokens": ["Hi", " there", " you", "!"],
+        "token_logprobs": [None, -2.0, None, -0.5],
+        # Without alternatives from the shard a prompt token still lists itself (OpenAI's
+        # shape: harnesses read it); one with no logprob (a cached prefix) has none.
+        "top_logprobs": [None, {" there": -2.0}, None, {"!": -0.5, "?": -1.5}],
+        "text_offset": [0, 2, 8, 12],
     }
+
+
+def test_echoed_prompt_tokens_carry_their_alternatives_and_themselves() -> None:
+    prompt = [tok("Hi", None), tok(" there", -2.0), tok(" you", -0.1)]
+    prompt_top = [[], [tok(" all", -0.2)], [tok(" you", -0.1), tok(" me", -3.0)]]
+    result = completion_logprobs(prompt, [], [], prompt_top=prompt_top)
+    assert result.top_logprobs == [
+        None,
+        {" all": -0.2, " there": -2.0},  # the token itself joins its top-1
+        {" you": -0.1, " me": -3.0},
+    ]
 
 
 def test_likeliest_keeps_the_highest_logprob_sums() -> None:

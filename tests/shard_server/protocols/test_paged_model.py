@@ -135,6 +135,7 @@ def test_prompt_logprobs_over_chunks_and_finished_ids(
     prompt = [11, 12, 13, 14, 15, 16, 17]
     request = request_factory(30, prompt, 3)
     request.prefill_logprobs = True
+    request.top_n_tokens = 3
     planner = MiniPlanner(first_block=300)
     planner.admit(request)
     assert paged.step([request], pb.StepPlan(scheduled=[planner.chunk(30, 3)])).generations == []
@@ -146,6 +147,15 @@ def test_prompt_logprobs_over_chunks_and_finished_ids(
     expected = [logprobs[i, t].item() for i, t in enumerate(prompt[1:])]
     assert list(prefill.ids) == prompt
     assert list(prefill.logprobs[1:]) == pytest.approx(expected, abs=1e-4)
+    # With top_n_tokens, each prompt token but the first has its alternatives, over both
+    # chunks (what OpenAI's completions give an echoed prompt).
+    alternatives = out.generations[0].prefill_top_tokens
+    assert len(alternatives) == len(prompt) and not alternatives[0].ids
+    top_values, top_ids = logprobs[: len(prompt) - 1].topk(3, dim=-1)
+    for i, top in enumerate(alternatives[1:]):
+        assert list(top.ids) == top_ids[i].tolist()
+        assert list(top.logprobs) == pytest.approx(top_values[i].tolist(), abs=1e-4)
+        assert len(top.texts) == 3
     paged.step([], pb.StepPlan(finished_ids=[30]))
     assert 30 not in paged.sequences
 
