@@ -1,6 +1,6 @@
 """The soak's short version: its traffic against a router on a fake shard, over loopback.
 
-`make soak` runs the long one against the default model (bench/soak.py); this keeps the
+`make soak` runs the long one against the default model (bench/soak/); this keeps the
 soak's client, its checks and the table it prints honest in `make test`.
 """
 
@@ -11,8 +11,8 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from textgate.bench.soak import markdown_rows, soak, summary, verdict
-from textgate.bench.soak_requests import plan_request
+from textgate.bench.soak.run import markdown_rows, soak, summary, verdict
+from textgate.bench.soak.traffic import plan_request
 from textgate.tests.router.openai.routes_helpers import ChatFakeTokenizer
 
 REQUESTS = 60
@@ -57,7 +57,7 @@ def test_a_short_soak_loses_nothing_and_leaves_the_engine_idle(
 
 
 def test_a_failed_check_says_what_else_changed() -> None:
-    from textgate.bench.soak import Report, Window
+    from textgate.bench.soak.run import Report, Window
 
     report = Report(requests=10, concurrency=2, window_size=5)
     report.windows = [
