@@ -33,9 +33,11 @@ SSE_HEADERS = {
 }
 
 
-def sse_frame(payload: BaseModel) -> bytes:
-    """One SSE event carrying `payload` as JSON."""
-    return f"data: {payload.model_dump_json()}\n\n".encode()
+def sse_frame(payload: BaseModel, event: str | None = None) -> bytes:
+    """One SSE event carrying `payload` as JSON; `event` names its type (an `event:`
+    line, as typed streams such as OpenAI's Responses and Anthropic's Messages send)."""
+    named = "" if event is None else f"event: {event}\n"
+    return f"{named}data: {payload.model_dump_json()}\n\n".encode()
 
 
 def error_frame(message: str, error_type: str) -> bytes:
