@@ -33,8 +33,8 @@ from textgate.router.http.drain import Drain, DrainMiddleware
 from textgate.router.http.errors import (
     ModelNotFoundError,
     PayloadTooLargeError,
+    error_api,
     error_response,
-    is_openai_path,
 )
 from textgate.router.http.playground import PLAYGROUND_PATHS, with_playground
 from textgate.router.http.sagemaker import sagemaker_route
@@ -113,23 +113,21 @@ def build_app(
 
 async def _typed_error(request: Request, exc: Exception) -> Response:
     error_type = getattr(exc, "error_type", "generation")
-    return error_response(str(exc), error_type, openai=is_openai_path(request.url.path))
+    return error_response(str(exc), error_type, api=error_api(request.url.path))
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     error_type = exc.detail.lower().replace(" ", "_")
-    openai = is_openai_path(request.url.path)
-    response = error_response(exc.detail, error_type, exc.status_code, openai=openai)
+    api = error_api(request.url.path)
+    response = error_response(exc.detail, error_type, exc.status_code, api=api)
     response.headers.update(exc.headers or {})
     return response
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
     log.error("%s %s failed: %r", request.method, request.url.path, exc)
-    return error_response(
-        "Internal server error", "internal", 500, openai=is_openai_path(request.url.path)
-    )
+    return error_response("Internal server error", "internal", 500, api=error_api(request.url.path))
 
 
 def _middleware(config: RouterConfig, drain: Drain) -> list[Middleware]:
@@ -162,8 +160,8 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and _guarded(scope) and not self._authorized(scope):
-            openai = is_openai_path(scope.get("path", ""))
-            response = error_response("Unauthorized", "unauthorized", 401, openai=openai)
+            api = error_api(scope.get("path", ""))
+            response = error_response("Unauthorized", "unauthorized", 401, api=api)
             await response(scope, receive, send)
             return
         await self._app(scope, receive, send)

@@ -20,7 +20,7 @@ from typing import Any
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from textgate.router.http.errors import error_response, is_openai_path
+from textgate.router.http.errors import error_api, error_response
 
 log = logging.getLogger("textgate.router")
 
@@ -83,7 +83,7 @@ class DrainMiddleware:
         path = scope.get("path", "")
         if self._drain.draining and path not in OPEN_WHILE_DRAINING:
             response = error_response(
-                "The server is shutting down", SHUTTING_DOWN, 503, openai=is_openai_path(path)
+                "The server is shutting down", SHUTTING_DOWN, 503, api=error_api(path)
             )
             await response(scope, receive, send)
             return

@@ -1,8 +1,8 @@
 """What generated sequences look like in OpenAI bodies: text, finish reasons, logprobs, usage.
 
 OpenAI returns text that ends before the stop sequence that matched (TGI's text keeps
-it); `include_stop_str_in_output` keeps it, as in vLLM. Special tokens (end of
-sequence, template markers) are never part of the text.
+it); `include_stop_str_in_output` keeps it, as in vLLM (router/generation/stop_text.py).
+Special tokens (end of sequence, template markers) are never part of the text.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from typing import TypedDict
 
 import textgate
-from textgate.router.engine.channel import Finished, FinishReason, TokenInfo
-from textgate.router.generation.result import Generated, visible_text
+from textgate.router.engine.channel import FinishReason, TokenInfo
+from textgate.router.generation.result import Generated
+from textgate.router.generation.stop_text import TextOptions, answer_text
 from textgate.router.openai.answer import answer_message
 from textgate.router.openai.schemas import (
     ChatChoice,
@@ -74,68 +75,9 @@ class ResponseMeta:
         )
 
 
-@dataclass(frozen=True)
-class TextOptions:
-    """How a choice's text is cut."""
-
-    stop: tuple[str, ...] = ()
-    keep_stop: bool = False
-    """Keep the matched stop sequence at the end of the text."""
-
-    @property
-    def trimmed_stops(self) -> tuple[str, ...]:
-        """The stop sequences cut from the text."""
-        return () if self.keep_stop else tuple(s for s in self.stop if s)
-
-
 def finish_reason(reason: FinishReason) -> str:
     """OpenAI's name: "stop" (end of sequence or a stop sequence) or "length"."""
     return _FINISH_REASONS[reason]
-
-
-def trim_stop(text: str, stops: Sequence[str]) -> str:
-    """`text` up to the first stop sequence in it (the one that ended generation)."""
-    found = [text.find(s) for s in stops if s and s in text]
-    return text[: min(found)] if found else text
-
-
-def answer_text(finished: Finished, options: TextOptions) -> str:
-    """The text a finished sequence answers with."""
-    if finished.finish_reason != "stop_sequence":
-        return finished.text
-    return trim_stop(finished.text, options.trimmed_stops)
-
-
-class StreamText:
-    """One streamed choice's text: what can be sent now, holding back a possible stop sequence.
-
-    A stop sequence can span tokens; while the tail of the text could still be the
-    start of one, that tail is held back, so no part of a matched stop is ever sent.
-    """
-
-    def __init__(self, options: TextOptions) -> None:
-        self._stops = options.trimmed_stops
-        self._hold = max((len(s) for s in self._stops), default=1) - 1
-        self._text = ""
-        self._sent = 0
-
-    def push(self, tokens: Sequence[TokenInfo], finished: FinishReason | None = None) -> str:
-        """Add `tokens`; return the text that can be sent now.
-
-        Once `finished`, that is everything not sent yet, cut before the stop sequence
-        that matched.
-        """
-        self._text += visible_text(tokens)
-        if finished is None:
-            return self._take(max(len(self._text) - self._hold, self._sent))
-        if finished == "stop_sequence":
-            self._text = trim_stop(self._text, self._stops)
-        return self._take(len(self._text))
-
-    def _take(self, end: int) -> str:
-        out = self._text[self._sent : end]
-        self._sent = max(end, self._sent)
-        return out
 
 
 def likeliest(candidates: Sequence[Generated], n: int) -> list[Generated]:

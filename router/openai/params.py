@@ -15,15 +15,15 @@ from typing import Any, cast
 from textgate.router.config import RouterConfig
 from textgate.router.engine.request import ValidRequest
 from textgate.router.generation.schemas import GenerateParameters
+from textgate.router.generation.tools import ToolPlan
 from textgate.router.generation.validation import MAX_SEED, ValidationError
-from textgate.router.http.errors import ModelNotFoundError
 from textgate.router.openai.schemas import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     SamplingRequest,
 )
-from textgate.router.openai.tools import ToolPlan, response_format_grammar
+from textgate.router.openai.tools import response_format_grammar
 
 
 @dataclass(frozen=True)
@@ -94,26 +94,6 @@ def prompt_list(body: CompletionRequest) -> list[str | list[int]]:
     if not prompts or not all(prompts):
         raise ValidationError("`prompt` cannot be empty")
     return prompts
-
-
-# Names every client may send for the one served model: TGI's README and clients use
-# "tgi"; huggingface_hub's InferenceClient sends "dummy" when given a server URL; an empty
-# or absent `model` is accepted as OpenAI-style servers do.
-MODEL_ALIASES = frozenset({"", "tgi", "dummy"})
-
-
-def served_model(requested: str, model_id: str) -> str:
-    """The served model's name for a request's `model`; ModelNotFoundError for any other.
-
-    A path-like id (`HuggingFaceTB/SmolLM2-135M-Instruct`, a local folder) is also
-    accepted by its last part, as `/v1/models` clients often shorten it.
-    """
-    if requested in MODEL_ALIASES or requested in (model_id, model_id.rstrip("/").split("/")[-1]):
-        return model_id
-    raise ModelNotFoundError(
-        f"The model `{requested}` does not exist: this server serves `{model_id}` "
-        "(also accepted: `tgi`, huggingface_hub's `dummy`, or no `model`)"
-    )
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:

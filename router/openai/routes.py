@@ -26,8 +26,11 @@ from starlette.routing import BaseRoute, Route
 from textgate.router.engine.admission import OverloadedError
 from textgate.router.engine.channel import Channel, ErrorEvent
 from textgate.router.engine.request import ValidRequest
+from textgate.router.generation.chat_template import render_chat
 from textgate.router.generation.result import Generated, GenerationError, collect
 from textgate.router.generation.schemas import GenerateRequest
+from textgate.router.generation.stop_text import TextOptions
+from textgate.router.generation.tools import ToolPlan, template_reads_tools, tool_messages
 from textgate.router.generation.validation import ValidationError, Wording
 from textgate.router.http.delivery import (
     CLIENT_DISCONNECTED,
@@ -37,17 +40,16 @@ from textgate.router.http.delivery import (
 from textgate.router.http.errors import (
     ModelNotFoundError,
     PayloadTooLargeError,
+    error_api,
     error_response,
-    is_openai_path,
 )
 from textgate.router.http.request_io import ClientDisconnectedError, read_json, unless_disconnected
+from textgate.router.http.served_model import served_model
 from textgate.router.http.sse import SseResponse
 from textgate.router.http.state import RouterState
 from textgate.router.metrics import RequestTimings
-from textgate.router.openai.chat_template import render_chat
 from textgate.router.openai.output import (
     ResponseMeta,
-    TextOptions,
     chat_completion,
     completion,
     likeliest,
@@ -59,7 +61,6 @@ from textgate.router.openai.params import (
     completion_fanout,
     completion_parameters,
     prompt_list,
-    served_model,
     stop_sequences,
     template_messages,
 )
@@ -78,12 +79,7 @@ from textgate.router.openai.stream import (
     OnEnd,
     openai_frames,
 )
-from textgate.router.openai.tools import (
-    ToolPlan,
-    template_reads_tools,
-    tool_messages,
-    tool_plan,
-)
+from textgate.router.openai.tools import tool_plan
 
 Handler = Callable[[Request], Awaitable[Response]]
 OPENAI_TRUNCATE = "truncate_prompt_tokens"
@@ -342,6 +338,6 @@ def _typed_errors(handler: Handler) -> Handler:
             GenerationError,
             PayloadTooLargeError,
         ) as exc:
-            return error_response(str(exc), exc.error_type, openai=is_openai_path(request.url.path))
+            return error_response(str(exc), exc.error_type, api=error_api(request.url.path))
 
     return answer

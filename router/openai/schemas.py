@@ -43,7 +43,7 @@ class SamplingRequest(BaseModel):
         return data
 
     model: str = ""
-    """The served model's name, `tgi` or empty (`params.served_model`); others get 404."""
+    """The served model's name, `tgi` or empty (`router.http.served_model`); others get 404."""
     max_tokens: int | None = None
     """Most tokens to generate."""
     temperature: float | None = None

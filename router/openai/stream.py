@@ -17,14 +17,13 @@ from pydantic import BaseModel
 
 from textgate.router.engine.channel import Channel, ErrorEvent, Event, StepEvent
 from textgate.router.generation.result import TextLedger
+from textgate.router.generation.stop_text import StreamText, TextOptions
 from textgate.router.http.delivery import StreamPacing, Write, deliveries
 from textgate.router.http.errors import openai_error
 from textgate.router.http.sse import sse_frame
 from textgate.router.openai.answer import AnswerStream
 from textgate.router.openai.output import (
     ResponseMeta,
-    StreamText,
-    TextOptions,
     chat_logprobs,
     completion_logprobs,
     finish_reason,
@@ -135,7 +134,7 @@ class ChatChunks:
     finish reason.
 
     A choice's deltas are the differences between successive readings of its text so
-    far (router/openai/answer.py), the reading the non-streamed message is made of: joined,
+    far (router/generation/answer.py), the reading the non-streamed message is made of: joined,
     they are exactly that message.
     """
 

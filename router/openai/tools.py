@@ -1,69 +1,30 @@
-"""OpenAI `tools`, `tool_choice` and `response_format` as grammars, prompts and tool calls.
+"""OpenAI `tools`, `tool_choice` and `response_format` as tool plans, grammars and tool calls.
 
-Tool calls are generated as one JSON object, `{"name": "<function>", "arguments":
-{...}}`, constrained by a JSON schema grammar: the name is one of the tools' and the
-arguments match that tool's `parameters` schema, so they always parse.
-
-- `tool_choice` "required": any of the tools; a named function: that one only.
-- "auto" (the default with tools): the grammar also admits the function `no_tool`
-  with `{"content": "<answer>"}` (TGI's approach); a `no_tool` call is answered as a
-  plain assistant message with that content. Free text beside calls is not admitted:
-  a grammar choosing between "any text" and "a call" would leave a small model free
-  to ramble past the call format.
-- "none": the tools are ignored, the answer is free text.
-
-The prompt: a chat template that knows tools (its source reads `tools`) gets them as
-`apply_chat_template(tools=...)`, in its own format; other templates get a system
-message listing the tools and the answer format. Earlier assistant tool calls and
-`tool` results in `messages` go to a tools template as they are, and to the others as
-text. How a generated call object is read back (and streamed) is router/openai/answer.py.
+`tools` are `{"type": "function", "function": {"name", "description", "parameters"}}`;
+`tool_choice` "auto" (the default with tools), "required", "none", or a named function.
+How a plan becomes a grammar and a prompt, for every API alike, is
+router/generation/tools.py; how a generated call object is read back (and streamed)
+is router/generation/answer.py and router/openai/answer.py.
 """
 
 from __future__ import annotations
 
-import json
-import re
 import uuid
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 from textgate.router.engine.request import GrammarSpec
 from textgate.router.generation.grammar import GrammarSpecError, json_schema_grammar
+from textgate.router.generation.tools import (
+    EMPTY_PARAMETERS,
+    Tool,
+    ToolPlan,
+    check_tool_name,
+    check_tools,
+    plan_tools,
+)
 from textgate.router.generation.validation import ValidationError
 from textgate.router.openai.schemas import ChatCompletionRequest, ToolCall, ToolCallFunction
-
-NO_TOOL = "no_tool"
-"""The function an "auto" answer calls to answer in text instead."""
-_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
-
-
-@dataclass(frozen=True)
-class Tool:
-    """A function the model may call."""
-
-    name: str
-    description: str
-    parameters: dict[str, Any]
-    """JSON schema of the arguments object."""
-
-    def as_openai(self) -> dict[str, Any]:
-        """The tool as OpenAI spells it (what chat templates read)."""
-        function = {"name": self.name, "description": self.description}
-        return {"type": "function", "function": {**function, "parameters": self.parameters}}
-
-
-@dataclass(frozen=True)
-class ToolPlan:
-    """How a chat request with tools is prompted, constrained and read back."""
-
-    tools: tuple[Tool, ...]
-    """The tools shown to the model."""
-    grammar: GrammarSpec
-    """The call object's grammar."""
-    auto: bool
-    """`no_tool` is allowed: the model may answer in text."""
 
 
 def tool_plan(body: ChatCompletionRequest) -> ToolPlan | None:
@@ -74,11 +35,7 @@ def tool_plan(body: ChatCompletionRequest) -> ToolPlan | None:
             raise ValidationError("`tool_choice` needs `tools`")
         return None
     tools = tuple(_tool(i, t) for i, t in enumerate(body.tools))
-    names = [t.name for t in tools]
-    if len(set(names)) != len(names):
-        raise ValidationError("`tools` names must be unique")
-    if NO_TOOL in names:
-        raise ValidationError(f"`{NO_TOOL}` is a reserved tool name")
+    check_tools(tools)
     if choice == "none":
         return None
     if body.response_format is not None and body.response_format.get("type") != "text":
@@ -86,22 +43,8 @@ def tool_plan(body: ChatCompletionRequest) -> ToolPlan | None:
             '`response_format` cannot be combined with `tools` (unless `tool_choice` is "none")'
         )
     auto = choice in (None, "auto")
-    if choice in (None, "auto", "required"):
-        chosen = tools
-    else:
-        name = _named_choice(choice)
-        chosen = tuple(t for t in tools if t.name == name)
-        if not chosen:
-            raise ValidationError(f"`tool_choice` names `{name}`, which is not in `tools`")
-    calls = [_call_schema(t.name, t.parameters) for t in chosen]
-    if auto:
-        calls.append(_call_schema(NO_TOOL, _NO_TOOL_PARAMETERS))
-    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    try:
-        grammar = json_schema_grammar(schema)
-    except GrammarSpecError as exc:
-        raise ValidationError(f"`tools` parameters: {exc}") from None
-    return ToolPlan(tools=chosen if not auto else tools, grammar=grammar, auto=auto)
+    name = None if choice in (None, "auto", "required") else _named_choice(choice)
+    return plan_tools(tools, auto=auto, name=name)
 
 
 def response_format_grammar(response_format: Mapping[str, Any] | None) -> GrammarSpec | None:
@@ -130,48 +73,12 @@ def response_format_grammar(response_format: Mapping[str, Any] | None) -> Gramma
     )
 
 
-def template_reads_tools(tokenizer: object) -> bool:
-    """Whether the tokenizer's chat template renders `tools` (its own tool format)."""
-    template = getattr(tokenizer, "chat_template", None)
-    return isinstance(template, str) and "tools" in template
-
-
-def tool_messages(
-    messages: list[dict[str, Any]], plan: ToolPlan, template_tools: bool
-) -> list[dict[str, Any]]:
-    """The messages to render: for a template without tools, the tools and the answer
-    format go in a system message and earlier tool calls become text."""
-    if template_tools:
-        return messages
-    rendered = [_as_text(m) for m in messages]
-    prompt = _tools_prompt(plan)
-    if rendered and rendered[0].get("role") == "system":
-        first = rendered[0]
-        return [{**first, "content": f"{first['content']}\n\n{prompt}"}, *rendered[1:]]
-    return [{"role": "system", "content": prompt}, *rendered]
-
-
 def new_call(name: str, arguments: str) -> ToolCall:
     """A tool call with a fresh id."""
     return ToolCall(
         id=f"call_{uuid.uuid4().hex[:24]}",
         function=ToolCallFunction(name=name, arguments=arguments),
     )
-
-
-_NO_TOOL_PARAMETERS: dict[str, Any] = {
-    "type": "object",
-    "properties": {"content": {"type": "string", "description": "Your answer to the user."}},
-    "required": ["content"],
-}
-
-
-def _call_schema(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "type": "object",
-        "properties": {"name": {"const": name}, "arguments": parameters},
-        "required": ["name", "arguments"],
-    }
 
 
 def _tool(index: int, tool: Any) -> Tool:
@@ -182,13 +89,10 @@ def _tool(index: int, tool: Any) -> Tool:
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise ValidationError(f"{where}.function needs a `name`")
     name = function["name"]
-    if not _NAME.fullmatch(name):
-        raise ValidationError(
-            f"{where}.function.name must be 1 to 64 letters, digits, _ or -. Given: {name!r}"
-        )
+    check_tool_name(name, f"{where}.function.name")
     parameters = function.get("parameters")
     if parameters is None:
-        parameters = _EMPTY_PARAMETERS
+        parameters = EMPTY_PARAMETERS
     if not isinstance(parameters, dict):
         raise ValidationError(f"{where}.function.parameters must be a JSON schema object")
     description = function.get("description") or ""
@@ -206,45 +110,3 @@ def _named_choice(choice: Any) -> str:
         '`tool_choice` must be "none", "auto", "required" or '
         '{"type": "function", "function": {"name": ...}}'
     )
-
-
-def _tools_prompt(plan: ToolPlan) -> str:
-    tools = json.dumps([t.as_openai()["function"] for t in plan.tools], indent=1)
-    lines = [
-        "You can call these functions (`parameters` is the JSON schema of `arguments`):",
-        tools,
-        'To call one, answer with only a JSON object: {"name": <function name>, '
-        '"arguments": {<argument>: <value>, ...}}.',
-    ]
-    if plan.auto:
-        lines.append(
-            f'When no function fits, answer {{"name": "{NO_TOOL}", "arguments": '
-            '{"content": <your answer>}}.'
-        )
-    return "\n".join(lines)
-
-
-def _as_text(message: dict[str, Any]) -> dict[str, Any]:
-    """A message as a template without tools renders it: calls and results as text."""
-    calls = message.get("tool_calls")
-    if message.get("role") == "assistant" and calls:
-        text = "\n".join(json.dumps(_call_text(c)) for c in _sequence(calls))
-        rest = {k: v for k, v in message.items() if k != "tool_calls"}
-        return {**rest, "content": text}
-    if message.get("role") == "tool":
-        return {"role": "tool", "content": message.get("content") or ""}
-    return message
-
-
-def _call_text(call: Any) -> dict[str, Any]:
-    function = call.get("function", {}) if isinstance(call, dict) else {}
-    arguments = function.get("arguments", "{}")
-    try:
-        parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
-    except json.JSONDecodeError:
-        parsed = arguments
-    return {"name": function.get("name"), "arguments": parsed}
-
-
-def _sequence(value: Any) -> Sequence[Any]:
-    return value if isinstance(value, list) else []

@@ -25,9 +25,10 @@ import pytest
 from textgate.router.engine.channel import Channel, Finished, StepEvent, TokenInfo
 from textgate.router.generation.result import collect
 from textgate.router.generation.schemas import GenerateParameters
-from textgate.router.openai.output import ResponseMeta, TextOptions, chat_completion
+from textgate.router.generation.stop_text import TextOptions
+from textgate.router.generation.tools import NO_TOOL
+from textgate.router.openai.output import ResponseMeta, chat_completion
 from textgate.router.openai.stream import ChatChunks
-from textgate.router.openai.tools import NO_TOOL
 from textgate.router.tgi.output import generate_response, stream_frames
 from textgate.shard_server.step.detokenizer import IncrementalDetokenizer
 

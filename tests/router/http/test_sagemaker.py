@@ -7,8 +7,8 @@ import json
 import httpx
 import pytest
 
+from textgate.router.generation.chat_template import NO_TEMPLATE
 from textgate.router.http.sagemaker import CHAT_PATH, COMPLETIONS_PATH, GENERATE_PATH, api_path
-from textgate.router.openai.chat_template import NO_TEMPLATE
 
 
 @pytest.mark.parametrize(

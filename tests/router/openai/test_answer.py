@@ -5,14 +5,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from textgate.router.openai.answer import (
-    Answer,
-    AnswerStream,
-    CallText,
-    answer_message,
-    read_answer,
-)
-from textgate.router.openai.tools import NO_TOOL
+from textgate.router.generation.answer import Answer, CallText, read_answer
+from textgate.router.generation.tools import NO_TOOL
+from textgate.router.openai.answer import AnswerStream, answer_message
 
 CALL = '{"name": "get_weather", "arguments": {"city": "Rome", "unit": "c"}}'
 

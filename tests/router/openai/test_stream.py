@@ -8,7 +8,8 @@ import json
 from typing import Any
 
 from textgate.router.engine.channel import Channel, ErrorEvent, Finished, StepEvent, TokenInfo
-from textgate.router.openai.output import ResponseMeta, TextOptions
+from textgate.router.generation.stop_text import TextOptions
+from textgate.router.openai.output import ResponseMeta
 from textgate.router.openai.stream import (
     DONE_FRAME,
     ChatChunks,

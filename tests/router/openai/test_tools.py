@@ -8,15 +8,10 @@ from typing import Any
 import jsonschema
 import pytest
 
+from textgate.router.generation.tools import NO_TOOL, template_reads_tools, tool_messages
 from textgate.router.generation.validation import ValidationError
 from textgate.router.openai.schemas import ChatCompletionRequest
-from textgate.router.openai.tools import (
-    NO_TOOL,
-    response_format_grammar,
-    template_reads_tools,
-    tool_messages,
-    tool_plan,
-)
+from textgate.router.openai.tools import response_format_grammar, tool_plan
 
 WEATHER = {
     "type": "function",
@@ -153,7 +148,7 @@ def test_template_reads_tools() -> None:
 
 
 def test_a_tools_template_renders_the_tools_itself() -> None:
-    from textgate.router.openai.chat_template import render_chat
+    from textgate.router.generation.chat_template import render_chat
 
     seen: dict[str, Any] = {}
 

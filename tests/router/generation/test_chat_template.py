@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
+from textgate.router.generation.chat_template import has_chat_template, render_chat
 from textgate.router.generation.validation import ValidationError
-from textgate.router.openai.chat_template import has_chat_template, render_chat
 from textgate.tests.router.fake_shard import FakeTokenizer
 
 CHATML = (
