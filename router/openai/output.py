@@ -18,6 +18,10 @@ from textgate.router.engine.channel import FinishReason, TokenInfo
 from textgate.router.generation.result import Generated
 from textgate.router.generation.stop_text import TextOptions, answer_text
 from textgate.router.openai.answer import answer_message
+
+# Re-exported: the floor of every logprob these bodies carry.
+from textgate.router.openai.prompt_logprobs import MIN_LOGPROB as MIN_LOGPROB
+from textgate.router.openai.prompt_logprobs import json_logprob, prompt_logprobs
 from textgate.router.openai.schemas import (
     ChatChoice,
     ChatCompletion,
@@ -25,6 +29,7 @@ from textgate.router.openai.schemas import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,
+    PromptLogprobs,
     TokenLogprob,
     TopLogprob,
     Usage,
@@ -32,8 +37,6 @@ from textgate.router.openai.schemas import (
 
 # TGI's format: "{version}-{docker label}"; clients such as huggingface_hub require it.
 SYSTEM_FINGERPRINT = f"{textgate.__version__}-native"
-# JSON has no -inf: the floor vLLM uses too.
-MIN_LOGPROB = -9999.0
 
 _FINISH_REASONS: dict[FinishReason, str] = {
     "length": "length",
@@ -139,7 +142,7 @@ def completion_logprobs(
     ]
     for token, top in entries:
         result.tokens.append(token.text)
-        result.token_logprobs.append(None if token.logprob is None else _logprob(token.logprob))
+        result.token_logprobs.append(None if token.logprob is None else json_logprob(token.logprob))
         result.top_logprobs.append(top)
         result.text_offset.append(text_offset)
         text_offset += len(token.text)
@@ -147,7 +150,7 @@ def completion_logprobs(
 
 
 def _alternatives(top: Sequence[TokenInfo]) -> dict[str, float]:
-    return {t.text: _logprob(t.logprob) for t in top}
+    return {t.text: json_logprob(t.logprob) for t in top}
 
 
 def _with_itself(token: TokenInfo, top: Sequence[TokenInfo]) -> dict[str, float] | None:
@@ -155,8 +158,21 @@ def _with_itself(token: TokenInfo, top: Sequence[TokenInfo]) -> dict[str, float]
     if token.logprob is None:
         return None
     alternatives = _alternatives(top)
-    alternatives.setdefault(token.text, _logprob(token.logprob))
+    alternatives.setdefault(token.text, json_logprob(token.logprob))
     return alternatives
+
+
+@dataclass(frozen=True)
+class Scores:
+    """What a completion choice reports beside its text."""
+
+    logprobs: int | None = None
+    """Alternatives per token in `logprobs` (None: no `logprobs`)."""
+    prompt_logprobs: int | None = None
+    """Alternatives per prompt token in vLLM's `prompt_logprobs` (None: none)."""
+    generated: bool = True
+    """False for prompt scoring only (`max_tokens: 0`): the one token generated is left out
+    of the text, the logprobs and the usage."""
 
 
 def chat_completion(
@@ -167,14 +183,21 @@ def chat_completion(
     *,
     logprobs: bool,
     tools: bool = False,
+    top_logprobs: int | None = None,
+    prompt_top: int | None = None,
 ) -> ChatCompletion:
     """A non-streamed chat answer, one choice per result; with `tools`, each result's
-    text is a tool call object read back into `tool_calls` (router/openai/answer.py)."""
+    text is a tool call object read back into `tool_calls` (router/openai/answer.py).
+
+    `top_logprobs` bounds each token's alternatives (the shard may have computed more
+    for `prompt_top`, vLLM's `prompt_logprobs` of the templated prompt)."""
     choices = [
         ChatChoice(
             index=i,
             message=answer_message(answer_text(g.finished, options), tools),
-            logprobs=chat_logprobs(g.tokens, g.top_tokens) if logprobs else None,
+            logprobs=chat_logprobs(g.tokens, _first(g.top_tokens, top_logprobs))
+            if logprobs
+            else None,
             finish_reason=finish_reason(g.finished.finish_reason),
         )
         for i, g in enumerate(results)
@@ -186,6 +209,7 @@ def chat_completion(
         **meta.fields(),
         choices=choices,
         usage=usage(prompt_tokens, sum(g.finished.generated_tokens for g in results)),
+        prompt_logprobs=_prompt_logprobs(results[0], prompt_top) if results else None,
     )
 
 
@@ -197,16 +221,18 @@ def completion(
     options: TextOptions,
     *,
     echo: bool,
-    logprobs: bool,
+    scores: Scores = Scores(),
 ) -> Completion:
     """A non-streamed text completion: `results[p]` are prompt p's choices."""
     choices: list[CompletionChoice] = []
     for prompt, chosen in zip(prompts, results, strict=True):
         for generated in chosen:
             choices.append(
-                _completion_choice(len(choices), prompt, generated, options, echo, logprobs)
+                _completion_choice(len(choices), prompt, generated, options, echo, scores)
             )
-    completion_tokens = sum(g.finished.generated_tokens for chosen in results for g in chosen)
+    completion_tokens = 0
+    if scores.generated:
+        completion_tokens = sum(g.finished.generated_tokens for chosen in results for g in chosen)
     return Completion(
         **meta.fields(),
         choices=choices,
@@ -215,32 +241,45 @@ def completion(
 
 
 def _completion_choice(
-    index: int, prompt: str, generated: Generated, options: TextOptions, echo: bool, logprobs: bool
+    index: int, prompt: str, generated: Generated, options: TextOptions, echo: bool, scores: Scores
 ) -> CompletionChoice:
     prefix = prompt if echo else ""
+    tokens = generated.tokens if scores.generated else []
     result = None
-    if logprobs:
-        echoed = generated.prefill if echo else []
+    if scores.logprobs is not None:
         result = completion_logprobs(
-            echoed,
-            generated.tokens,
-            generated.top_tokens,
-            prompt_top=generated.prefill_top if echo else (),
+            generated.prefill if echo else [],
+            tokens,
+            _first(generated.top_tokens, scores.logprobs),
+            prompt_top=_first(generated.prefill_top, scores.logprobs) if echo else (),
         )
+    text = answer_text(generated.finished, options) if scores.generated else ""
     return CompletionChoice(
         index=index,
-        text=prefix + answer_text(generated.finished, options),
+        text=prefix + text,
         logprobs=result,
-        finish_reason=finish_reason(generated.finished.finish_reason),
+        # Prompt scoring only (`max_tokens: 0`) ends at its length, as in vLLM.
+        finish_reason=finish_reason(generated.finished.finish_reason)
+        if scores.generated
+        else "length",
+        prompt_logprobs=_prompt_logprobs(generated, scores.prompt_logprobs),
     )
+
+
+def _prompt_logprobs(generated: Generated, num_top: int | None) -> PromptLogprobs | None:
+    if num_top is None:
+        return None
+    return prompt_logprobs(generated.prefill, generated.prefill_top, num_top)
+
+
+def _first(
+    top_tokens: Sequence[Sequence[TokenInfo]], num_top: int | None
+) -> list[Sequence[TokenInfo]]:
+    """Each position's alternatives cut to `num_top` (None: all the shard sent)."""
+    return [top[:num_top] for top in top_tokens]
 
 
 def _top_logprob(token: TokenInfo) -> TopLogprob:
     return TopLogprob(
-        token=token.text, logprob=_logprob(token.logprob), bytes=list(token.text.encode())
+        token=token.text, logprob=json_logprob(token.logprob), bytes=list(token.text.encode())
     )
-
-
-def _logprob(logprob: float | None) -> float:
-    """A JSON-safe logprob; unknown (None) and -inf read as the floor."""
-    return MIN_LOGPROB if logprob is None else max(logprob, MIN_LOGPROB)

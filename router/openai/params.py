@@ -45,11 +45,17 @@ def chat_parameters(
     """
     grammar = tools.grammar if tools is not None else response_format_grammar(body.response_format)
     top_n = _chat_top_logprobs(body, config)
+    prompt_top = _prompt_top(body, config)
     _check_max_tokens(body.max_completion_tokens, "max_completion_tokens")
     max_tokens = body.max_completion_tokens
     if max_tokens is None:
         max_tokens = body.max_tokens
-    params = _parameters(body, max_tokens, top_n_tokens=top_n)
+    params = _parameters(
+        body,
+        max_tokens,
+        top_n_tokens=_most(top_n, prompt_top),
+        prompt_logprobs=prompt_top is not None,
+    )
     return params.model_copy(update={"grammar": grammar}) if grammar is not None else params
 
 
@@ -62,10 +68,53 @@ def completion_parameters(body: CompletionRequest, config: RouterConfig) -> Gene
         raise ValidationError(
             f"`logprobs` must be >= 0 and <= {config.max_top_n_tokens}. Given: {top_n}"
         )
-    prompt_logprobs = body.echo and top_n is not None
-    if prompt_logprobs and body.stream:
+    if body.echo and top_n is not None and body.stream:
         raise ValidationError("`echo` with `logprobs` is not supported when streaming")
-    return _parameters(body, body.max_tokens, top_n_tokens=top_n, prompt_logprobs=prompt_logprobs)
+    prompt_top = _prompt_top(body, config)
+    prompt_logprobs = (body.echo and top_n is not None) or prompt_top is not None
+    return _parameters(
+        body,
+        _completion_max_tokens(body),
+        top_n_tokens=_most(top_n, prompt_top),
+        prompt_logprobs=prompt_logprobs,
+    )
+
+
+def scores_prompt_only(body: CompletionRequest) -> bool:
+    """`max_tokens: 0` with `echo` (vLLM): the prompt and its scores, nothing generated.
+
+    One token is generated (the engine always samples one) and left out of the answer."""
+    return body.echo and body.max_tokens == 0
+
+
+def _completion_max_tokens(body: CompletionRequest) -> int | None:
+    if body.max_tokens != 0:
+        return body.max_tokens
+    if not body.echo:
+        raise ValidationError("`max_tokens` must be >= 1 (0 only with `echo`). Given: 0")
+    if body.stream:
+        raise ValidationError("`max_tokens` 0 is not supported when streaming")
+    return 1
+
+
+def _prompt_top(body: SamplingRequest, config: RouterConfig) -> int | None:
+    """vLLM's `prompt_logprobs`: alternatives per prompt token (None: not asked)."""
+    top = body.prompt_logprobs
+    if top is None:
+        return None
+    if not 0 <= top <= config.max_top_n_tokens:
+        raise ValidationError(
+            f"`prompt_logprobs` must be >= 0 and <= {config.max_top_n_tokens}. Given: {top}"
+        )
+    if body.stream:
+        raise ValidationError("`prompt_logprobs` is not supported when streaming")
+    return top
+
+
+def _most(*counts: int | None) -> int | None:
+    """The alternatives to compute for several asks of them (None: none asked)."""
+    given = [c for c in counts if c is not None]
+    return max(given) if given else None
 
 
 def chat_fanout(body: ChatCompletionRequest, config: RouterConfig) -> Fanout:

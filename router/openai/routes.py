@@ -50,6 +50,7 @@ from textgate.router.http.state import RouterState
 from textgate.router.metrics import RequestTimings
 from textgate.router.openai.output import (
     ResponseMeta,
+    Scores,
     chat_completion,
     completion,
     likeliest,
@@ -61,6 +62,7 @@ from textgate.router.openai.params import (
     completion_fanout,
     completion_parameters,
     prompt_list,
+    scores_prompt_only,
     stop_sequences,
     template_messages,
 )
@@ -164,6 +166,8 @@ class _OpenAIHandlers:
             options,
             logprobs=body.logprobs,
             tools=tools is not None,
+            top_logprobs=body.top_logprobs or 0,
+            prompt_top=body.prompt_logprobs,
         )
         return JSONResponse(answer.model_dump(mode="json"))
 
@@ -208,8 +212,9 @@ class _OpenAIHandlers:
             likeliest(results[p * size : (p + 1) * size], fanout.num_choices)
             for p in range(len(prompts))
         ]
+        scores = Scores(body.logprobs, body.prompt_logprobs, not scores_prompt_only(body))
         answer = completion(
-            meta, prompts, chosen, prompt_tokens, options, echo=body.echo, logprobs=logprobs
+            meta, prompts, chosen, prompt_tokens, options, echo=body.echo, scores=scores
         )
         return JSONResponse(answer.model_dump(mode="json"))
 

@@ -8,7 +8,7 @@ Responses carry every key the `openai` SDK and `huggingface_hub` read, nulls inc
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -78,6 +78,9 @@ class SamplingRequest(BaseModel):
     """vLLM extra: keep the matched stop sequence at the end of the text."""
     truncate_prompt_tokens: int | None = None
     """vLLM extra (TGI's `truncate`): keep only the prompt's last this many tokens."""
+    prompt_logprobs: int | None = None
+    """vLLM extra: each prompt token's logprob and this many likeliest alternatives
+    (`prompt_logprobs` of each completion choice, or of the chat answer)."""
 
 
 class ContentPart(BaseModel):
@@ -131,7 +134,7 @@ class CompletionRequest(SamplingRequest):
     """One prompt, or several (choices in prompt order, `n` per prompt); each a string or
     token ids."""
     max_tokens: int | None = 16
-    """OpenAI's default for text completions."""
+    """OpenAI's default for text completions; 0 with `echo` scores the prompt only (vLLM)."""
     echo: bool = False
     """Return the prompt before the completion."""
     best_of: int | None = None
@@ -186,15 +189,38 @@ class ToolCall(BaseModel):
     function: ToolCallFunction
 
 
-class _OmitsNoToolCalls(BaseModel):
-    """Leaves `tool_calls` out when there are none, as OpenAI does."""
+class _OmitsWhenNone(BaseModel):
+    """Leaves the `omit_when_none` fields out while they are null: what OpenAI has none of
+    (`tool_calls`), what vLLM gives only when asked (`prompt_logprobs`)."""
+
+    omit_when_none: ClassVar[tuple[str, ...]] = ()
 
     @model_serializer(mode="wrap")
-    def _omit_no_tool_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+    def _omit_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data: dict[str, Any] = handler(self)
-        if data.get("tool_calls") is None:
-            data.pop("tool_calls", None)
+        for name in self.omit_when_none:
+            if data.get(name) is None:
+                data.pop(name, None)
         return data
+
+
+class _OmitsNoToolCalls(_OmitsWhenNone):
+    """Leaves `tool_calls` out when there are none, as OpenAI does."""
+
+    omit_when_none = ("tool_calls",)
+
+
+class PromptLogprob(BaseModel):
+    """One token at one prompt position in vLLM's `prompt_logprobs` (its `Logprob`)."""
+
+    logprob: float
+    rank: int | None
+    """1 for the likeliest token at the position; null where it is not known."""
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+"""vLLM's `prompt_logprobs`: per prompt token null (the first) or token id -> its logprob."""
 
 
 class AssistantMessage(_OmitsNoToolCalls):
@@ -214,8 +240,10 @@ class ChatChoice(BaseModel):
     finish_reason: str
 
 
-class ChatCompletion(BaseModel):
+class ChatCompletion(_OmitsWhenNone):
     """Body of a non-streamed /v1/chat/completions answer."""
+
+    omit_when_none = ("prompt_logprobs",)
 
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -224,6 +252,8 @@ class ChatCompletion(BaseModel):
     system_fingerprint: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None
+    """vLLM's, of the templated prompt, when asked (`prompt_logprobs`)."""
 
 
 class ChatDelta(_OmitsNoToolCalls):
@@ -266,13 +296,17 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(_OmitsWhenNone):
     """One choice of a text completion (or of one of its chunks)."""
+
+    omit_when_none = ("prompt_logprobs",)
 
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    """vLLM's, when asked (`prompt_logprobs`)."""
 
 
 class Completion(BaseModel):

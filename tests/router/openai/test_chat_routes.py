@@ -114,6 +114,21 @@ async def test_chat_logprobs_have_openai_shape(client: httpx.AsyncClient) -> Non
     assert len(choice["logprobs"]["content"]) == 2
 
 
+async def test_chat_prompt_logprobs_score_the_templated_prompt(client: httpx.AsyncClient) -> None:
+    # vLLM's extra: beside the choices; more alternatives than `top_logprobs` asks are not
+    # shown on the generated tokens.
+    body = chat(max_tokens=1, temperature=0, logprobs=True, top_logprobs=1, prompt_logprobs=2)
+    answer = (await client.post("/v1/chat/completions", json=body)).json()
+    assert answer["prompt_logprobs"] == [  # "w5" and the template's " w9"
+        None,
+        {"9": {"logprob": -1.0, "rank": None, "decoded_token": " t9"}},
+    ]
+    (first,) = answer["choices"][0]["logprobs"]["content"]
+    assert [t["token"] for t in first["top_logprobs"]] == [" t10"]
+    plain = (await client.post("/v1/chat/completions", json=chat(max_tokens=1))).json()
+    assert "prompt_logprobs" not in plain
+
+
 async def test_chat_stream_sends_role_content_finish_usage_done(client: httpx.AsyncClient) -> None:
     body = chat(max_tokens=3, stream=True, stream_options={"include_usage": True})
     events = await sse(client, "/v1/chat/completions", body)

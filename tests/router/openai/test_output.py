@@ -110,7 +110,6 @@ def test_completion_orders_choices_by_prompt() -> None:
         3,
         TextOptions(stop=("b",)),
         echo=True,
-        logprobs=False,
     ).model_dump()
     assert [(c["index"], c["text"], c["finish_reason"]) for c in answer["choices"]] == [
         (0, "p0a", "length"),

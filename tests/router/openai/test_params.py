@@ -17,6 +17,7 @@ from textgate.router.openai.params import (
     completion_fanout,
     completion_parameters,
     prompt_list,
+    scores_prompt_only,
     template_messages,
 )
 from textgate.router.openai.schemas import ChatCompletionRequest, CompletionRequest
@@ -95,6 +96,20 @@ def test_completion_defaults_and_echo_logprobs() -> None:
     assert not params.decoder_input_details
     echoed = completion_parameters(completion(echo=True, logprobs=0), CONFIG)
     assert echoed.decoder_input_details
+
+
+def test_prompt_logprobs_ask_for_the_prompt_and_the_most_alternatives() -> None:
+    params = completion_parameters(completion(logprobs=1, prompt_logprobs=3), CONFIG)
+    assert params.decoder_input_details and params.top_n_tokens == 3
+    chat_params = chat_parameters(chat(prompt_logprobs=2), CONFIG)
+    assert chat_params.decoder_input_details and chat_params.top_n_tokens == 2
+
+
+def test_max_tokens_0_with_echo_generates_one_token_to_drop() -> None:
+    body = completion(echo=True, max_tokens=0)
+    assert completion_parameters(body, CONFIG).max_new_tokens == 1
+    assert scores_prompt_only(body)
+    assert not scores_prompt_only(completion(echo=True, max_tokens=1))
 
 
 def test_unknown_fields_are_ignored() -> None:

@@ -86,6 +86,31 @@ async def test_completion_echo_and_logprobs(client: httpx.AsyncClient) -> None:
     }
 
 
+async def test_completion_max_tokens_0_with_echo_scores_the_prompt_only(
+    client: httpx.AsyncClient,
+) -> None:
+    body = {"prompt": "w5 w6", "max_tokens": 0, "echo": True, "logprobs": 0, "temperature": 0}
+    answer = (await client.post("/v1/completions", json=body)).json()
+    (choice,) = answer["choices"]
+    assert (choice["text"], choice["finish_reason"]) == ("w5 w6", "length")
+    assert choice["logprobs"]["tokens"] == [" t5", " t6"]  # the one generated token is dropped
+    assert choice["logprobs"]["token_logprobs"] == [None, -1.0]
+    assert answer["usage"] == {"prompt_tokens": 2, "completion_tokens": 0, "total_tokens": 2}
+
+
+async def test_completion_prompt_logprobs_are_vllms(client: httpx.AsyncClient) -> None:
+    body = {"prompt": "w5 w6", "max_tokens": 1, "prompt_logprobs": 0, "temperature": 0}
+    choice = (await client.post("/v1/completions", json=body)).json()["choices"][0]
+    assert choice["text"] == " t7" and choice["logprobs"] is None
+    # The fake shard sends no alternatives: each token has only itself, of unknown rank.
+    assert choice["prompt_logprobs"] == [
+        None,
+        {"6": {"logprob": -1.0, "rank": None, "decoded_token": " t6"}},
+    ]
+    plain = (await client.post("/v1/completions", json={"prompt": "w5"})).json()
+    assert "prompt_logprobs" not in plain["choices"][0]  # only when asked, as vLLM
+
+
 async def test_completion_best_of_keeps_the_likeliest(
     client: httpx.AsyncClient, fake: FakeShard
 ) -> None:
@@ -184,6 +209,18 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         "/v1/completions",
         {"prompt": "w5", "echo": True, "logprobs": 1, "stream": True},
         "`echo` with `logprobs`",
+    ),
+    ("/v1/completions", {"prompt": "w5", "max_tokens": 0}, "0 only with `echo`"),
+    (
+        "/v1/completions",
+        {"prompt": "w5", "max_tokens": 0, "echo": True, "stream": True},
+        "`max_tokens` 0 is not supported when streaming",
+    ),
+    ("/v1/completions", {"prompt": "w5", "prompt_logprobs": 6}, "`prompt_logprobs` must be"),
+    (
+        "/v1/completions",
+        {"prompt": "w5", "prompt_logprobs": 1, "stream": True},
+        "`prompt_logprobs` is not supported when streaming",
     ),
     ("/chat_tokenize", {"messages": []}, "`messages` cannot be empty"),
 ]
