@@ -2,7 +2,7 @@
 
 Every step the scheduler asks it two things and tells it one:
 
-    budget = controller.plan_prefill(num_decodes)   # prompt tokens beside the decodes
+    budget = controller.plan_prefill(num_decodes, context)   # prompt tokens beside the decodes
     limit = controller.batch_limit                  # most running requests (joins stop there)
     controller.observe(StepSample(...))             # what the step cost, and the queue after it
 
@@ -11,7 +11,10 @@ token) to the measured steps and keeps every step under an inter-token-latency t
 
 - prefill share: the prompt tokens that still fit beside this step's decodes, never below
   `min_prefill_tokens` (waiting prompts always progress) nor above the step ceiling; a step
-  without decodes delays nobody's next token, so it gets the ceiling;
+  without decodes delays nobody's next token, so it gets the ceiling. The fit counts the
+  attention a chunk computes over the keys before it (`step_cost.attention_pairs`), so the
+  chunks of a long prompt get smaller as they move down it (`context`: where the step's
+  first chunk starts) and the streams beside them keep their pace;
 - batch limit: grows while requests wait and the limit is what holds them back, up to the
   largest batch whose step, with the smallest prefill share beside it, is predicted to meet
   the target. It doubles per step, and goes straight there while the device is under-used
@@ -194,6 +197,9 @@ class StepSample:
     """Fraction of the KV blocks in use after the step."""
     utilization: float = 0.0
     """Busy fraction of the device over the recent past (NVML, or the engine's busy time)."""
+    prefill_attention: float | None = None
+    """Thousands of (query, key) pairs the step's prompt chunks computed
+    (`step_cost.attention_pairs`); None: its prompt tokens as one chunk from position 0."""
 
 
 @dataclass(frozen=True)
@@ -259,17 +265,20 @@ class BatchController:
         """Most running requests; waiting ones join only below it."""
         return self._limit
 
-    def prefill_budget(self, num_decodes: int) -> int:
-        """Prompt tokens a step with `num_decodes` decodes may compute beside them."""
+    def prefill_budget(self, num_decodes: int, context: int = 0) -> int:
+        """Prompt tokens a step with `num_decodes` decodes may compute beside them, as a
+        chunk starting at position `context` of its prompt."""
         config = self.config
         if self._target is None or not self.cost.is_ready or num_decodes == 0:
             return config.max_prefill_tokens
-        fit = self.cost.prefill_tokens_within(self._target, num_decodes, config.max_prefill_tokens)
+        fit = self.cost.prefill_tokens_within(
+            self._target, num_decodes, config.max_prefill_tokens, context
+        )
         return max(config.min_prefill_tokens, _round_down(fit))
 
-    def plan_prefill(self, num_decodes: int) -> int:
+    def plan_prefill(self, num_decodes: int, context: int = 0) -> int:
         """`prefill_budget` for the step being planned; remembered for /metrics."""
-        budget = self.prefill_budget(num_decodes)
+        budget = self.prefill_budget(num_decodes, context)
         if budget != self._prefill_budget:
             log.debug(
                 "prefill budget %d -> %d tokens beside %d decodes (predicted decode step "
@@ -287,7 +296,12 @@ class BatchController:
         """Learn from one measured step, then move the batch limit if the step calls for it."""
         self._utilization = sample.utilization
         self._record_latency(sample)
-        self.cost.add(sample.num_decodes, sample.num_prefill_tokens, sample.latency_s)
+        self.cost.add(
+            sample.num_decodes,
+            sample.num_prefill_tokens,
+            sample.latency_s,
+            sample.prefill_attention,
+        )
         if not self.config.adaptive:
             return
         if sample.num_decodes > 0:

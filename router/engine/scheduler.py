@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from textgate.router.engine.batch_controller import BatchController, StepSample
 from textgate.router.engine.block_allocator import BlockAllocator
+from textgate.router.engine.step_cost import attention_pairs
 from textgate.router.engine.step_types import (
     ModelStepResult,
     ScheduledRequest,
@@ -96,8 +97,9 @@ class Scheduler:
         self._running: list[_Request] = []
         self._finished_ids: list[int] = []
         self._in_flight: tuple[ScheduledRequest, ...] | None = None
-        # (decodes, prompt tokens) of the step in flight, for the controller.
-        self._in_flight_counts = (0, 0)
+        # (decodes, prompt tokens, prompt attention pairs) of the step in flight, for the
+        # controller.
+        self._in_flight_counts: tuple[int, int, float] = (0, 0, 0.0)
         self._num_steps_without_join = 0
         self.num_preemptions = 0
 
@@ -207,8 +209,13 @@ class Scheduler:
         )
         self._finished_ids.clear()
         self._in_flight = output.scheduled
-        num_decodes = sum(1 for s in output.scheduled if self._requests[s.request_id].is_decoding)
-        self._in_flight_counts = (num_decodes, output.num_scheduled_tokens - num_decodes)
+        decoding = [s for s in output.scheduled if self._requests[s.request_id].is_decoding]
+        chunks = [s for s in output.scheduled if not self._requests[s.request_id].is_decoding]
+        self._in_flight_counts = (
+            len(decoding),
+            output.num_scheduled_tokens - len(decoding),
+            sum(attention_pairs(s.start_position, s.num_new_tokens) for s in chunks),
+        )
         return output
 
     def update(self, result: ModelStepResult) -> tuple[int, ...]:
@@ -228,11 +235,12 @@ class Scheduler:
         for step in live:
             self._advance(self._requests[step.request_id], step, result)
         if result.step_latency_s is not None:
-            num_decodes, num_prefill_tokens = self._in_flight_counts
+            num_decodes, num_prefill_tokens, prefill_attention = self._in_flight_counts
             self.controller.observe(
                 StepSample(
                     num_decodes=num_decodes,
                     num_prefill_tokens=num_prefill_tokens,
+                    prefill_attention=prefill_attention,
                     latency_s=result.step_latency_s,
                     num_running=len(self._running),
                     num_waiting=len(self._waiting),
@@ -247,13 +255,23 @@ class Scheduler:
     def _num_decoding(self) -> int:
         return sum(1 for request in self._running if request.is_decoding)
 
-    def _step_budget(self, num_decodes: int, prefill_budget: Callable[[int], int]) -> int:
+    def _step_budget(self, num_decodes: int, prefill_budget: Callable[[int, int], int]) -> int:
         """Fixed: max_num_batched_tokens. Adaptive: every decode, plus the controller's
-        prefill share beside them, within max_num_batched_tokens."""
+        prefill share beside them (for a chunk at the position the step's first prompt
+        tokens start: the running request's unfinished prompt, else 0), within
+        max_num_batched_tokens."""
         ceiling = self.config.max_num_batched_tokens
         if not self.config.adaptive:
             return ceiling
-        return min(ceiling, num_decodes + prefill_budget(num_decodes))
+        return min(ceiling, num_decodes + prefill_budget(num_decodes, self._prefill_context()))
+
+    def _prefill_context(self) -> int:
+        """Where the next prompt chunk starts: the running request still in its prefill
+        (at most one, the newest) continues there; a new one starts at 0."""
+        for request in reversed(self._running):
+            if not request.is_decoding and request.num_computed_tokens < request.num_tokens:
+                return request.num_computed_tokens
+        return 0
 
     def _schedule_running(self, draft: _StepDraft) -> None:
         """Give every running request its next tokens, oldest first.

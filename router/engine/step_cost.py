@@ -1,6 +1,14 @@
 """What a step costs: an online least-squares fit of step latency to the step's tokens.
 
     latency ≈ overhead + per_decode · num_decodes + per_prefill · num_prefill_tokens
+              + per_attention · prefill_attention
+
+`prefill_attention` is the attention a step's prompt chunks compute, in thousands of
+(query, key) pairs (`attention_pairs`): a chunk of n tokens starting at position p
+attends over p + 1 ... p + n keys. It is what makes the late chunks of a long prompt cost
+more than its first ones (measured on a 2-core CPU: 8 decodes plus an 80-token chunk of a
+2,900-token prompt took 2.7x a decode step at position 160 and 8.5x at position 2,720),
+so the prefill share of a step shrinks as its chunk moves down a long prompt.
 
 The batch controller asks it two questions before every step: how long would a step of
 n decodes take, and how many prompt tokens fit beside them under a latency target. It may
@@ -14,8 +22,17 @@ import itertools
 import math
 from collections.abc import Iterable
 
-NUM_COEFFICIENTS = 3
-"""overhead (s), per decode (s), per prefill token (s)."""
+NUM_COEFFICIENTS = 4
+"""overhead (s), per decode (s), per prefill token (s), per thousand attention pairs (s)."""
+PAIRS_UNIT = 1000.0
+"""Attention pairs are counted in thousands: a typical chunk's count is then of the order
+of its tokens, and the ridge (in tokens²) means as much for its coefficient."""
+
+
+def attention_pairs(start: int, num_tokens: int) -> float:
+    """Thousands of (query, key) pairs a chunk of `num_tokens` prompt tokens starting at
+    position `start` computes: query p + i attends over p + i + 1 keys."""
+    return num_tokens * (start + (num_tokens + 1) / 2) / PAIRS_UNIT
 
 
 class StepCostModel:
@@ -41,10 +58,10 @@ class StepCostModel:
         self.forgetting = forgetting
         self.min_samples = min_samples
         # The intercept's ridge is tiny: it is always well determined by the mean latency.
-        self._ridge = (ridge * 1e-3, ridge, ridge)
+        self._ridge = (ridge * 1e-3, ridge, ridge, ridge)
         self._gram = [[0.0] * NUM_COEFFICIENTS for _ in range(NUM_COEFFICIENTS)]
         self._moment = [0.0] * NUM_COEFFICIENTS
-        self._coefficients = (0.0, 0.0, 0.0)
+        self._coefficients: tuple[float, ...] = (0.0,) * NUM_COEFFICIENTS
         self._seeded = False
         self.num_samples = 0
         """Served steps measured (the seed's steps not counted)."""
@@ -55,8 +72,8 @@ class StepCostModel:
         return self._seeded or self.num_samples >= self.min_samples
 
     @property
-    def coefficients(self) -> tuple[float, float, float]:
-        """(overhead, per decode, per prefill token), in seconds."""
+    def coefficients(self) -> tuple[float, ...]:
+        """(overhead, per decode, per prefill token, per thousand attention pairs), in s."""
         return self._coefficients
 
     def seed(self, steps: Iterable[tuple[int, int, float]]) -> None:
@@ -75,14 +92,26 @@ class StepCostModel:
         gram = [[0.0] * NUM_COEFFICIENTS for _ in range(NUM_COEFFICIENTS)]
         moment = [0.0] * NUM_COEFFICIENTS
         for num_decodes, num_prefill_tokens, latency_s in steps:
-            _accumulate(gram, moment, _features(num_decodes, num_prefill_tokens, latency_s))
+            # A timed prefill chunk starts at position 0.
+            attention = attention_pairs(0, num_prefill_tokens)
+            features = _features(num_decodes, num_prefill_tokens, attention, latency_s)
+            _accumulate(gram, moment, features)
             self._seeded = True
         if self._seeded:
             self._coefficients = self._fit(gram, moment)
 
-    def add(self, num_decodes: int, num_prefill_tokens: int, latency_s: float) -> None:
-        """Record one measured step and refit."""
-        features = _features(num_decodes, num_prefill_tokens, latency_s)
+    def add(
+        self,
+        num_decodes: int,
+        num_prefill_tokens: int,
+        latency_s: float,
+        prefill_attention: float | None = None,
+    ) -> None:
+        """Record one measured step and refit. `prefill_attention` (`attention_pairs` of
+        its chunks) defaults to its prompt tokens as one chunk from position 0."""
+        if prefill_attention is None:
+            prefill_attention = attention_pairs(0, num_prefill_tokens)
+        features = _features(num_decodes, num_prefill_tokens, prefill_attention, latency_s)
         for i in range(NUM_COEFFICIENTS):
             self._moment[i] *= self.forgetting
             for j in range(NUM_COEFFICIENTS):
@@ -91,34 +120,47 @@ class StepCostModel:
         self.num_samples += 1
         self._coefficients = self._fit(self._gram, self._moment)
 
-    def predict(self, num_decodes: int, num_prefill_tokens: int = 0) -> float:
-        """Predicted latency (s) of a step with these token counts."""
-        overhead, per_decode, per_prefill = self._coefficients
-        return overhead + per_decode * num_decodes + per_prefill * num_prefill_tokens
+    def predict(self, num_decodes: int, num_prefill_tokens: int = 0, context: int = 0) -> float:
+        """Predicted latency (s) of a step with these token counts, its prompt tokens one
+        chunk that starts at position `context`."""
+        overhead, per_decode, per_prefill, per_attention = self._coefficients
+        attention = attention_pairs(context, num_prefill_tokens)
+        return (
+            overhead
+            + per_decode * num_decodes
+            + per_prefill * num_prefill_tokens
+            + per_attention * attention
+        )
 
     def largest_batch(self, target_s: float, num_prefill_tokens: int, limit: int) -> int:
         """The most decodes (at most `limit`) whose step with `num_prefill_tokens` beside
         them is predicted to take at most `target_s`; 0 when not even one fits."""
-        overhead, per_decode, per_prefill = self._coefficients
-        room = target_s - overhead - per_prefill * num_prefill_tokens
+        per_decode = self._coefficients[1]
+        room = target_s - self.predict(0, num_prefill_tokens)
         if room < 0:
             return 0
         if per_decode <= 0:
             return limit
         return min(limit, math.floor(room / per_decode))
 
-    def prefill_tokens_within(self, target_s: float, num_decodes: int, limit: int) -> int:
+    def prefill_tokens_within(
+        self, target_s: float, num_decodes: int, limit: int, context: int = 0
+    ) -> int:
         """The most prompt tokens (at most `limit`) a step with `num_decodes` decodes may
-        add and still be predicted to take at most `target_s`; 0 when none fit."""
-        per_prefill = self._coefficients[2]
+        add, as a chunk starting at position `context`, and still be predicted to take at
+        most `target_s`; 0 when none fit."""
+        per_prefill, per_attention = self._coefficients[2:]
         room = target_s - self.predict(num_decodes)
         if room <= 0:
             return 0
-        if per_prefill <= 0:
-            return limit
-        return min(limit, math.floor(room / per_prefill))
+        # n tokens cost a·n² + b·n (attention_pairs is quadratic in n): the largest n within.
+        a = per_attention / (2 * PAIRS_UNIT)
+        b = per_prefill + per_attention * (context + 0.5) / PAIRS_UNIT
+        if a <= 0:
+            return limit if b <= 0 else min(limit, math.floor(room / b))
+        return min(limit, math.floor((math.sqrt(b * b + 4 * a * room) - b) / (2 * a)))
 
-    def _fit(self, gram: list[list[float]], moment: list[float]) -> tuple[float, float, float]:
+    def _fit(self, gram: list[list[float]], moment: list[float]) -> tuple[float, ...]:
         """argmin over θ >= 0 of θᵀ(G + R)θ - 2θᵀ(m + R θ_prev): the weighted least squares
         with the ridge toward the previous coefficients, none negative."""
         matrix = [row[:] for row in gram]
@@ -130,14 +172,15 @@ class StepCostModel:
 
 
 def _features(
-    num_decodes: int, num_prefill_tokens: int, latency_s: float
+    num_decodes: int, num_prefill_tokens: int, prefill_attention: float, latency_s: float
 ) -> tuple[tuple[float, ...], float]:
     """One step as (regressors, latency), checked."""
-    if num_decodes < 0 or num_prefill_tokens < 0:
+    if num_decodes < 0 or num_prefill_tokens < 0 or prefill_attention < 0:
         raise ValueError("token counts must be >= 0")
     if not math.isfinite(latency_s) or latency_s < 0:
         raise ValueError(f"latency must be a finite number >= 0, got {latency_s}")
-    return (1.0, float(num_decodes), float(num_prefill_tokens)), latency_s
+    regressors = (1.0, float(num_decodes), float(num_prefill_tokens), float(prefill_attention))
+    return regressors, latency_s
 
 
 def _accumulate(
@@ -151,18 +194,18 @@ def _accumulate(
             gram[i][j] += x[i] * x[j]
 
 
-def _nonnegative_solve(matrix: list[list[float]], rhs: list[float]) -> tuple[float, float, float]:
+def _nonnegative_solve(matrix: list[list[float]], rhs: list[float]) -> tuple[float, ...]:
     """The θ >= 0 minimising θᵀAθ - 2θᵀb (A positive definite): among the solutions with some
     coefficients held at 0 and the rest solved, the feasible one of least cost. Clamping
     the unconstrained solution instead is no fit at all: an intercept solved at -40 ms and
     clamped to 0 put every prediction 40 ms over the steps it was fitted to."""
-    best, best_cost = (0.0, 0.0, 0.0), 0.0
+    best, best_cost = (0.0,) * NUM_COEFFICIENTS, 0.0
     for free in _SUBSETS:
         sub = _solve([[matrix[i][j] for j in free] for i in free], [rhs[i] for i in free])
         if min(sub) < 0:
             continue
         if len(free) == NUM_COEFFICIENTS:  # the common case: nothing is held at 0
-            return sub[0], sub[1], sub[2]
+            return tuple(sub)
         theta = [0.0] * NUM_COEFFICIENTS
         for i, value in zip(free, sub, strict=True):
             theta[i] = value
@@ -170,7 +213,7 @@ def _nonnegative_solve(matrix: list[list[float]], rhs: list[float]) -> tuple[flo
             theta[i] * (sum(matrix[i][j] * theta[j] for j in free) - 2 * rhs[i]) for i in free
         )
         if cost < best_cost:
-            best, best_cost = (theta[0], theta[1], theta[2]), cost
+            best, best_cost = tuple(theta), cost
     return best
 
 

@@ -23,8 +23,8 @@ from textgate.router.engine.batch_controller import (
     derived_target,
 )
 from textgate.router.engine.scheduler import Scheduler
-from textgate.router.engine.step_cost import StepCostModel
-from textgate.router.engine.step_types import ModelStepResult, SchedulerConfig
+from textgate.router.engine.step_cost import StepCostModel, attention_pairs
+from textgate.router.engine.step_types import ModelStepResult, SchedulerConfig, SchedulerOutput
 from textgate.tests.router.engine.scheduler_helpers import FakeModel
 
 TARGET_S = 0.040
@@ -488,3 +488,51 @@ def test_the_fit_meets_the_steps_it_is_fitted_to_with_its_intercept_at_zero() ->
         controller.observe(sample(num_decodes=4, num_running=4, num_waiting=0, latency_s=0.0082))
     assert controller.cost.coefficients[0] == 0.0
     assert controller.cost.predict(4) == pytest.approx(0.0082, rel=0.02)
+
+
+def test_a_long_prompt_beside_streams_keeps_their_steps_near_the_target() -> None:
+    """8 streams decode while a 2,900-token prompt arrives. Each of its chunks also pays for
+    the keys before it (as measured on a 2-core CPU: a late 80-token chunk cost 3x an early
+    one), so the controller must give it fewer tokens per step as it goes down the prompt,
+    or the streams' steps grow with it."""
+    per_pair_s = 0.0005  # per thousand (query, key) pairs: about a prompt token's cost
+    scheduler = adaptive_scheduler(max_num_batched_tokens=128, target_itl_s=0.060)
+    model, rng = FakeModel(16), random.Random(3)
+
+    def run_step() -> tuple[SchedulerOutput, float]:
+        output = scheduler.schedule()
+        chunks = [s for s in output.scheduled if s.num_new_tokens > 1 or s.start_position < 40]
+        num_prefill = sum(s.num_new_tokens for s in chunks)
+        pairs = sum(attention_pairs(s.start_position, s.num_new_tokens) for s in chunks)
+        latency = BASE.latency(len(output.scheduled) - len(chunks), num_prefill, rng)
+        latency += per_pair_s * pairs
+        result = model.run(output)
+        scheduler.update(
+            ModelStepResult(result.sampled_token_ids, result.finished_ids, latency, 0.95)
+        )
+        return output, latency
+
+    for rid in range(8):
+        prompt = [rng.randrange(50) for _ in range(40)]
+        scheduler.add_request(rid, prompt, 2000)
+        model.add(rid, prompt)
+    for _ in range(40):  # the streams decode; the fit learns the decode steps
+        run_step()
+    # A first long prompt teaches the fit what chunks deep in a prompt cost.
+    for rid, length in ((100, 2900), (101, 2900)):
+        prompt = [rng.randrange(50) for _ in range(length)]
+        scheduler.add_request(rid, prompt, 1)
+        model.add(rid, prompt)
+        chunk_sizes: list[tuple[int, int]] = []
+        latencies = []
+        while scheduler.has_request(rid):
+            output, latency = run_step()
+            for s in output.scheduled:
+                if s.request_id == rid:
+                    chunk_sizes.append((s.start_position, s.num_new_tokens))
+                    latencies.append(latency)
+    # The second prompt's steps (the fit has seen deep chunks) keep to the target.
+    assert max(latencies) <= 0.060 * BAND + SLACK_S, max(latencies)
+    early = [n for start, n in chunk_sizes if start < 500]
+    late = [n for start, n in chunk_sizes if start > 2400]
+    assert max(late) < min(early) / 2

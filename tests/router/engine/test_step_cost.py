@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from textgate.router.engine.step_cost import StepCostModel
+from textgate.router.engine.step_cost import StepCostModel, attention_pairs
 
 
 def curve(num_decodes: int, num_prefill: int) -> float:
@@ -18,10 +18,11 @@ def test_fit_recovers_the_curve_from_noisy_varied_steps() -> None:
     for _ in range(200):
         n, p = rng.randint(1, 40), rng.choice([0, 0, rng.randint(1, 200)])
         model.add(n, p, curve(n, p) + rng.gauss(0, 0.0005))
-    overhead, per_decode, per_prefill = model.coefficients
+    overhead, per_decode, per_prefill, per_attention = model.coefficients
     assert overhead == pytest.approx(0.005, rel=0.1)
     assert per_decode == pytest.approx(0.0008, rel=0.05)
     assert per_prefill == pytest.approx(0.0004, rel=0.05)
+    assert per_attention == pytest.approx(0.0, abs=1e-6)  # these steps cost no attention
     assert model.largest_batch(0.030, 0, limit=256) == 31  # 5 + 0.8 * 31 = 29.8 ms
     assert model.largest_batch(0.030, 16, limit=256) == 23  # with 6.4 ms of prompt
     assert model.largest_batch(0.030, 0, limit=10) == 10
@@ -76,3 +77,37 @@ def test_bad_samples_are_refused(args: tuple[int, int, float], message: str) -> 
 def test_bad_settings_are_refused(kwargs: dict[str, float], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         StepCostModel(**kwargs)  # type: ignore[arg-type]
+
+
+def attention_curve(num_decodes: int, chunks: list[tuple[int, int]]) -> float:
+    """A step whose prompt chunks (start, tokens) also pay for the keys before them."""
+    pairs = sum(attention_pairs(start, n) for start, n in chunks)
+    # Per thousand pairs about what a token costs: as measured on a 2-core CPU.
+    return curve(num_decodes, sum(n for _, n in chunks)) + 0.0005 * pairs
+
+
+def test_fit_learns_what_a_chunk_pays_for_the_keys_before_it() -> None:
+    model, rng = StepCostModel(), random.Random(2)
+    for _ in range(300):
+        n = rng.randint(1, 16)
+        chunks = [(rng.randrange(0, 3000, 16), rng.randint(16, 128))] if rng.random() < 0.6 else []
+        pairs = sum(attention_pairs(s, c) for s, c in chunks)
+        latency = attention_curve(n, chunks) + rng.gauss(0, 0.0003)
+        model.add(n, sum(c for _, c in chunks), latency, prefill_attention=pairs)
+    assert model.coefficients[3] == pytest.approx(0.0005, rel=0.1)
+    assert model.predict(8, 80, context=2800) == pytest.approx(
+        attention_curve(8, [(2800, 80)]), rel=0.05
+    )
+    # Deeper into a long prompt, fewer of its tokens fit beside the same decodes.
+    early = model.prefill_tokens_within(0.200, 8, limit=512, context=0)
+    late = model.prefill_tokens_within(0.200, 8, limit=512, context=2800)
+    assert late < early / 2
+    # The budget is the largest count predicted within the target, not a looser bound.
+    for context, tokens in ((0, early), (2800, late)):
+        assert model.predict(8, tokens, context) <= 0.200 < model.predict(8, tokens + 1, context)
+
+
+def test_attention_pairs_count_every_query_and_its_keys() -> None:
+    assert attention_pairs(0, 1) == pytest.approx(0.001)  # one query, one key
+    assert attention_pairs(0, 4) == pytest.approx((1 + 2 + 3 + 4) / 1000)
+    assert attention_pairs(10, 2) == pytest.approx((11 + 12) / 1000)
