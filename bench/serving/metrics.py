@@ -8,7 +8,11 @@ request sent → last token received). From those:
   only for requests with more than one output token;
 - request throughput = completed requests / benchmark duration;
 - output token throughput = output tokens of completed requests / duration;
-- total token throughput = (input + output tokens of completed requests) / duration.
+- total token throughput = (input + output tokens of completed requests) / duration;
+- goodput = good requests / duration, a request being good when it succeeded within both
+  latency targets (`GoodputTargets`: TTFT, and TPOT, its mean inter-token latency), as in
+  `vllm bench serve --goodput ttft:T tpot:I` and DistServe; `good_fraction` = good / all
+  requests sent (failed ones included).
 
 Latencies are summarised by mean and percentiles (numpy's linear interpolation); an empty
 sample summarises to zeros, as vLLM does.
@@ -56,6 +60,32 @@ class LatencyStats:
 
 
 @dataclass(frozen=True)
+class GoodputTargets:
+    """The latency targets a request must meet to count towards goodput, in milliseconds.
+
+    The defaults suit a small model on a 2-core CPU: a first token within 2 s, then at
+    least 5 tokens/s (about reading speed) on average over the request.
+    """
+
+    ttft_ms: float = 2000.0
+    """Longest time to the first token."""
+    itl_ms: float = 200.0
+    """Longest mean inter-token latency of the request (its TPOT); one-token requests have
+    none and are judged by TTFT alone."""
+
+    def __post_init__(self) -> None:
+        if self.ttft_ms <= 0 or self.itl_ms <= 0:
+            raise ValueError(f"goodput targets must be positive, got {self}")
+
+    def is_good(self, outcome: RequestOutcome) -> bool:
+        """Whether `outcome` succeeded within both targets."""
+        if not outcome.success or outcome.ttft * 1e3 > self.ttft_ms:
+            return False
+        per_token = tpot(outcome)
+        return per_token is None or per_token * 1e3 <= self.itl_ms
+
+
+@dataclass(frozen=True)
 class BenchmarkMetrics:
     """The metrics of one run (one load level against one server)."""
 
@@ -72,6 +102,12 @@ class BenchmarkMetrics:
     tpot: LatencyStats
     itl: LatencyStats
     e2el: LatencyStats
+    good_requests: int = 0
+    goodput: float = 0.0
+    """Good requests per second."""
+    good_fraction: float = 0.0
+    """Good requests / requests sent."""
+    goodput_targets: GoodputTargets = GoodputTargets()
 
 
 def percentiles(sample: Sequence[float], qs: Sequence[float]) -> list[float]:
@@ -88,7 +124,11 @@ def tpot(outcome: RequestOutcome) -> float | None:
     return (outcome.latency - outcome.ttft) / (outcome.output_tokens - 1)
 
 
-def compute_metrics(outcomes: Sequence[RequestOutcome], duration_s: float) -> BenchmarkMetrics:
+def compute_metrics(
+    outcomes: Sequence[RequestOutcome],
+    duration_s: float,
+    goodput: GoodputTargets = GoodputTargets(),
+) -> BenchmarkMetrics:
     """Aggregate the outcomes of a run that took `duration_s` seconds of wall time."""
     if duration_s <= 0:
         raise ValueError(f"duration_s must be positive, got {duration_s}")
@@ -97,6 +137,7 @@ def compute_metrics(outcomes: Sequence[RequestOutcome], duration_s: float) -> Be
     total_in = sum(o.prompt_len for o in ok)
     total_out = sum(o.output_tokens for o in ok)
     tpots = [t for t in (tpot(o) for o in ok) if t is not None]
+    good = sum(goodput.is_good(o) for o in ok)
     return BenchmarkMetrics(
         completed=len(ok),
         failed=len(failed),
@@ -111,4 +152,8 @@ def compute_metrics(outcomes: Sequence[RequestOutcome], duration_s: float) -> Be
         tpot=LatencyStats.of(tpots),
         itl=LatencyStats.of([gap for o in ok for gap in o.itl]),
         e2el=LatencyStats.of([o.latency for o in ok]),
+        good_requests=good,
+        goodput=good / duration_s,
+        good_fraction=good / len(outcomes) if outcomes else 0.0,
+        goodput_targets=goodput,
     )

@@ -11,6 +11,8 @@ the idle one costs nothing measurable.
            --no-ignore-eos
     python -m textgate.bench.serving.peers --peer llama-cpp --peer-venv build/peers/llama-cpp \\
         --textgate-args="--quantize int8" -- --backend openai-chat --concurrency 1,8
+    python -m textgate.bench.serving.peers --peer vllm --peer-venv build/peers/vllm \\
+        -- --backend openai-chat --dataset conversations --concurrency 1,8,32 --no-ignore-eos
     python -m textgate.bench.serving.peers --peer textgate --peer-args=--no-adaptive \\
         -- --backend tgi --concurrency 32
 
@@ -19,6 +21,11 @@ Peers (each in its own venv; `make bench-peers` creates them):
   --cb-num-blocks 192 --cb-max-batch-tokens 256 --device cpu` on the converted default model.
 - `llama-cpp`: llama-cpp-python's server on the embedded GGUF, `--n_threads 2
   --interrupt_requests False` (it serializes requests; interrupting would cut them).
+- `vllm`: vLLM's CPU build (`vllm-cpu`), `python -m vllm.entrypoints.openai.api_server
+  --model MODEL_DIR --dtype float32` on the converted default model, with
+  `VLLM_CPU_OMP_THREADS_BIND=0-{threads-1} VLLM_CPU_NUM_OF_RESERVED_CPU=0` (every core
+  computes; its default keeps one for the API server) and 2 GiB of KV cache. Its first
+  start compiles for a few minutes; the health wait allows 15.
 - `textgate`: textgate itself with other flags (`--peer-args`), for A/B runs of one flag.
 """
 
@@ -34,49 +41,99 @@ from pathlib import Path
 from textgate.bench.serving import cli
 from textgate.bench.serving.sweep import ServerCommand, launcher_command, running_server
 
-PEERS = ("transformers", "llama-cpp", "textgate")
+PEERS = ("transformers", "llama-cpp", "vllm", "textgate")
 # Where each peer answers 200 once it can serve (llama-cpp-python has no /health).
-HEALTH_PATHS = {"transformers": "/health", "llama-cpp": "/v1/models", "textgate": "/health"}
+HEALTH_PATHS = {
+    "transformers": "/health",
+    "llama-cpp": "/v1/models",
+    "vllm": "/health",
+    "textgate": "/health",
+}
+
+
+def _transformers(venv: Path, threads: int, where: list[str]) -> list[str]:
+    from textgate.shard_server.loading.model_source import embedded_model_dir
+
+    return [
+        str(venv / "bin" / "transformers"),
+        "serve",
+        str(embedded_model_dir()),
+        "--continuous-batching",
+        "--cb-block-size",
+        "32",
+        "--cb-num-blocks",
+        "192",
+        "--cb-max-batch-tokens",
+        "256",
+        "--device",
+        "cpu",
+        *where,
+    ]
+
+
+def _llama_cpp(venv: Path, threads: int, where: list[str]) -> list[str]:
+    from textgate.shard_server.loading.model_source import embedded_gguf_path
+
+    return [
+        str(venv / "bin" / "python"),
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        str(embedded_gguf_path()),
+        "--n_threads",
+        str(threads),
+        "--interrupt_requests",
+        "False",
+        "--n_ctx",
+        "4096",
+        *where,
+    ]
+
+
+def _vllm(venv: Path, threads: int, where: list[str]) -> list[str]:
+    from textgate.shard_server.loading.model_source import embedded_model_dir
+
+    # The `vllm` console script looks up the distribution `vllm`, which vllm-cpu is not.
+    return [
+        str(venv / "bin" / "python"),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(embedded_model_dir()),
+        "--dtype",
+        "float32",
+        *where,
+    ]
+
+
+_COMMANDS = {"transformers": _transformers, "llama-cpp": _llama_cpp, "vllm": _vllm}
 
 
 def peer_command(peer: str, venv: Path, threads: int) -> ServerCommand:
     """The peer's server command line on a given port, serving the embedded default model."""
-    from textgate.shard_server.loading.model_source import embedded_gguf_path, embedded_model_dir
+    build = _COMMANDS[peer]
 
     def command(port: int) -> list[str]:
-        where = ["--host", "127.0.0.1", "--port", str(port)]
-        if peer == "transformers":
-            return [
-                str(venv / "bin" / "transformers"),
-                "serve",
-                str(embedded_model_dir()),
-                "--continuous-batching",
-                "--cb-block-size",
-                "32",
-                "--cb-num-blocks",
-                "192",
-                "--cb-max-batch-tokens",
-                "256",
-                "--device",
-                "cpu",
-                *where,
-            ]
-        return [
-            str(venv / "bin" / "python"),
-            "-m",
-            "llama_cpp.server",
-            "--model",
-            str(embedded_gguf_path()),
-            "--n_threads",
-            str(threads),
-            "--interrupt_requests",
-            "False",
-            "--n_ctx",
-            "4096",
-            *where,
-        ]
+        return build(venv, threads, ["--host", "127.0.0.1", "--port", str(port)])
 
     return command
+
+
+def peer_env(peer: str, threads: int) -> dict[str, str]:
+    """Environment variables the peer's server needs on top of this process's."""
+    if peer != "vllm":
+        return {}
+    # vLLM's CPU build computes on cores 0..threads-1 only when told; by default it keeps
+    # one core for its API server, which on a 2-core machine halves its compute.
+    return {
+        # `python -m` (vLLM's and its subprocesses') puts the working directory first on
+        # sys.path; in a textgate checkout its `kernels/` shadows the PyPI package
+        # transformers probes for.
+        "PYTHONSAFEPATH": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "2",  # GiB of KV cache
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    }
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -90,7 +147,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
         "--peer-venv", type=Path, default=None, help="the peer's virtualenv (not for textgate)"
     )
     parser.add_argument("--peer-args", default="", help="textgate peer: its launcher flags")
-    parser.add_argument("--threads", type=int, default=2, help="llama-cpp: --n_threads")
+    parser.add_argument(
+        "--threads", type=int, default=2, help="llama-cpp: --n_threads; vllm: cores 0..N-1"
+    )
     parser.add_argument(
         "--textgate-args", default="", help="extra textgate-launcher flags, one string"
     )
@@ -114,7 +173,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         peer = peer_command(args.peer, args.peer_venv, args.threads)
     with ExitStack() as stack:
         url = stack.enter_context(running_server(textgate))
-        peer_url = stack.enter_context(running_server(peer, health_path=HEALTH_PATHS[args.peer]))
+        health, env = HEALTH_PATHS[args.peer], peer_env(args.peer, args.threads)
+        peer_url = stack.enter_context(running_server(peer, health_path=health, env=env))
         return cli.main(["--url", url, "--compare", peer_url, *bench_args])
 
 

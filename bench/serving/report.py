@@ -45,12 +45,30 @@ def throughput_rows(named: Sequence[tuple[str, BenchmarkMetrics]]) -> list[list[
             m.request_throughput,
             m.output_throughput,
             m.total_token_throughput,
+            100.0 * m.good_fraction,
+            m.goodput,
         ]
         for name, m in named
     ]
 
 
-THROUGHPUT_HEADERS = ("run", "ok", "failed", "dur_s", "req/s", "out_tok/s", "total_tok/s")
+THROUGHPUT_HEADERS = (
+    "run",
+    "ok",
+    "failed",
+    "dur_s",
+    "req/s",
+    "out_tok/s",
+    "total_tok/s",
+    "good %",
+    "goodput req/s",
+)
+
+
+def goodput_note(metrics: BenchmarkMetrics) -> str:
+    """The line saying which requests count as good."""
+    t = metrics.goodput_targets
+    return f"good: TTFT <= {t.ttft_ms:g} ms and TPOT (mean ITL) <= {t.itl_ms:g} ms"
 
 
 def latency_rows(named: Sequence[tuple[str, BenchmarkMetrics]]) -> list[list[Any]]:
@@ -90,6 +108,8 @@ def format_results(results: Sequence[RunResult]) -> str:
     """The tables for benchmark results, with each target's URL above them."""
     targets = {r.target.name: r.target for r in results}
     header = [f"{name}: {t.url} ({t.backend})" for name, t in targets.items()]
+    if results:
+        header.append(goodput_note(results[0].metrics))
     return "\n".join([*header, "", format_metrics([(run_name(r), r.metrics) for r in results])])
 
 
@@ -102,6 +122,7 @@ RATIO_HEADERS = (
     "level",
     "req/s",
     "out_tok/s",
+    "goodput",
     "TTFT p50",
     "TPOT p50",
     "ITL p50",
@@ -116,6 +137,7 @@ def ratio_row(label: str, a: BenchmarkMetrics, b: BenchmarkMetrics) -> list[Any]
         label,
         ratio(a.request_throughput, b.request_throughput),
         ratio(a.output_throughput, b.output_throughput),
+        ratio(a.goodput, b.goodput),
         ratio(a.ttft.p50_ms, b.ttft.p50_ms),
         ratio(a.tpot.p50_ms, b.tpot.p50_ms),
         ratio(a.itl.p50_ms, b.itl.p50_ms),

@@ -10,6 +10,7 @@ cut short is a failed request, not a short one.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 
@@ -27,8 +28,15 @@ _MAX_ERROR_CHARS = 500
 class StreamRecorder:
     """Accumulates one request's stream events (with their arrival times) into an outcome."""
 
-    def __init__(self, start_time: float, prompt_len: int, one_token_per_event: bool) -> None:
+    def __init__(
+        self,
+        start_time: float,
+        prompt_len: int,
+        one_token_per_event: bool,
+        first_token: asyncio.Event | None = None,
+    ) -> None:
         self.start_time = start_time
+        self.first_token = first_token  # set when the first token arrives
         self.prompt_len = prompt_len
         self.one_token_per_event = one_token_per_event
         self.ttft: float | None = None
@@ -47,6 +55,8 @@ class StreamRecorder:
         if chunk.is_token:
             if self.ttft is None:
                 self.ttft = now - self.start_time
+                if self.first_token is not None:
+                    self.first_token.set()
             else:
                 self.itl.append(now - self.last_token_time)
             self.last_token_time = now
@@ -95,11 +105,13 @@ async def send_request(
     request: BenchRequest,
     settings: GenerationSettings,
     count_tokens: TokenCounter | None = None,
+    first_token: asyncio.Event | None = None,
 ) -> RequestOutcome:
     """Stream one generation from `base_url` and return what was observed; never raises
-    for server or network errors (they become a failed outcome with their message)."""
+    for server or network errors (they become a failed outcome with their message).
+    `first_token` is set as soon as the first token arrives, for callers that act on it."""
     start = time.perf_counter()
-    recorder = StreamRecorder(start, request.prompt_len, backend.one_token_per_event)
+    recorder = StreamRecorder(start, request.prompt_len, backend.one_token_per_event, first_token)
     try:
         url = base_url.rstrip("/") + backend.path
         async with client.stream("POST", url, json=backend.payload(request, settings)) as resp:

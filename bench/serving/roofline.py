@@ -7,6 +7,14 @@ headers; random values, the speed does not depend on them) at batch sizes 1 and 
 fp32 and bf16. Attention over the KV cache, norms, sampling and all serving overheads
 come on top, so no engine can beat `batch / step_time` tokens/s on this machine:
 engine throughput is reported as a fraction of it.
+
+Below it, the memory-bandwidth floor: a decode step at small batch reads every weight
+once, so it cannot take less than (bytes of the weights a step reads) / (the machine's
+read bandwidth). The bandwidth is measured here (`read_bandwidth`: a sum over a tensor
+far larger than the caches, best of N), and the floor is given per weight format
+(`FORMATS`: float32, bfloat16, textgate's int8 and 4-bit layouts, or the exact resident
+bytes a server reports in /info's `model_weight_bytes` with `--weight-bytes`), next to
+the measured matmul pass of the same dtype.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ import json
 import struct
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -143,6 +151,114 @@ def measure(
     return rows
 
 
+@dataclass(frozen=True)
+class WeightFormat:
+    """How one decode step's weights lie in memory, i.e. the bytes it must read."""
+
+    name: str
+    bits: int
+    """Bits per weight element."""
+    group_size: int = 0
+    """Input elements sharing `group_bytes` of scales (and zeros); 0 = one set per output
+    row, whatever its length."""
+    group_bytes: int = 0
+    head_bits: int | None = None
+    """Bits per element of the lm_head where a format leaves it unquantized; None = as the
+    other weights."""
+
+    def step_bytes(self, shapes: Sequence[LinearShape]) -> int:
+        """Bytes of every weight (and its scales) one decode step reads."""
+        return sum(self._bytes(s) for s in shapes)
+
+    def _bytes(self, shape: LinearShape) -> int:
+        elements = shape.out_features * shape.in_features
+        if self.head_bits is not None and "lm_head" in shape.name:
+            return elements * self.head_bits // 8
+        group = self.group_size or shape.in_features
+        groups = shape.out_features * -(-shape.in_features // group)
+        return elements * self.bits // 8 + groups * self.group_bytes
+
+
+FORMATS = {
+    f.name: f
+    for f in (
+        WeightFormat("float32", 32),
+        WeightFormat("bfloat16", 16),
+        # W8A8 (kernels/int8_linear.py): a float32 scale and an int32 column sum per row.
+        WeightFormat("int8", 8, group_bytes=8),
+        # GPTQ/AWQ (kernels/int4_linear.py): bf16 scale and zero per 128 inputs; the
+        # checkpoints keep lm_head dense, in bf16 on CPU.
+        WeightFormat("int4-g128", 4, group_size=128, group_bytes=4, head_bits=16),
+    )
+}
+
+
+@dataclass(frozen=True)
+class FloorRow:
+    """The bandwidth floor of one decode step in one weight format."""
+
+    format: str
+    step_mb: float
+    read_gb_per_s: float
+    floor_ms: float
+    floor_tok_per_s: float
+    """At batch 1: one token per step."""
+    measured_ms: float | None
+    """The matmul-only pass of this dtype at batch 1, when it was timed."""
+
+
+def read_bandwidth(
+    num_bytes: int = 256 << 20,
+    repeats: int = 5,
+    device: str = "cpu",
+    timer: Callable[[], float] = time.perf_counter,
+) -> float:
+    """The machine's memory read bandwidth in bytes/s: the fastest of `repeats` sums over a
+    float32 tensor of `num_bytes` (far beyond the caches, so every byte comes from DRAM),
+    all threads torch uses. The best, as for the roofline: slower repeats measure the
+    neighbours."""
+    data = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    with torch.inference_mode():
+        data.sum()  # fault the pages in, pick the kernel
+        sync()
+        best = float("inf")
+        for _ in range(repeats):
+            start = timer()
+            data.sum()
+            sync()
+            best = min(best, timer() - start)
+    return data.numel() * 4 / best
+
+
+def floor_rows(
+    step_bytes: dict[str, int], bandwidth: float, measured: Sequence[RooflineRow] = ()
+) -> list[FloorRow]:
+    """A FloorRow per named byte count, with the batch-1 pass of the same dtype beside it."""
+    passes = {r.dtype: r.ms_per_step for r in measured if r.batch == 1}
+    rows = []
+    for name, num_bytes in step_bytes.items():
+        seconds = num_bytes / bandwidth
+        rows.append(
+            FloorRow(
+                format=name,
+                step_mb=num_bytes / 1e6,
+                read_gb_per_s=bandwidth / 1e9,
+                floor_ms=seconds * 1e3,
+                floor_tok_per_s=1 / seconds,
+                measured_ms=passes.get(name),
+            )
+        )
+    return rows
+
+
+def format_floor(rows: Sequence[FloorRow]) -> str:
+    """The bandwidth floor as a text table ("-" where no pass of that format was timed)."""
+    headers = ("format", "MB/step", "read GB/s", "floor ms", "floor tok/s", "matmul pass ms")
+    cells = [[*list(asdict(r).values())[:-1], r.measured_ms or "-"] for r in rows]
+    return format_table(headers, cells)
+
+
 def format_rows(rows: Sequence[RooflineRow]) -> str:
     """The roofline as a text table."""
     headers = ("dtype", "batch", "ms/step", "tok/s", "weights GB", "GB/s", "GFLOP/s")
@@ -160,6 +276,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, …")
+    parser.add_argument(
+        "--formats",
+        default=",".join(FORMATS),
+        help="weight formats of the bandwidth floor, comma-separated; empty: no floor",
+    )
+    parser.add_argument(
+        "--weight-bytes",
+        type=int,
+        default=None,
+        help="also the floor for exactly this many bytes per step (a server's /info "
+        "model_weight_bytes)",
+    )
+    parser.add_argument(
+        "--bandwidth-mib", type=int, default=256, help="size of the bandwidth probe"
+    )
     parser.add_argument("--json-out", default=None, help="append one JSON line per row")
     return parser
 
@@ -184,14 +315,45 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.device}, {torch.get_num_threads()} threads"
     )
     print(format_rows(rows))
+    floors = _floor(args, shapes, rows)
     if args.json_out:
         context = {
             "model": str(model_dir),
             "device": args.device,
             "threads": torch.get_num_threads(),
         }
-        append_json_lines(args.json_out, [{**context, **asdict(r)} for r in rows])
+        records = [{**context, **asdict(r)} for r in rows]
+        records += [{**context, "row": "floor", **asdict(r)} for r in floors]
+        append_json_lines(args.json_out, records)
     return 0
+
+
+def _floor(
+    args: argparse.Namespace, shapes: Sequence[LinearShape], rows: Sequence[RooflineRow]
+) -> list[FloorRow]:
+    step_bytes = {name: FORMATS[name].step_bytes(shapes) for name in parse_names(args.formats)}
+    if args.weight_bytes:
+        step_bytes["--weight-bytes"] = args.weight_bytes
+    if not step_bytes:
+        return []
+    bandwidth = read_bandwidth(args.bandwidth_mib << 20, args.repeats, args.device)
+    floors = floor_rows(step_bytes, bandwidth, rows)
+    print()
+    print(
+        f"bandwidth floor: weight bytes per decode step / {bandwidth / 1e9:.1f} GB/s read "
+        f"(sum over {args.bandwidth_mib} MiB, best of {args.repeats})"
+    )
+    print(format_floor(floors))
+    return floors
+
+
+def parse_names(text: str) -> list[str]:
+    """Comma-separated weight format names, each checked against FORMATS."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in FORMATS]
+    if unknown:
+        raise SystemExit(f"unknown weight formats {unknown}; known: {', '.join(FORMATS)}")
+    return names
 
 
 if __name__ == "__main__":

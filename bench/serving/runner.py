@@ -19,7 +19,12 @@ import httpx
 
 from textgate.bench.serving.backends import GenerationSettings, get_backend
 from textgate.bench.serving.load import LoadLevel, SendFn, run_closed_loop, run_load
-from textgate.bench.serving.metrics import BenchmarkMetrics, RequestOutcome, compute_metrics
+from textgate.bench.serving.metrics import (
+    BenchmarkMetrics,
+    GoodputTargets,
+    RequestOutcome,
+    compute_metrics,
+)
 from textgate.bench.serving.request import send_request
 from textgate.bench.serving.tokenizer import BenchTokenizer
 from textgate.bench.serving.workload import BenchRequest, WorkloadSpec, build_requests
@@ -59,6 +64,8 @@ class BenchConfig:
     """Structured output: every request of the `grammar_on` targets asks for JSON matching it."""
     grammar_on: tuple[str, ...] = ("A", "B")
     """Target names whose requests carry `json_schema`."""
+    goodput: GoodputTargets = field(default_factory=GoodputTargets)
+    """The latency targets a good request meets."""
 
     def __post_init__(self) -> None:
         if not self.levels:
@@ -76,6 +83,7 @@ class RunResult:
     outcomes: list[RequestOutcome] = field(default_factory=list)
     duration_s: float = 0.0
     rounds: int = 0
+    goodput: GoodputTargets = field(default_factory=GoodputTargets)
 
     def add_round(self, outcomes: Sequence[RequestOutcome], duration_s: float) -> None:
         """Pool one more round into this result."""
@@ -87,7 +95,7 @@ class RunResult:
     @cached_property
     def metrics(self) -> BenchmarkMetrics:
         """The metrics of all rounds pooled."""
-        return compute_metrics(self.outcomes, self.duration_s)
+        return compute_metrics(self.outcomes, self.duration_s, self.goodput)
 
 
 async def resolve_model_name(client: httpx.AsyncClient, target: Target) -> str:
@@ -143,7 +151,7 @@ class _Session:
     ) -> list[RunResult]:
         """All rounds of one level, the targets taking turns within each round."""
         config = self.config
-        results = [RunResult(t, level) for t in targets]
+        results = [RunResult(t, level, goodput=config.goodput) for t in targets]
         num = config.num_requests or level.default_num_requests()
         for round_index in range(config.rounds):
             stream = level_index * config.rounds + round_index

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,9 +137,10 @@ def running_server(
     startup_timeout_s: float = 900.0,
     log: Callable[[str], None] = log_stderr,
     health_path: str = "/health",
+    env: Mapping[str, str] | None = None,
 ) -> Iterator[str]:
     """Start the server on a free port, yield its base URL once `health_path` answers 200,
-    stop it afterwards."""
+    stop it afterwards. `env`: variables set for the server on top of this process's."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.NamedTemporaryFile(
@@ -147,10 +148,15 @@ def running_server(
     ) as f:
         log_path = Path(f.name)
     argv = command(port)
-    log(f"starting: {' '.join(argv)} (output in {log_path})")
+    shown_env = " ".join(f"{k}={v}" for k, v in (env or {}).items())
+    log(f"starting: {shown_env + ' ' if env else ''}{' '.join(argv)} (output in {log_path})")
     with log_path.open("wb") as out:
         process = subprocess.Popen(
-            argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **env} if env else None,
         )
     succeeded = False
     try:

@@ -105,6 +105,28 @@ def test_compare_alternates_and_prints_ratios(
     assert all(r["completed"] == 8 for r in records)
 
 
+def test_goodput_targets_come_from_the_command_line(
+    fake_server, tiny_tokenizer_dir, tmp_path, capsys
+) -> None:
+    url, fake = fake_server
+    fake.token_delay_s = 0.02  # every gap ~20 ms: good at 1000 ms, not at 5 ms
+    for itl_ms, good in ((1000, 4), (5, 0)):
+        argv = [
+            *common_args(url, tiny_tokenizer_dir, tmp_path),
+            "--concurrency", "1",
+            "--goodput-ttft-ms", "5000",
+            "--goodput-itl-ms", str(itl_ms),
+        ]  # fmt: skip
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert f"good: TTFT <= 5000 ms and TPOT (mean ITL) <= {itl_ms} ms" in out
+        assert "good %" in out and "goodput req/s" in out
+        record = json.loads((tmp_path / "runs.jsonl").read_text().splitlines()[-1])
+        assert record["good_requests"] == good
+        assert record["good_fraction"] == good / 4
+        assert record["goodput_targets"] == {"ttft_ms": 5000.0, "itl_ms": itl_ms}
+
+
 def test_failures_are_reported_and_exit_nonzero(fake_server, tiny_tokenizer_dir, tmp_path, capsys):
     url, _ = fake_server
     # A wrong base path: every request fails with a 404.

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from textgate.bench.serving.metrics import (
+    GoodputTargets,
     LatencyStats,
     RequestOutcome,
     compute_metrics,
@@ -87,3 +88,27 @@ def test_all_failed_gives_zero_throughput_and_latencies() -> None:
 def test_duration_must_be_positive() -> None:
     with pytest.raises(ValueError, match="duration_s"):
         compute_metrics([], 0.0)
+
+
+def test_a_good_request_meets_both_targets() -> None:
+    targets = GoodputTargets(ttft_ms=150.0, itl_ms=25.0)
+    assert targets.is_good(outcome(0.1, [0.02, 0.02]))
+    assert not targets.is_good(outcome(0.2, [0.02, 0.02]))  # first token too late
+    # One 40 ms stall in a 20 ms stream: the mean gap, 26.7 ms, misses 25 ms.
+    assert not targets.is_good(outcome(0.1, [0.02, 0.02, 0.04]))
+    assert targets.is_good(outcome(0.1, []))  # one token: no ITL to judge
+    assert not targets.is_good(RequestOutcome(success=False, ttft=0.0))
+
+
+def test_goodput_counts_good_requests_per_second_and_of_all_sent() -> None:
+    good = outcome(0.1, [0.01, 0.01])
+    late = outcome(3.0, [0.01, 0.01])
+    failed = RequestOutcome(success=False, error="x")
+    m = compute_metrics([good, good, late, failed], 2.0, GoodputTargets(2000.0, 200.0))
+    assert (m.good_requests, m.goodput, m.good_fraction) == (2, 1.0, 0.5)
+    assert m.goodput_targets == GoodputTargets(2000.0, 200.0)
+
+
+def test_goodput_targets_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="positive"):
+        GoodputTargets(ttft_ms=0.0)

@@ -57,7 +57,8 @@ def test_compare_ratios() -> None:
     row = text.splitlines()[-1].split()
     assert row[0] == "c=1"
     assert float(row[1]) == 1.0  # same request throughput
-    assert float(row[4]) == 0.5  # A's TPOT is half of B's
+    assert float(row[3]) == 1.0  # every request of both is good
+    assert float(row[5]) == 0.5  # A's TPOT is half of B's
     assert math.isnan(ratio(1.0, 0.0))
 
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import socket
 
 import httpx
@@ -25,6 +26,15 @@ def test_recorder_times_tokens_from_the_request_start() -> None:
     assert out.itl == pytest.approx([0.05, 0.15])
     assert out.latency == pytest.approx(0.4)
     assert (out.output_tokens, out.prompt_len, out.start_time) == (3, 4, 10.0)
+
+
+def test_recorder_signals_the_first_token_only() -> None:
+    first = asyncio.Event()
+    rec = StreamRecorder(0.0, prompt_len=4, one_token_per_event=True, first_token=first)
+    rec.on_chunk(StreamChunk(prompt_tokens=4), 0.1)
+    assert not first.is_set()
+    rec.on_chunk(StreamChunk(is_token=True, text="a"), 0.2)
+    assert first.is_set()
 
 
 def test_recorder_prefers_the_servers_token_counts() -> None:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -42,6 +43,27 @@ def test_running_server_waits_for_health_and_stops(fake_server_command) -> None:
         httpx.get(url + "/health")
     log_path = Path(messages[0].split("(output in ")[1].rstrip(")"))
     assert not log_path.exists()  # a clean run leaves no log behind
+
+
+def test_running_server_passes_its_env_on_top_of_this_process_s(tmp_path) -> None:
+    seen = tmp_path / "seen"
+    script = (
+        "import os, sys; from pathlib import Path; "
+        f"Path({str(seen)!r}).write_text(os.environ['BENCH_PEER_VAR'] + ' ' + os.environ['PATH'])"
+    )
+
+    def command(port: int) -> list[str]:
+        return [sys.executable, "-c", script]
+
+    messages: list[str] = []
+    with (
+        pytest.raises(sweep.ServerStartError, match="code 0"),
+        sweep.running_server(command, 30, log=messages.append, env={"BENCH_PEER_VAR": "x"}),
+    ):
+        pass
+    value, path = seen.read_text().split(" ", 1)
+    assert (value, path) == ("x", os.environ["PATH"])
+    assert messages[0].startswith("starting: BENCH_PEER_VAR=x ")
 
 
 def test_a_crashing_server_shows_its_output() -> None:
