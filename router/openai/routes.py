@@ -24,30 +24,22 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from textgate.router.engine.admission import OverloadedError
-from textgate.router.engine.channel import Channel, ErrorEvent
-from textgate.router.engine.request import ValidRequest
-from textgate.router.generation.chat_template import render_chat
-from textgate.router.generation.result import Generated, GenerationError, collect
+from textgate.router.engine.channel import Channel
+from textgate.router.generation.result import GenerationError
 from textgate.router.generation.schemas import GenerateRequest
 from textgate.router.generation.stop_text import TextOptions
-from textgate.router.generation.tools import ToolPlan, template_reads_tools, tool_messages
+from textgate.router.generation.tools import ToolPlan
 from textgate.router.generation.validation import ValidationError, Wording
-from textgate.router.http.delivery import (
-    CLIENT_DISCONNECTED,
-    StreamPacing,
-    guard_stream,
-)
 from textgate.router.http.errors import (
     ModelNotFoundError,
     PayloadTooLargeError,
     error_api,
     error_response,
 )
-from textgate.router.http.request_io import ClientDisconnectedError, read_json, unless_disconnected
+from textgate.router.http.request_io import read_json
 from textgate.router.http.served_model import served_model
-from textgate.router.http.sse import SseResponse
+from textgate.router.http.serving import CLIENT_CLOSED_REQUEST, Serving
 from textgate.router.http.state import RouterState
-from textgate.router.metrics import RequestTimings
 from textgate.router.openai.output import (
     ResponseMeta,
     Scores,
@@ -66,6 +58,7 @@ from textgate.router.openai.params import (
     stop_sequences,
     template_messages,
 )
+from textgate.router.openai.responses import ResponsesHandler
 from textgate.router.openai.schemas import (
     ChatCompletionRequest,
     ChatTokenizeResponse,
@@ -76,34 +69,35 @@ from textgate.router.openai.schemas import (
 )
 from textgate.router.openai.stream import (
     ChatChunks,
+    ChunkFrames,
     ChunkWriter,
     CompletionChunks,
-    OnEnd,
-    openai_frames,
 )
 from textgate.router.openai.tools import tool_plan
 
 Handler = Callable[[Request], Awaitable[Response]]
 OPENAI_TRUNCATE = "truncate_prompt_tokens"
 COMPLETION_WORDING = Wording("prompt", "max_tokens", OPENAI_TRUNCATE)
-# A client that left before its (non-streamed) answer was ready (nginx's code).
-CLIENT_CLOSED_REQUEST = 499
 
 
 def openai_routes(state: RouterState) -> list[BaseRoute]:
     """The OpenAI-compatible routes over `state`; they answer their own errors."""
-    handlers = _OpenAIHandlers(state)
+    serving = Serving(state)
+    handlers = _OpenAIHandlers(state, serving)
+    responses = ResponsesHandler(state, serving)
     return [
         Route("/v1/chat/completions", _typed_errors(handlers.chat_completions), methods=["POST"]),
         Route("/v1/completions", _typed_errors(handlers.completions), methods=["POST"]),
+        Route("/v1/responses", _typed_errors(responses.create), methods=["POST"]),
         Route("/v1/models", handlers.models, methods=["GET"]),
         Route("/chat_tokenize", _typed_errors(handlers.chat_tokenize), methods=["POST"]),
     ]
 
 
 class _OpenAIHandlers:
-    def __init__(self, state: RouterState) -> None:
+    def __init__(self, state: RouterState, serving: Serving) -> None:
         self._state = state
+        self._serving = serving
         self._config = state.config
         self._metrics = state.metrics
         self._created = int(time.time())
@@ -147,7 +141,7 @@ class _OpenAIHandlers:
         inputs = GenerateRequest(inputs=prompt, parameters=params, add_special_tokens=False)
         length_field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         wording = Wording("messages", length_field, OPENAI_TRUNCATE, templated=True)
-        valid = await self._validate(inputs, body.stream, wording=wording)
+        valid = await self._serving.validate(inputs, body.stream, wording=wording)
         channels = self._state.engine.submit(candidates(valid, body.seed, fanout.num_candidates))
         meta = ResponseMeta.new("chatcmpl", model)
         options = _text_options(body)
@@ -156,7 +150,7 @@ class _OpenAIHandlers:
                 meta, len(channels), options, logprobs=body.logprobs, tools=tools is not None
             )
             return self._stream(channels, writer, valid.input_length, body, received)
-        results = await self._collect(request, channels, received)
+        results = await self._serving.collect(request, channels, received)
         if results is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         answer = chat_completion(
@@ -182,7 +176,7 @@ class _OpenAIHandlers:
         prompts = [p if isinstance(p, str) else validator.decode(p) for p in given]
         valids = await asyncio.gather(
             *(
-                self._validate(
+                self._serving.validate(
                     GenerateRequest(inputs=text, parameters=params),
                     body.stream,
                     input_ids=None if isinstance(p, str) else p,
@@ -204,7 +198,7 @@ class _OpenAIHandlers:
                 meta, choice_prompts, options, echo=body.echo, logprobs=logprobs
             )
             return self._stream(channels, writer, prompt_tokens, body, received)
-        results = await self._collect(request, channels, received)
+        results = await self._serving.collect(request, channels, received)
         if results is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         size = fanout.num_candidates
@@ -224,57 +218,12 @@ class _OpenAIHandlers:
         implied = (
             body.continue_final_message and "add_generation_prompt" not in body.model_fields_set
         )
-        tokenizer = self._state.tokenizer
-        messages = template_messages(body.messages)
-        template_tools = None
-        if tools is not None:
-            reads_tools = template_reads_tools(tokenizer)
-            messages = tool_messages(messages, tools, reads_tools)
-            template_tools = [t.as_openai() for t in tools.tools] if reads_tools else None
-        # Templates are jinja: rendering long conversations is CPU work for a thread.
-        return await asyncio.to_thread(
-            render_chat,
-            tokenizer,
-            messages,
+        return await self._serving.render(
+            template_messages(body.messages),
+            tools,
             add_generation_prompt=body.add_generation_prompt and not implied,
             continue_final_message=body.continue_final_message,
-            tools=template_tools,
         )
-
-    async def _validate(
-        self,
-        inputs: GenerateRequest,
-        stream: bool,
-        input_ids: Sequence[int] | None = None,
-        *,
-        wording: Wording,
-    ) -> ValidRequest:
-        valid = await self._state.validator.validate(
-            inputs, stream=stream, input_ids=input_ids, wording=wording
-        )
-        self._metrics.request_validated(valid.input_length, valid.max_new_tokens)
-        return valid
-
-    async def _collect(
-        self, request: Request, channels: Sequence[Channel], received: float
-    ) -> list[Generated] | None:
-        """Every channel's result, or None when the client left first (all are cancelled)."""
-        try:
-            results = await unless_disconnected(request, _collect_all(channels))
-        except ClientDisconnectedError:
-            if any(c.cancelled for c in channels):
-                self._metrics.request_cancelled(CLIENT_DISCONNECTED)
-            return None
-        self._metrics.request_succeeded(
-            RequestTimings(
-                received_at=received,
-                queued_at=min(g.queued_at for g in results),
-                started_at=min(g.started_at for g in results),
-                ended_at=max(g.ended_at for g in results),
-                generated_tokens=sum(g.finished.generated_tokens for g in results),
-            )
-        )
-        return results
 
     def _stream(
         self,
@@ -285,45 +234,12 @@ class _OpenAIHandlers:
         received: float,
     ) -> Response:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        on_end = self._on_stream_end(channels, received)
-        pacing = StreamPacing.from_config(self._config)
-        on_disconnect = guard_stream(channels, pacing, self._metrics)
-        frames = openai_frames(channels, writer, prompt_tokens, include_usage, on_end, pacing)
-        return SseResponse(frames, on_disconnect=on_disconnect)
-
-    def _on_stream_end(self, channels: Sequence[Channel], received: float) -> OnEnd:
-        def on_end(failure: ErrorEvent | None, generated_tokens: int) -> None:
-            if failure is not None:
-                self._metrics.request_failed(failure.error_type)
-                return
-            queued = min(c.queued_at for c in channels)
-            started = min(c.started_at or c.queued_at for c in channels)
-            timings = RequestTimings(received, queued, started, time.monotonic(), generated_tokens)
-            self._metrics.request_succeeded(timings)
-
-        return on_end
+        frames = ChunkFrames(writer, len(channels), prompt_tokens, include_usage)
+        return self._serving.stream(channels, frames, received)
 
 
 def _text_options(body: SamplingRequest) -> TextOptions:
     return TextOptions(stop=tuple(stop_sequences(body)), keep_stop=body.include_stop_str_in_output)
-
-
-def _cancel_all(channels: Sequence[Channel]) -> None:
-    for channel in channels:
-        channel.cancel()
-
-
-async def _collect_all(channels: Sequence[Channel]) -> list[Generated]:
-    """Every channel's result; GenerationError when one fails (the others are cancelled)."""
-    tasks = [asyncio.ensure_future(collect(c)) for c in channels]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:
-        # No-ops once finished; otherwise the shards drop the rest (failure, client gone),
-        # and their collectors, which would wait for events that no longer come, stop.
-        _cancel_all(channels)
-        for task in tasks:
-            task.cancel()
 
 
 def _typed_errors(handler: Handler) -> Handler:

@@ -29,8 +29,8 @@ class StreamOptions(BaseModel):
     """Send a last chunk with `usage` and no choices before `data: [DONE]`."""
 
 
-class SamplingRequest(BaseModel):
-    """The fields chat and text completions share."""
+class NullMeansUnset(BaseModel):
+    """An OpenAI request body: unknown fields ignored, an explicit null read as unset."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -41,6 +41,10 @@ class SamplingRequest(BaseModel):
         if isinstance(data, dict):
             return {key: value for key, value in data.items() if value is not None}
         return data
+
+
+class SamplingRequest(NullMeansUnset):
+    """The fields chat and text completions share."""
 
     model: str = ""
     """The served model's name, `tgi` or empty (`router.http.served_model`); others get 404."""

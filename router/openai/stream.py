@@ -5,21 +5,22 @@ tokens come; what is due for a choice when a write goes out becomes one chunk. A
 that fails ends the stream with OpenAI's error event (`{"error": {"message", "type",
 ...}}`, TGI's `error_type` beside it) and cancels the others; the stream always ends
 with `data: [DONE]`. Leaving the generator early (client gone) cancels every choice.
+The reading of the channels is router/http/event_stream.py's; this writes the chunks.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import aclosing
+from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
 from pydantic import BaseModel
 
-from textgate.router.engine.channel import Channel, ErrorEvent, Event, StepEvent
+from textgate.router.engine.channel import Channel, ErrorEvent, StepEvent
 from textgate.router.generation.result import TextLedger
 from textgate.router.generation.stop_text import StreamText, TextOptions
-from textgate.router.http.delivery import StreamPacing, Write, deliveries
+from textgate.router.http.delivery import StreamPacing
 from textgate.router.http.errors import openai_error
+from textgate.router.http.event_stream import UNPACED, OnEnd, event_stream
 from textgate.router.http.sse import sse_frame
 from textgate.router.openai.answer import AnswerStream
 from textgate.router.openai.output import (
@@ -39,11 +40,6 @@ from textgate.router.openai.schemas import (
 )
 
 DONE_FRAME = b"data: [DONE]\n\n"
-UNPACED = StreamPacing()
-
-OnEnd = Callable[[ErrorEvent | None, int], None]
-"""Hears how a stream ended (the failure, or None when every choice finished) and the
-number of tokens generated, before the last frames are sent."""
 
 
 class ChunkWriter(Protocol):
@@ -59,7 +55,7 @@ class ChunkWriter(Protocol):
         """The last chunk: usage and no choices."""
 
 
-async def openai_frames(
+def openai_frames(
     channels: Sequence[Channel],
     writer: ChunkWriter,
     prompt_tokens: int,
@@ -73,60 +69,37 @@ async def openai_frames(
     chunk, as with vLLM's --stream-interval. `on_end` is not called when the client
     leaves first.
     """
-    completion_tokens = 0
-    failure: ErrorEvent | None = None
-    try:
-        openings = [writer.opening(index) for index in range(len(channels))]
-        opening_frames = [sse_frame(chunk) for chunk in openings if chunk is not None]
-        if opening_frames:
-            yield b"".join(opening_frames)
-        async with aclosing(deliveries(channels, pacing)) as writes:
-            async for write in writes:
-                frames: list[bytes] = []
-                for index, event in per_choice(write):
-                    if isinstance(event, ErrorEvent):
-                        failure = event
-                        break
-                    if event.finished is not None:
-                        completion_tokens += event.finished.generated_tokens
-                    chunk = writer.step(index, event)
-                    if chunk is not None:
-                        frames.append(sse_frame(chunk))
-                if frames:
-                    yield b"".join(frames)
-                if failure is not None:
-                    break
-        if on_end is not None:
-            on_end(failure, completion_tokens)
+    frames = ChunkFrames(writer, len(channels), prompt_tokens, include_usage)
+    return event_stream(channels, frames, on_end, pacing)
+
+
+class ChunkFrames:
+    """A `ChunkWriter`'s chunks as the frames of an OpenAI stream: `data:` lines, the
+    error or usage chunk last, then `data: [DONE]`."""
+
+    def __init__(
+        self, writer: ChunkWriter, num_choices: int, prompt_tokens: int, include_usage: bool
+    ) -> None:
+        self._writer = writer
+        self._num_choices = num_choices
+        self._prompt_tokens = prompt_tokens
+        self._include_usage = include_usage
+
+    def opening(self) -> bytes:
+        openings = [self._writer.opening(index) for index in range(self._num_choices)]
+        return b"".join(sse_frame(chunk) for chunk in openings if chunk is not None)
+
+    def step(self, index: int, event: StepEvent) -> bytes:
+        chunk = self._writer.step(index, event)
+        return b"" if chunk is None else sse_frame(chunk)
+
+    def closing(self, failure: ErrorEvent | None, generated_tokens: int) -> bytes:
         if failure is not None:
-            yield sse_frame(openai_error(failure.message, failure.error_type)) + DONE_FRAME
-        elif include_usage:
-            yield sse_frame(writer.usage(usage(prompt_tokens, completion_tokens))) + DONE_FRAME
-        else:
-            yield DONE_FRAME
-    finally:
-        # No-op for finished choices; stops the others (error, client gone, server closing).
-        for channel in channels:
-            channel.cancel()
-
-
-def per_choice(write: Write) -> list[tuple[int, Event]]:
-    """A write's events with each run of one choice's steps joined into one event."""
-    joined: list[tuple[int, Event]] = []
-    run: list[StepEvent] = []
-    run_index = 0
-    for index, event in write:
-        if run and (index != run_index or not isinstance(event, StepEvent)):
-            joined.append((run_index, StepEvent.joined(run)))
-            run = []
-        if isinstance(event, StepEvent):
-            run.append(event)
-            run_index = index
-        else:
-            joined.append((index, event))
-    if run:
-        joined.append((run_index, StepEvent.joined(run)))
-    return joined
+            return sse_frame(openai_error(failure.message, failure.error_type)) + DONE_FRAME
+        if not self._include_usage:
+            return DONE_FRAME
+        last = self._writer.usage(usage(self._prompt_tokens, generated_tokens))
+        return sse_frame(last) + DONE_FRAME
 
 
 class ChatChunks:

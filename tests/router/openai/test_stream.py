@@ -15,7 +15,6 @@ from textgate.router.openai.stream import (
     ChatChunks,
     CompletionChunks,
     openai_frames,
-    per_choice,
 )
 
 META = ResponseMeta(id="chatcmpl-1", created=1, model="m")
@@ -37,21 +36,6 @@ def payloads(writes: list[bytes]) -> list[Any]:
 
 async def drain(frames: Any) -> list[bytes]:
     return [frame async for frame in frames]
-
-
-def test_per_choice_joins_each_run_of_a_choices_steps_in_order() -> None:
-    boom = ErrorEvent("boom")
-    write = [(0, step("a")), (0, step("b", "length")), (1, step("x")), (1, boom)]
-    joined = per_choice(write)
-    assert [(i, e.tokens[0].text if isinstance(e, StepEvent) else e) for i, e in joined] == [
-        (0, "a"),
-        (1, "x"),
-        (1, boom),
-    ]
-    first = joined[0][1]
-    assert isinstance(first, StepEvent)
-    assert [t.text for t in first.tokens] == ["a", "b"]
-    assert first.finished is not None and first.finished.finish_reason == "length"
 
 
 async def test_chat_frames_one_per_step_for_a_prompt_reader_with_usage() -> None:
