@@ -28,6 +28,7 @@ from textgate.bench.serving.report import (
     append_json_lines,
     compare_results,
     format_results,
+    format_spread,
     result_record,
 )
 from textgate.bench.serving.runner import BenchConfig, RunResult, Target, run_benchmark
@@ -195,6 +196,9 @@ def run_context(args: argparse.Namespace, tokenizer_source: str) -> dict[str, An
 def report(results: Sequence[RunResult], args: argparse.Namespace, context: dict[str, Any]) -> None:
     """Print the tables (and ratios), then write the JSON lines and the plot if asked."""
     print(format_results(results))
+    if spread := format_spread(results):
+        print()
+        print(spread)
     if args.compare:
         print()
         print(compare_results(results))

@@ -165,6 +165,35 @@ def compare_results(results: Sequence[RunResult]) -> str:
     return format_ratios(rows, a, b)
 
 
+SPREAD_HEADERS = ("run", "out_tok/s", "TTFT p50", "TTFT p99", "ITL p50", "goodput req/s")
+
+
+def spread_rows(results: Sequence[RunResult]) -> list[list[Any]]:
+    """Per run, each round's headline numbers joined by " / ", in round order."""
+
+    def each(values: Sequence[float]) -> str:
+        return " / ".join(f"{v:.2f}" for v in values)
+
+    return [
+        [
+            run_name(r),
+            each([m.output_throughput for m in r.round_metrics]),
+            each([m.ttft.p50_ms for m in r.round_metrics]),
+            each([m.ttft.p99_ms for m in r.round_metrics]),
+            each([m.itl.p50_ms for m in r.round_metrics]),
+            each([m.goodput for m in r.round_metrics]),
+        ]
+        for r in results
+    ]
+
+
+def format_spread(results: Sequence[RunResult]) -> str:
+    """Each round's numbers side by side (latencies in ms), or "" with a single round."""
+    if all(r.rounds < 2 for r in results):
+        return ""
+    return "per round:\n" + format_table(SPREAD_HEADERS, spread_rows(results))
+
+
 def metrics_record(metrics: BenchmarkMetrics, context: Mapping[str, Any]) -> dict[str, Any]:
     """A JSON-ready dict: the run's context, then every metric (latencies nested, in ms)."""
     return {**context, **asdict(metrics)}
@@ -185,6 +214,7 @@ def result_record(result: RunResult, context: Mapping[str, Any]) -> dict[str, An
             "max_concurrency": level.max_concurrency,
             "rounds": result.rounds,
             "num_requests": len(result.outcomes),
+            "per_round": [asdict(m) for m in result.round_metrics],
         },
     )
 

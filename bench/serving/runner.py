@@ -84,9 +84,12 @@ class RunResult:
     duration_s: float = 0.0
     rounds: int = 0
     goodput: GoodputTargets = field(default_factory=GoodputTargets)
+    round_metrics: list[BenchmarkMetrics] = field(default_factory=list)
+    """Each round on its own, for the spread between rounds."""
 
     def add_round(self, outcomes: Sequence[RequestOutcome], duration_s: float) -> None:
         """Pool one more round into this result."""
+        self.round_metrics.append(compute_metrics(outcomes, duration_s, self.goodput))
         self.outcomes.extend(outcomes)
         self.duration_s += duration_s
         self.rounds += 1

@@ -10,6 +10,7 @@ from textgate.bench.serving.report import (
     append_json_lines,
     compare_results,
     format_metrics,
+    format_spread,
     format_table,
     ratio,
     result_record,
@@ -49,6 +50,17 @@ def test_rounds_pool_outcomes_and_durations() -> None:
     assert r.rounds == 2
     assert r.metrics.completed == 3
     assert r.metrics.request_throughput == 3 / 3.0 != first
+
+
+def test_each_rounds_numbers_are_kept_for_the_spread() -> None:
+    r = result("A", 1, 0.01)
+    assert format_spread([r]) == ""  # one round: nothing to spread
+    r.add_round([ok(0.1, 0.01)], 2.0)
+    assert [m.output_throughput for m in r.round_metrics] == [8.0, 2.0]
+    text = format_spread([r])
+    assert text.splitlines()[-1].split()[:5] == ["A", "c=1", "8.00", "/", "2.00"]
+    record = result_record(r, {})
+    assert [m["completed"] for m in record["per_round"]] == [2, 1]
 
 
 def test_compare_ratios() -> None:
