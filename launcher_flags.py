@@ -134,6 +134,13 @@ class LauncherConfig:
         "models); unset = derived from the step measured at startup; 0 = fixed budgets",
         float,
     )
+    target_ttft_ms: float | None = flag(
+        None,
+        "Time to first token the adaptive batch controller defends (native models): steps "
+        "take more waiting prompt tokens, up to 2x the inter-token target, while a prompt "
+        "would otherwise miss it; unset = 16 inter-token targets",
+        float,
+    )
     no_adaptive: bool = flag(
         False,
         "Fixed step budgets instead of the adaptive batch controller (= --target-itl-ms 0)",
@@ -229,6 +236,8 @@ class LauncherConfig:
             raise ValueError("--block-size must be at least 1")
         if self.target_itl_ms is not None and not self.target_itl_ms >= 0:
             raise ValueError("--target-itl-ms must be >= 0 (0 = fixed budgets)")
+        if self.target_ttft_ms is not None and not self.target_ttft_ms > 0:
+            raise ValueError("--target-ttft-ms must be > 0")
         if self.no_adaptive and self.target_itl_ms:
             raise ValueError("--no-adaptive contradicts --target-itl-ms > 0")
         if self.kv_cache_memory < 1:

@@ -76,6 +76,9 @@ class RouterConfig:
     target_itl_ms: float | None = None
     """Paged shards: inter-token latency the batch controller keeps each step under; None =
     derived from the machine (`batch_controller` docstring), 0 = fixed budgets."""
+    target_ttft_ms: float | None = None
+    """Paged shards: time to first token the batch controller defends; None = 16 inter-token
+    targets."""
     stream_interval: int = 1
     """Tokens per SSE write after a stream's first (vLLM's --stream-interval); 1 = each
     token as soon as the client can take it."""
@@ -129,6 +132,8 @@ class RouterConfig:
             raise ValueError(
                 f"target_itl_ms must be >= 0 (0 = fixed budgets), got {self.target_itl_ms}"
             )
+        if self.target_ttft_ms is not None and not self.target_ttft_ms > 0:
+            raise ValueError(f"target_ttft_ms must be > 0, got {self.target_ttft_ms}")
         for name in ("max_stop_sequences", "max_top_n_tokens", "max_waiting_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

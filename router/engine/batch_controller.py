@@ -25,6 +25,17 @@ token) to the measured steps and keeps every step under an inter-token-latency t
   but never below `min_batch_size` (it guards against overload, not a modest load). A prediction that would break the target thus cuts the prefill share
   first (every mixed step), then the batch.
 
+A time-to-first-token target stands beside it (`target_ttft_s`, else `TTFT_STEPS` inter-
+token targets): when the prompt tokens waiting (the queue's and the unfinished prefill's,
+`Backlog`) cannot all be computed before the oldest of them is past that target at the
+step's share, the share grows to what would clear them in time, up to what fits in
+`max_stretch` inter-token targets. A burst of prompts then waits a bounded time instead
+of ~20 steps behind the decodes; the decodes' steps stretch, boundedly, only while a
+prompt would otherwise miss its target (goodput needs both), and never for one already
+past it or that could not make it even so (its request is lost to goodput; the streams'
+pace is not). The age of a request is
+measured on the controller's own clock, the sum of the steps' latencies (`clock_s`).
+
 Between growing (at the target) and shrinking (past target × (1 + dead_band)) it holds, so a
 steady load settles on one limit instead of oscillating. Queue age is the scheduler's: a
 request that waited `max_waiting_steps` joins past the limit (bounded queue time).
@@ -47,6 +58,7 @@ controller only measures. Pure Python: no I/O beyond its log lines, no clock.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -60,6 +72,10 @@ PREFILL_SHARE = 0.5
 """A derived target leaves the reference batch's decode step this share of it for prompts."""
 MIN_DERIVED_TARGET_S = 0.02
 """The least target derivation gives (faster than any reader's eye needs)."""
+TTFT_STEPS = 16.0
+"""A derived time-to-first-token target is this many inter-token targets."""
+MAX_STRETCH = 2.0
+"""A step that catches up with waiting prompts takes at most this many inter-token targets."""
 TARGET_LOG_CHANGE = 0.2
 """A derived target is logged (INFO) when first set and when it moved this fraction."""
 
@@ -114,6 +130,16 @@ class StartupSteps:
 
 
 @dataclass(frozen=True)
+class Backlog:
+    """The prompt work waiting when a step is planned, in the order it will be served:
+    what a TTFT target weighs."""
+
+    prompts: tuple[tuple[int, float], ...]
+    """(prompt tokens still to compute, how long its request has waited on the
+    controller's clock) of the unfinished prefill, then of each request that may join."""
+
+
+@dataclass(frozen=True)
 class ControllerConfig:
     """The controller's bounds and tuning; built by the scheduler from its config."""
 
@@ -125,6 +151,12 @@ class ControllerConfig:
     """False: prefill share and batch limit stay at their ceilings (fixed budgets)."""
     target_itl_s: float | None = None
     """Inter-token latency each step aims at; None = derived from the first measured steps."""
+    target_ttft_s: float | None = None
+    """Time to first token the prefill share defends; None = `ttft_steps` x the ITL target."""
+    ttft_steps: float = TTFT_STEPS
+    """A derived TTFT target is this many inter-token targets."""
+    max_stretch: float = MAX_STRETCH
+    """A step catching up with waiting prompts is planned within this x the ITL target."""
     min_prefill_tokens: int = 32
     """Floor of the prefill share whenever prompts wait, so they always progress."""
     initial_batch_size: int = 4
@@ -169,6 +201,10 @@ class ControllerConfig:
             )
         if self.target_itl_s is not None and self.target_itl_s <= 0:
             raise ValueError(f"target_itl_s must be > 0, got {self.target_itl_s}")
+        if self.target_ttft_s is not None and self.target_ttft_s <= 0:
+            raise ValueError(f"target_ttft_s must be > 0, got {self.target_ttft_s}")
+        if self.ttft_steps < 1 or self.max_stretch < 1:
+            raise ValueError("ttft_steps and max_stretch must be >= 1")
         for name in ("dead_band", "prefill_share", "min_derived_target_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -251,6 +287,9 @@ class BatchController:
         self._mixed_latency = 0.0
         self.num_limit_changes = 0
         """How often the batch limit changed (a steady load should rarely change it)."""
+        self.clock_s = 0.0
+        """The controller's clock: the sum of the observed steps' latencies (requests'
+        ages are read on it; it stands still while nothing runs)."""
         if self._follows_fit:
             self._follow_fit()
 
@@ -261,24 +300,80 @@ class BatchController:
         return self._target
 
     @property
+    def target_ttft_s(self) -> float | None:
+        """The time-to-first-token target in force: explicit, or `ttft_steps` inter-token
+        targets (None while there is no inter-token target)."""
+        if not self.config.adaptive:
+            return None
+        if self.config.target_ttft_s is not None:
+            return self.config.target_ttft_s
+        return None if self._target is None else self.config.ttft_steps * self._target
+
+    @property
     def batch_limit(self) -> int:
         """Most running requests; waiting ones join only below it."""
         return self._limit
 
-    def prefill_budget(self, num_decodes: int, context: int = 0) -> int:
+    def prefill_budget(
+        self, num_decodes: int, context: int = 0, backlog: Backlog | None = None
+    ) -> int:
         """Prompt tokens a step with `num_decodes` decodes may compute beside them, as a
-        chunk starting at position `context` of its prompt."""
+        chunk starting at position `context` of its prompt; more when the `backlog` would
+        otherwise miss the TTFT target."""
         config = self.config
         if self._target is None or not self.cost.is_ready or num_decodes == 0:
             return config.max_prefill_tokens
-        fit = self.cost.prefill_tokens_within(
-            self._target, num_decodes, config.max_prefill_tokens, context
-        )
-        return max(config.min_prefill_tokens, _round_down(fit))
+        ceiling = config.max_prefill_tokens
+        fit = self.cost.prefill_tokens_within(self._target, num_decodes, ceiling, context)
+        share = max(config.min_prefill_tokens, _round_down(fit))
+        if backlog is None or self.target_ttft_s is None:
+            return share
+        stretched = self._target * config.max_stretch
+        room = self.cost.prefill_tokens_within(stretched, num_decodes, ceiling, context)
+        return max(share, self._catch_up_tokens(num_decodes, share, context, backlog, room))
 
-    def plan_prefill(self, num_decodes: int, context: int = 0) -> int:
+    def _catch_up_tokens(
+        self, num_decodes: int, share: int, context: int, backlog: Backlog, room: int
+    ) -> int:
+        """Prompt tokens per step, at most `room`, that give every waiting prompt that can
+        still make the TTFT target its first token in time, served in order: one already
+        past it, or that would need more than `room` per step, is not waited for."""
+        target = self.target_ttft_s
+        assert target is not None
+        needed, ahead = 0, 0
+        for tokens, age_s in backlog.prompts:
+            ahead += tokens  # its own tokens and everything served before it
+            if age_s < target:
+                rate = self._rate_within(ahead, target - age_s, num_decodes, context, share, room)
+                if rate is not None:
+                    needed = max(needed, rate)
+        return needed
+
+    def _rate_within(
+        self, tokens: int, left_s: float, num_decodes: int, context: int, low: int, high: int
+    ) -> int | None:
+        """The fewest prompt tokens per step in [low, high] that compute `tokens` within
+        `left_s`, each step predicted at that share (None: not even `high` does)."""
+
+        def in_time(rate: int) -> bool:
+            steps = math.ceil(tokens / rate)
+            return steps * self.cost.predict(num_decodes, rate, context) <= left_s
+
+        if high < low or not in_time(high):
+            return None
+        while low < high:  # the time taken falls as the share grows (fewer steps)
+            middle = (low + high) // 2
+            if in_time(middle):
+                high = middle
+            else:
+                low = middle + 1
+        return low
+
+    def plan_prefill(
+        self, num_decodes: int, context: int = 0, backlog: Backlog | None = None
+    ) -> int:
         """`prefill_budget` for the step being planned; remembered for /metrics."""
-        budget = self.prefill_budget(num_decodes, context)
+        budget = self.prefill_budget(num_decodes, context, backlog)
         if budget != self._prefill_budget:
             log.debug(
                 "prefill budget %d -> %d tokens beside %d decodes (predicted decode step "
@@ -295,6 +390,7 @@ class BatchController:
     def observe(self, sample: StepSample) -> None:
         """Learn from one measured step, then move the batch limit if the step calls for it."""
         self._utilization = sample.utilization
+        self.clock_s += sample.latency_s
         self._record_latency(sample)
         self.cost.add(
             sample.num_decodes,

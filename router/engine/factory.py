@@ -85,6 +85,7 @@ def scheduler_config(config: RouterConfig, block_size: int, num_blocks: int) -> 
         # target_itl_ms: None = the controller derives it, 0 = fixed budgets.
         adaptive=config.target_itl_ms != 0,
         target_itl_s=config.target_itl_ms / 1000 if config.target_itl_ms else None,
+        target_ttft_s=config.target_ttft_ms / 1000 if config.target_ttft_ms else None,
         max_waiting_steps=config.max_waiting_tokens,
     )
 

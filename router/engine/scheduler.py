@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from textgate.router.engine.batch_controller import BatchController, StepSample
+from textgate.router.engine.batch_controller import Backlog, BatchController, StepSample
 from textgate.router.engine.block_allocator import BlockAllocator
 from textgate.router.engine.step_cost import attention_pairs
 from textgate.router.engine.step_types import (
@@ -48,6 +48,8 @@ class _Request:
     num_prompt_tokens: int
     max_new_tokens: int
     num_computed_tokens: int = 0
+    added_at_s: float = 0.0
+    """When it was added, on the controller's clock (`BatchController.clock_s`)."""
 
     @property
     def num_tokens(self) -> int:
@@ -160,7 +162,11 @@ class Scheduler:
                 f"cache holds {self.config.max_num_cached_tokens}"
             )
         request = _Request(
-            request_id, list(prompt_token_ids), len(prompt_token_ids), max_new_tokens
+            request_id,
+            list(prompt_token_ids),
+            len(prompt_token_ids),
+            max_new_tokens,
+            added_at_s=self.controller.clock_s,
         )
         self._requests[request_id] = request
         self._waiting.append(request)
@@ -255,23 +261,42 @@ class Scheduler:
     def _num_decoding(self) -> int:
         return sum(1 for request in self._running if request.is_decoding)
 
-    def _step_budget(self, num_decodes: int, prefill_budget: Callable[[int, int], int]) -> int:
+    def _step_budget(
+        self, num_decodes: int, prefill_budget: Callable[[int, int, Backlog | None], int]
+    ) -> int:
         """Fixed: max_num_batched_tokens. Adaptive: every decode, plus the controller's
         prefill share beside them (for a chunk at the position the step's first prompt
-        tokens start: the running request's unfinished prompt, else 0), within
-        max_num_batched_tokens."""
+        tokens start, and the prompt work waiting), within max_num_batched_tokens."""
         ceiling = self.config.max_num_batched_tokens
         if not self.config.adaptive:
             return ceiling
-        return min(ceiling, num_decodes + prefill_budget(num_decodes, self._prefill_context()))
+        prefilling = self._prefilling()
+        context = prefilling.num_computed_tokens if prefilling is not None else 0
+        share = prefill_budget(num_decodes, context, self._backlog(prefilling))
+        return min(ceiling, num_decodes + share)
 
-    def _prefill_context(self) -> int:
-        """Where the next prompt chunk starts: the running request still in its prefill
-        (at most one, the newest) continues there; a new one starts at 0."""
+    def _prefilling(self) -> _Request | None:
+        """The running request still in its prefill (at most one, the newest): the next
+        prompt chunk continues it; without one a new prompt starts at position 0."""
         for request in reversed(self._running):
             if not request.is_decoding and request.num_computed_tokens < request.num_tokens:
-                return request.num_computed_tokens
-        return 0
+                return request
+        return None
+
+    def _backlog(self, prefilling: _Request | None) -> Backlog | None:
+        """The prompts the prefill share could serve, in the order it serves them, with
+        their requests' ages, for the controller's TTFT target (None when none waits): the
+        unfinished prefill, then the head of the queue and as many more as the batch limit
+        has free slots for (the others wait for a slot, which no prefill share gives)."""
+        slots = max(1, self.batch_limit - len(self._running))
+        pending = [prefilling] if prefilling is not None else []
+        pending += [r for _, r in zip(range(slots), self._waiting, strict=False)]
+        if not pending:
+            return None
+        now = self.controller.clock_s
+        return Backlog(
+            tuple((r.num_tokens - r.num_computed_tokens, now - r.added_at_s) for r in pending)
+        )
 
     def _schedule_running(self, draft: _StepDraft) -> None:
         """Give every running request its next tokens, oldest first.

@@ -35,6 +35,9 @@ class SchedulerConfig:
     measured step times (the router turns it on by default); False = fixed budgets."""
     target_itl_s: float | None = None
     """Adaptive: inter-token latency each step aims at; None = derived from measured steps."""
+    target_ttft_s: float | None = None
+    """Adaptive: time to first token the prefill share defends; None = derived from the
+    inter-token target (`batch_controller.TTFT_STEPS` of it)."""
     min_prefill_tokens: int = 32
     """Adaptive: the least prompt tokens a step may run while prompts wait (capped at
     max_num_batched_tokens)."""
@@ -57,6 +60,8 @@ class SchedulerConfig:
             )
         if self.target_itl_s is not None and self.target_itl_s <= 0:
             raise ValueError(f"target_itl_s must be > 0, got {self.target_itl_s}")
+        if self.target_ttft_s is not None and self.target_ttft_s <= 0:
+            raise ValueError(f"target_ttft_s must be > 0, got {self.target_ttft_s}")
         if self.min_prefill_tokens < 1:
             raise ValueError(
                 f"min_prefill_tokens must be at least 1, got {self.min_prefill_tokens}"
@@ -71,6 +76,7 @@ class SchedulerConfig:
             max_batch_size=self.max_num_seqs,
             adaptive=self.adaptive,
             target_itl_s=self.target_itl_s,
+            target_ttft_s=self.target_ttft_s,
             min_prefill_tokens=min(self.min_prefill_tokens, self.max_num_batched_tokens),
             min_batch_size=min(self.min_batch_size, self.max_num_seqs),
         )

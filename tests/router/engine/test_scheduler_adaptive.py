@@ -17,7 +17,7 @@ class RecordingController(BatchController):
         self.samples: list[StepSample] = []
         self.num_idle = 0
 
-    def prefill_budget(self, num_decodes: int, context: int = 0) -> int:
+    def prefill_budget(self, num_decodes: int, context: int = 0, backlog: object = None) -> int:
         return self._prefill
 
     def observe(self, sample: StepSample) -> None:
