@@ -25,7 +25,7 @@ Peers (each in its own venv; `make bench-peers` creates them):
   --model MODEL_DIR --dtype float32` on the converted default model, with
   `VLLM_CPU_OMP_THREADS_BIND=0-{threads-1} VLLM_CPU_NUM_OF_RESERVED_CPU=0` (every core
   computes; its default keeps one for the API server) and 2 GiB of KV cache. Its first
-  start compiles for a few minutes; the health wait allows 15.
+  start compiles for minutes; the health wait allows `--startup-timeout` (15 min).
 - `textgate`: textgate itself with other flags (`--peer-args`), for A/B runs of one flag.
 """
 
@@ -156,6 +156,13 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
     parser.add_argument(
         "--peer-label", default=None, help="label of the peer in the report (default: --peer)"
     )
+    parser.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=900.0,
+        help="seconds each server may take to get healthy (vLLM's first start compiles: "
+        "~3 min on an idle 2-core machine, ~10 under load)",
+    )
     args, rest = parser.parse_known_args(argv)
     return args, [a for a in rest if a != "--"]
 
@@ -172,9 +179,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         peer = peer_command(args.peer, args.peer_venv, args.threads)
     with ExitStack() as stack:
-        url = stack.enter_context(running_server(textgate))
+        url = stack.enter_context(running_server(textgate, args.startup_timeout))
         health, env = HEALTH_PATHS[args.peer], peer_env(args.peer, args.threads)
-        peer_url = stack.enter_context(running_server(peer, health_path=health, env=env))
+        peer_url = stack.enter_context(
+            running_server(peer, args.startup_timeout, health_path=health, env=env)
+        )
         return cli.main(["--url", url, "--compare", peer_url, *bench_args])
 
 

@@ -62,6 +62,7 @@ def test_bench_arguments_after_the_separator_pass_through() -> None:
         ["--peer", "transformers", "--peer-venv", "/v", "--", "--concurrency", "1,8"]
     )
     assert (args.peer, rest) == ("transformers", ["--concurrency", "1,8"])
+    assert args.startup_timeout == 900.0  # vLLM's first start compiles for minutes
 
 
 def test_url_and_compare_are_refused() -> None:
