@@ -26,6 +26,7 @@ from swagger_ui_bundle import swagger_ui_path
 
 from textgate.router.generation.schemas import GenerateRequest, SimpleToken
 from textgate.router.http.errors import ErrorResponse, OpenAIErrorResponse
+from textgate.router.openai.responses_schemas import ResponseObject, ResponsesRequest
 from textgate.router.openai.schemas import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -50,6 +51,8 @@ SCHEMA_MODELS: tuple[type[BaseModel], ...] = (
     CompletionRequest,
     Completion,
     ModelList,
+    ResponsesRequest,
+    ResponseObject,
     OpenAIErrorResponse,
 )
 _GENERATE_ERRORS = {
@@ -152,6 +155,16 @@ _OPERATIONS: tuple[_Operation, ...] = (
         "OpenAI text completion of one or more prompts",
         "CompletionRequest",
         {_JSON: _ref("Completion"), _SSE: {"type": "string"}},
+        _GENERATE_ERRORS,
+        error_schema="OpenAIErrorResponse",
+    ),
+    _Operation(
+        "post",
+        "/v1/responses",
+        "OpenAI Responses (stateless: nothing is stored); stream: true gives typed SSE events"
+        " (response.created ... response.completed)",
+        "ResponsesRequest",
+        {_JSON: _ref("ResponseObject"), _SSE: {"type": "string"}},
         _GENERATE_ERRORS,
         error_schema="OpenAIErrorResponse",
     ),

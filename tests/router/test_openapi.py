@@ -34,6 +34,7 @@ async def test_spec_describes_tgis_routes_from_the_pydantic_models(
         ("/metrics", "get"),
         ("/v1/chat/completions", "post"),
         ("/v1/completions", "post"),
+        ("/v1/responses", "post"),
         ("/v1/models", "get"),
     ]:
         assert method in paths[path], (method, path)
@@ -82,6 +83,22 @@ def test_openai_routes_have_request_schemas_and_openai_error_bodies() -> None:
     assert error == {"$ref": "#/components/schemas/OpenAIErrorResponse"}
     assert "messages" in spec["components"]["schemas"]["ChatCompletionRequest"]["properties"]
     assert "`" not in chat["summary"] and "bearer" in spec["components"]["securitySchemes"]
+
+
+def test_the_responses_route_has_its_request_and_response_schemas() -> None:
+    spec = openapi_spec([], "1.0")
+    responses = spec["paths"]["/v1/responses"]["post"]
+    body = responses["requestBody"]["content"]["application/json"]["schema"]
+    assert body == {"$ref": "#/components/schemas/ResponsesRequest"}
+    answer = responses["responses"]["200"]["content"]["application/json"]["schema"]
+    assert answer == {"$ref": "#/components/schemas/ResponseObject"}
+    error = responses["responses"]["422"]["content"]["application/json"]["schema"]
+    assert error == {"$ref": "#/components/schemas/OpenAIErrorResponse"}
+    schemas = spec["components"]["schemas"]
+    assert {"input", "instructions", "text", "tools", "store"} <= set(
+        schemas["ResponsesRequest"]["properties"]
+    )
+    assert "output" in schemas["ResponseObject"]["properties"]
 
 
 def test_routes_mounted_by_other_modules_are_listed() -> None:
