@@ -1,9 +1,12 @@
-"""The HTTP app: TGI's routes, the OpenAI ones and the API docs, over one `RouterState`.
+"""The HTTP app: TGI's routes, the OpenAI and Anthropic ones and the API docs, over one
+`RouterState`.
 
 Errors are raised by the handlers as typed exceptions (ValidationError, OverloadedError,
-GenerationError, PayloadTooLargeError) and answered here with TGI's body
-`{"error", "error_type"}` and status. With an API key, the routes that generate need
-`Authorization: Bearer <key>`; probes, /info, /metrics and the docs stay open, as in TGI.
+GenerationError, PayloadTooLargeError) and answered here in the shape of the path's API
+(`http.errors.error_api`: TGI's body `{"error", "error_type"}` and status by default).
+With an API key, the routes that generate need `Authorization: Bearer <key>` (or
+Anthropic's `x-api-key: <key>` on its routes); probes, /info, /metrics and the docs stay
+open, as in TGI.
 """
 
 from __future__ import annotations
@@ -24,21 +27,19 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import textgate
 from textgate.proto import generate_pb2 as pb
+from textgate.router.anthropic.routes import anthropic_routes
 from textgate.router.config import RouterConfig
-from textgate.router.engine.admission import OverloadedError
-from textgate.router.generation.result import GenerationError
-from textgate.router.generation.validation import Tokenizer, ValidationError, Validator
+from textgate.router.generation.validation import Tokenizer, Validator
 from textgate.router.http.access_log import AccessLogMiddleware
 from textgate.router.http.drain import Drain, DrainMiddleware
 from textgate.router.http.errors import (
-    ModelNotFoundError,
-    PayloadTooLargeError,
     error_api,
     error_response,
 )
 from textgate.router.http.playground import PLAYGROUND_PATHS, with_playground
 from textgate.router.http.sagemaker import sagemaker_route
 from textgate.router.http.state import Engine, RouterState
+from textgate.router.http.typed_errors import TYPED_ERRORS
 from textgate.router.metrics import Metrics
 from textgate.router.openai.routes import openai_routes
 from textgate.router.openapi import DOCS_ASSETS_PATH, DOCS_PATH, SPEC_PATH, docs_routes
@@ -78,7 +79,7 @@ def build_app(
     state = RouterState(
         config, shards, tokenizer, validator, engine, shard_info, metrics, autoconfig
     )
-    routes = [*tgi_routes(state), *openai_routes(state)]
+    routes = [*tgi_routes(state), *openai_routes(state), *anthropic_routes(state)]
     routes.append(sagemaker_route(routes, config.payload_limit))
     routes += docs_routes(routes, textgate.__version__)
     # After the docs: the playground's page and files are not API routes.
@@ -95,11 +96,7 @@ def build_app(
         routes=routes,
         middleware=_middleware(config, drain),
         exception_handlers={
-            ValidationError: _typed_error,
-            ModelNotFoundError: _typed_error,
-            OverloadedError: _typed_error,
-            GenerationError: _typed_error,
-            PayloadTooLargeError: _typed_error,
+            **dict.fromkeys(TYPED_ERRORS, _typed_error),
             HTTPException: _http_error,
             Exception: _internal_error,
         },
@@ -152,11 +149,13 @@ def _middleware(config: RouterConfig, drain: Drain) -> list[Middleware]:
 
 
 class ApiKeyMiddleware:
-    """Answers 401 unless a generating request carries `Authorization: Bearer <api_key>`."""
+    """Answers 401 unless a generating request carries `Authorization: Bearer <api_key>`
+    (or, on Anthropic's routes, `x-api-key: <api_key>`, as its SDKs send it)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self._app = app
         self._expected = f"Bearer {api_key}".encode()
+        self._key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and _guarded(scope) and not self._authorized(scope):
@@ -169,7 +168,12 @@ class ApiKeyMiddleware:
     def _authorized(self, scope: Scope) -> bool:
         headers: list[tuple[bytes, bytes]] = scope.get("headers", [])
         given = next((v for k, v in headers if k == b"authorization"), b"")
-        return hmac.compare_digest(given, self._expected)
+        if hmac.compare_digest(given, self._expected):
+            return True
+        if error_api(scope.get("path", "")) != "anthropic":
+            return False
+        key = next((v for k, v in headers if k == b"x-api-key"), b"")
+        return hmac.compare_digest(key, self._key)
 
 
 def _guarded(scope: Scope) -> bool:

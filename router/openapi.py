@@ -1,6 +1,6 @@
 """The OpenAPI spec at /api-doc/openapi.json (TGI's path) and an interactive /docs page.
 
-Schemas come from the pydantic models of the TGI and OpenAI bodies, so the spec cannot
+Schemas come from the pydantic models of the TGI, OpenAI and Anthropic bodies, so the spec cannot
 drift from what the handlers parse and send. Routes mounted by other modules are listed
 too, with their methods and a summary from their endpoint's docstring.
 /docs is Swagger UI, as TGI serves: its assets come from the `swagger-ui-bundle` package
@@ -24,8 +24,14 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 from swagger_ui_bundle import swagger_ui_path
 
+from textgate.router.anthropic.schemas import (
+    CountTokensRequest,
+    MessageResponse,
+    MessagesRequest,
+    TokenCount,
+)
 from textgate.router.generation.schemas import GenerateRequest, SimpleToken
-from textgate.router.http.errors import ErrorResponse, OpenAIErrorResponse
+from textgate.router.http.errors import AnthropicErrorResponse, ErrorResponse, OpenAIErrorResponse
 from textgate.router.openai.responses_schemas import ResponseObject, ResponsesRequest
 from textgate.router.openai.schemas import (
     ChatCompletion,
@@ -54,12 +60,25 @@ SCHEMA_MODELS: tuple[type[BaseModel], ...] = (
     ResponsesRequest,
     ResponseObject,
     OpenAIErrorResponse,
+    MessagesRequest,
+    MessageResponse,
+    CountTokensRequest,
+    TokenCount,
+    AnthropicErrorResponse,
 )
 _GENERATE_ERRORS = {
     "422": "Input validation error",
     "424": "Generation error",
     "429": "Model is overloaded",
     "500": "Incomplete generation",
+}
+
+# Anthropic's statuses (router/http/errors.py).
+_ANTHROPIC_ERRORS = {
+    "400": "Invalid request",
+    "404": "Unknown model",
+    "500": "Generation error",
+    "529": "Overloaded",
 }
 
 
@@ -75,7 +94,7 @@ class _Operation:
     errors: dict[str, str] = field(default_factory=dict)
     """Status -> description of the error answers."""
     error_schema: str = "ErrorResponse"
-    """Schema of the error bodies (TGI's, or OpenAI's on /v1/...)."""
+    """Schema of the error bodies (TGI's, OpenAI's on /v1/..., Anthropic's on /v1/messages)."""
 
 
 def _ref(name: str) -> dict[str, Any]:
@@ -169,6 +188,25 @@ _OPERATIONS: tuple[_Operation, ...] = (
         error_schema="OpenAIErrorResponse",
     ),
     _Operation("get", "/v1/models", "The served model", content={_JSON: _ref("ModelList")}),
+    _Operation(
+        "post",
+        "/v1/messages",
+        "Anthropic Messages (the turns through the model's chat template);"
+        " stream: true gives Anthropic's typed SSE events",
+        "MessagesRequest",
+        {_JSON: _ref("MessageResponse"), _SSE: {"type": "string"}},
+        _ANTHROPIC_ERRORS,
+        error_schema="AnthropicErrorResponse",
+    ),
+    _Operation(
+        "post",
+        "/v1/messages/count_tokens",
+        "Anthropic token count of the templated system prompt, turns and tools",
+        "CountTokensRequest",
+        {_JSON: _ref("TokenCount")},
+        {"400": "Invalid request", "404": "Unknown model"},
+        error_schema="AnthropicErrorResponse",
+    ),
 )
 
 
@@ -188,7 +226,7 @@ def openapi_spec(routes: Sequence[BaseRoute], version: str) -> dict[str, Any]:
         "openapi": "3.1.0",
         "info": {
             "title": "textgate",
-            "description": "Text generation server, compatible with TGI and OpenAI clients",
+            "description": "Text generation server, compatible with TGI, OpenAI and Anthropic clients",
             "version": version,
             "license": {"name": "Apache 2.0"},
         },

@@ -29,10 +29,17 @@ class TextOptions:
         return () if self.keep_stop else tuple(s for s in self.stop if s)
 
 
+def matched_stop(text: str, stops: Sequence[str]) -> str | None:
+    """The first stop sequence in `text` (the one that ended generation; the longest of
+    those starting there), if any."""
+    found = [(text.find(s), -len(s), s) for s in stops if s and s in text]
+    return min(found)[2] if found else None
+
+
 def trim_stop(text: str, stops: Sequence[str]) -> str:
     """`text` up to the first stop sequence in it (the one that ended generation)."""
-    found = [text.find(s) for s in stops if s and s in text]
-    return text[: min(found)] if found else text
+    stop = matched_stop(text, stops)
+    return text if stop is None else text[: text.find(stop)]
 
 
 def answer_text(finished: Finished, options: TextOptions) -> str:

@@ -15,31 +15,23 @@ TGI's statuses; `/chat_tokenize` is TGI's route and answers in TGI's shape.
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from textgate.router.engine.admission import OverloadedError
 from textgate.router.engine.channel import Channel
-from textgate.router.generation.result import GenerationError
 from textgate.router.generation.schemas import GenerateRequest
 from textgate.router.generation.stop_text import TextOptions
 from textgate.router.generation.tools import ToolPlan
-from textgate.router.generation.validation import ValidationError, Wording
-from textgate.router.http.errors import (
-    ModelNotFoundError,
-    PayloadTooLargeError,
-    error_api,
-    error_response,
-)
+from textgate.router.generation.validation import Wording
 from textgate.router.http.request_io import read_json
 from textgate.router.http.served_model import served_model
 from textgate.router.http.serving import CLIENT_CLOSED_REQUEST, Serving
 from textgate.router.http.state import RouterState
+from textgate.router.http.typed_errors import answers_typed_errors
 from textgate.router.openai.output import (
     ResponseMeta,
     Scores,
@@ -75,7 +67,6 @@ from textgate.router.openai.stream import (
 )
 from textgate.router.openai.tools import tool_plan
 
-Handler = Callable[[Request], Awaitable[Response]]
 OPENAI_TRUNCATE = "truncate_prompt_tokens"
 COMPLETION_WORDING = Wording("prompt", "max_tokens", OPENAI_TRUNCATE)
 
@@ -86,11 +77,15 @@ def openai_routes(state: RouterState) -> list[BaseRoute]:
     handlers = _OpenAIHandlers(state, serving)
     responses = ResponsesHandler(state, serving)
     return [
-        Route("/v1/chat/completions", _typed_errors(handlers.chat_completions), methods=["POST"]),
-        Route("/v1/completions", _typed_errors(handlers.completions), methods=["POST"]),
-        Route("/v1/responses", _typed_errors(responses.create), methods=["POST"]),
+        Route(
+            "/v1/chat/completions",
+            answers_typed_errors(handlers.chat_completions),
+            methods=["POST"],
+        ),
+        Route("/v1/completions", answers_typed_errors(handlers.completions), methods=["POST"]),
+        Route("/v1/responses", answers_typed_errors(responses.create), methods=["POST"]),
         Route("/v1/models", handlers.models, methods=["GET"]),
-        Route("/chat_tokenize", _typed_errors(handlers.chat_tokenize), methods=["POST"]),
+        Route("/chat_tokenize", answers_typed_errors(handlers.chat_tokenize), methods=["POST"]),
     ]
 
 
@@ -240,25 +235,3 @@ class _OpenAIHandlers:
 
 def _text_options(body: SamplingRequest) -> TextOptions:
     return TextOptions(stop=tuple(stop_sequences(body)), keep_stop=body.include_stop_str_in_output)
-
-
-def _typed_errors(handler: Handler) -> Handler:
-    """`handler`, answering the pipeline's typed errors with TGI's status (and OpenAI's
-    body on `/v1/...`). The app answers them the same way; this keeps the routes whole
-    in any app.
-    """
-
-    @functools.wraps(handler)
-    async def answer(request: Request) -> Response:
-        try:
-            return await handler(request)
-        except (
-            ValidationError,
-            ModelNotFoundError,
-            OverloadedError,
-            GenerationError,
-            PayloadTooLargeError,
-        ) as exc:
-            return error_response(str(exc), exc.error_type, api=error_api(request.url.path))
-
-    return answer

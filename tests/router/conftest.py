@@ -32,7 +32,7 @@ def uds_path(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 ENGINE_KINDS = ("padded", "paged")
 # Tests of these folders drive the router over HTTP: they run against both engines.
-HTTP_LEVEL_DIRS = ("http", "tgi", "openai")
+HTTP_LEVEL_DIRS = ("http", "tgi", "openai", "anthropic")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
