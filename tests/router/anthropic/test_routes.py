@@ -217,3 +217,14 @@ async def test_the_api_key_may_come_as_x_api_key(start_router: StartRouter) -> N
             "/generate", json={"inputs": "w5"}, headers={"x-api-key": "secret"}
         )
         assert other.status_code == 401
+
+
+async def test_the_apps_own_errors_take_anthropics_shape_too(client: httpx.AsyncClient) -> None:
+    response = await client.get("/v1/messages")  # the app's 405, not the route's
+    assert response.status_code == 405
+    assert response.json() == {
+        "type": "error",
+        "error": {"type": "invalid_request_error", "message": "Method Not Allowed"},
+    }
+    elsewhere = await client.get("/v1/chat/completions")
+    assert elsewhere.json()["error"]["type"] == "method_not_allowed"  # OpenAI's, as before
