@@ -1,6 +1,6 @@
 """The router's defaults from what paged shards measured at warmup, and the report of them.
 
-The shards time their own step at warmup (`shard_server/autoconfig.py`): a decode step at
+The shards time their own step at warmup (`shard_server/startup/step_timing.py`): a decode step at
 a few batch sizes and a prefill chunk. Every setting below that the user left unset is
 derived from those numbers; an explicit flag always wins and the rest derive around it.
 

@@ -101,7 +101,7 @@ def derived_target(
 
 @dataclass(frozen=True)
 class StartupSteps:
-    """The steps the shards timed at warmup (`shard_server/autoconfig.py`), in seconds: the
+    """The steps the shards timed at warmup (`shard_server/startup/step_timing.py`), in seconds: the
     prior the cost fit starts from."""
 
     decode_s: Mapping[int, float]

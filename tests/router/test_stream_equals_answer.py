@@ -4,7 +4,7 @@ Texts a model could generate (tool call objects with nested objects, arrays, str
 escapes and unicode; no_tool answers; plain text with stop sequences), cut short or not,
 are tokenized in random ways over the embedded model's real vocabulary (so `{"`, `":`,
 ` {"`, `"}` and other multi-character tokens fall anywhere), decoded token by token as
-the shard does (shard_server/detokenizer.py: empty texts while a character is
+the shard does (shard_server/step/detokenizer.py: empty texts while a character is
 incomplete), and delivered in events of random sizes (a slow reader's coalesced writes).
 The same events then make a stream (OpenAI chunks, TGI frames) and a non-streamed answer;
 the joined stream must equal the answer: content, each call's name and arguments, finish
