@@ -73,6 +73,17 @@ def check_tool_name(name: str, where: str) -> None:
         raise ValidationError(f"{where} must be 1 to 64 letters, digits, _ or -. Given: {name!r}")
 
 
+def function_tool(name: str, description: Any, parameters: Any, where: str) -> Tool:
+    """The tool an API's fields describe (`where` names them in errors): a valid name,
+    and a JSON schema object for the arguments (none given: no arguments)."""
+    check_tool_name(name, f"{where}.name")
+    if parameters is None:
+        parameters = EMPTY_PARAMETERS
+    if not isinstance(parameters, dict):
+        raise ValidationError(f"{where}.parameters must be a JSON schema object")
+    return Tool(name=name, description=str(description or ""), parameters=parameters)
+
+
 def check_tools(tools: Sequence[Tool]) -> None:
     """ValidationError unless the tools' names are unique and not reserved."""
     names = [t.name for t in tools]

@@ -23,17 +23,15 @@ from textgate.router.engine.request import GrammarSpec
 from textgate.router.generation.grammar import GrammarSpecError, json_schema_grammar
 from textgate.router.generation.schemas import GenerateParameters
 from textgate.router.generation.tools import (
-    EMPTY_PARAMETERS,
     Tool,
     ToolPlan,
-    check_tool_name,
-    check_tools,
-    plan_tools,
+    function_tool,
 )
 from textgate.router.generation.validation import ValidationError
 from textgate.router.openai.params import chat_parameters
 from textgate.router.openai.responses_schemas import ResponsesRequest
 from textgate.router.openai.schemas import ChatCompletionRequest
+from textgate.router.openai.tools import choice_plan
 
 ANY_OBJECT: dict[str, Any] = {"type": "object", "additionalProperties": True}
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
@@ -78,16 +76,8 @@ def tool_plan(body: ResponsesRequest) -> ToolPlan | None:
             raise ValidationError("`tool_choice` needs `tools`")
         return None
     tools = tuple(_tool(i, t) for i, t in enumerate(body.tools))
-    check_tools(tools)
-    if choice == "none":
-        return None
-    if body.text.format.get("type") != "text":
-        raise ValidationError(
-            '`text.format` cannot be combined with `tools` (unless `tool_choice` is "none")'
-        )
-    if choice in ("auto", "required"):
-        return plan_tools(tools, auto=choice == "auto")
-    return plan_tools(tools, auto=False, name=_named_choice(choice))
+    constrained = body.text.format.get("type") != "text"
+    return choice_plan(tools, choice, _named_choice, "text.format" if constrained else None)
 
 
 def format_grammar(body: ResponsesRequest) -> GrammarSpec | None:
@@ -206,13 +196,7 @@ def _tool(index: int, tool: dict[str, Any]) -> Tool:
             f'({{"type": "function", "name": ...}}). Given: {tool.get("type")!r}'
         )
     name = _string(tool, "name", where)
-    check_tool_name(name, f"{where}.name")
-    parameters = tool.get("parameters")
-    if parameters is None:
-        parameters = EMPTY_PARAMETERS
-    if not isinstance(parameters, dict):
-        raise ValidationError(f"{where}.parameters must be a JSON schema object")
-    return Tool(name=name, description=str(tool.get("description") or ""), parameters=parameters)
+    return function_tool(name, tool.get("description"), tool.get("parameters"), where)
 
 
 def _named_choice(choice: Any) -> str:

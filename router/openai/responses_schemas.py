@@ -189,52 +189,52 @@ class OutputItemEvent(StreamEvent):
     item: OutputItem
 
 
-class ContentPartEvent(StreamEvent):
-    """`response.content_part.added` / `.done`."""
+class ItemEvent(StreamEvent):
+    """An event about one output item."""
 
     item_id: str
     output_index: int
+
+
+class PartEvent(ItemEvent):
+    """An event about one content part of an output message (there is one: index 0)."""
+
     content_index: int = 0
+
+
+class ContentPartEvent(PartEvent):
+    """`response.content_part.added` / `.done`."""
+
     part: OutputText
 
 
-class TextDeltaEvent(StreamEvent):
+class TextDeltaEvent(PartEvent):
     """`response.output_text.delta`: what the text adds."""
 
     type: str = "response.output_text.delta"
-    item_id: str
-    output_index: int
-    content_index: int = 0
     delta: str
     logprobs: list[Any] = Field(default_factory=list)
 
 
-class TextDoneEvent(StreamEvent):
+class TextDoneEvent(PartEvent):
     """`response.output_text.done`: the whole text."""
 
     type: str = "response.output_text.done"
-    item_id: str
-    output_index: int
-    content_index: int = 0
     text: str
     logprobs: list[Any] = Field(default_factory=list)
 
 
-class ArgumentsDeltaEvent(StreamEvent):
+class ArgumentsDeltaEvent(ItemEvent):
     """`response.function_call_arguments.delta`: what a call's arguments add."""
 
     type: str = "response.function_call_arguments.delta"
-    item_id: str
-    output_index: int
     delta: str
 
 
-class ArgumentsDoneEvent(StreamEvent):
+class ArgumentsDoneEvent(ItemEvent):
     """`response.function_call_arguments.done`: a call's whole arguments."""
 
     type: str = "response.function_call_arguments.done"
-    item_id: str
-    output_index: int
     name: str
     arguments: str
 

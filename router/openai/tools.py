@@ -10,17 +10,16 @@ is router/generation/answer.py and router/openai/answer.py.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from textgate.router.engine.request import GrammarSpec
 from textgate.router.generation.grammar import GrammarSpecError, json_schema_grammar
 from textgate.router.generation.tools import (
-    EMPTY_PARAMETERS,
     Tool,
     ToolPlan,
-    check_tool_name,
     check_tools,
+    function_tool,
     plan_tools,
 )
 from textgate.router.generation.validation import ValidationError
@@ -35,16 +34,29 @@ def tool_plan(body: ChatCompletionRequest) -> ToolPlan | None:
             raise ValidationError("`tool_choice` needs `tools`")
         return None
     tools = tuple(_tool(i, t) for i, t in enumerate(body.tools))
+    constrained = body.response_format is not None and body.response_format.get("type") != "text"
+    return choice_plan(tools, choice, _named_choice, "response_format" if constrained else None)
+
+
+def choice_plan(
+    tools: tuple[Tool, ...],
+    choice: Any,
+    named: Callable[[Any], str],
+    format_field: str | None = None,
+) -> ToolPlan | None:
+    """The plan of OpenAI's `tool_choice` over `tools` (chat's and Responses' alike):
+    "auto" (None too), "required", "none" (no plan), or a function that `named` reads the
+    name of. `format_field` names a format constraint the request also set (refused)."""
     check_tools(tools)
     if choice == "none":
         return None
-    if body.response_format is not None and body.response_format.get("type") != "text":
+    if format_field is not None:
         raise ValidationError(
-            '`response_format` cannot be combined with `tools` (unless `tool_choice` is "none")'
+            f'`{format_field}` cannot be combined with `tools` (unless `tool_choice` is "none")'
         )
-    auto = choice in (None, "auto")
-    name = None if choice in (None, "auto", "required") else _named_choice(choice)
-    return plan_tools(tools, auto=auto, name=name)
+    if choice in (None, "auto", "required"):
+        return plan_tools(tools, auto=choice != "required")
+    return plan_tools(tools, auto=False, name=named(choice))
 
 
 def response_format_grammar(response_format: Mapping[str, Any] | None) -> GrammarSpec | None:
@@ -88,15 +100,8 @@ def _tool(index: int, tool: Any) -> Tool:
     function = tool.get("function")
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise ValidationError(f"{where}.function needs a `name`")
-    name = function["name"]
-    check_tool_name(name, f"{where}.function.name")
-    parameters = function.get("parameters")
-    if parameters is None:
-        parameters = EMPTY_PARAMETERS
-    if not isinstance(parameters, dict):
-        raise ValidationError(f"{where}.function.parameters must be a JSON schema object")
-    description = function.get("description") or ""
-    return Tool(name=name, description=str(description), parameters=parameters)
+    fields = (function["name"], function.get("description"), function.get("parameters"))
+    return function_tool(*fields, f"{where}.function")
 
 
 def _named_choice(choice: Any) -> str:
