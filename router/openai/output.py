@@ -124,11 +124,14 @@ def completion_logprobs(
     text_offset: int = 0,
     prompt_top: Sequence[Sequence[TokenInfo]] = (),
 ) -> CompletionLogprobs:
-    """Legacy completions `logprobs` of (echoed) `prompt` tokens then non-special generated ones.
+    """Legacy completions `logprobs` of (echoed) `prompt` tokens then the generated ones.
 
     `text_offset` is where the first token's text starts in the choice's text. The first
     prompt token has no logprob and no alternatives (null); every other one has its
-    `prompt_top` alternatives with itself among them, as OpenAI and vLLM give them.
+    `prompt_top` alternatives with itself among them, as OpenAI and vLLM give them. A
+    generated special token (end of sequence) is listed too, as OpenAI lists
+    `<|endoftext|>`, though not part of the text (its offset is where the text ends):
+    harnesses read the last entry as the one generated token and score the ones before.
     """
     result = CompletionLogprobs()
     entries: list[tuple[TokenInfo, dict[str, float] | None]] = [
@@ -138,14 +141,14 @@ def completion_logprobs(
     entries += [
         (t, _alternatives(top_tokens[i]) if i < len(top_tokens) and top_tokens[i] else None)
         for i, t in enumerate(tokens)
-        if not t.special
     ]
-    for token, top in entries:
+    for i, (token, top) in enumerate(entries):
         result.tokens.append(token.text)
         result.token_logprobs.append(None if token.logprob is None else json_logprob(token.logprob))
         result.top_logprobs.append(top)
         result.text_offset.append(text_offset)
-        text_offset += len(token.text)
+        generated_special = i >= len(prompt) and token.special
+        text_offset += 0 if generated_special else len(token.text)
     return result
 
 

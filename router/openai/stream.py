@@ -16,7 +16,7 @@ from typing import Protocol
 from pydantic import BaseModel
 
 from textgate.router.engine.channel import Channel, ErrorEvent, StepEvent
-from textgate.router.generation.result import TextLedger
+from textgate.router.generation.result import TextLedger, visible_text
 from textgate.router.generation.stop_text import StreamText, TextOptions
 from textgate.router.http.delivery import StreamPacing
 from textgate.router.http.errors import openai_error
@@ -190,7 +190,7 @@ class CompletionChunks:
         logprobs = None
         if self._logprobs:
             logprobs = completion_logprobs([], event.tokens, event.top_tokens, self._offsets[index])
-            self._offsets[index] += sum(len(t) for t in logprobs.tokens)
+            self._offsets[index] += len(visible_text(event.tokens))
         if not text and done is None and not (logprobs and logprobs.tokens):
             return None
         choice = CompletionChoice(

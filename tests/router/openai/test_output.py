@@ -72,6 +72,16 @@ def test_completion_logprobs_with_echoed_prompt() -> None:
     }
 
 
+def test_a_generated_end_of_sequence_is_listed_past_the_text() -> None:
+    # lm-evaluation-harness scores entries [context:-1]: the last one must be the generated
+    # token, even when it is the end of sequence the text leaves out.
+    prompt = [tok("Hi", None), tok(" there", -2.0)]
+    result = completion_logprobs(prompt, [tok("</s>", -0.3, special=True)], [[]])
+    assert result.tokens == ["Hi", " there", "</s>"]
+    assert result.token_logprobs == [None, -2.0, -0.3]
+    assert result.text_offset == [0, 2, 8]
+
+
 def test_echoed_prompt_tokens_carry_their_alternatives_and_themselves() -> None:
     prompt = [tok("Hi", None), tok(" there", -2.0), tok(" you", -0.1)]
     prompt_top = [[], [tok(" all", -0.2)], [tok(" you", -0.1), tok(" me", -3.0)]]
