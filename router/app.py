@@ -31,6 +31,7 @@ from textgate.router.anthropic.routes import anthropic_routes
 from textgate.router.config import RouterConfig
 from textgate.router.generation.validation import Tokenizer, Validator
 from textgate.router.http.access_log import AccessLogMiddleware
+from textgate.router.http.body_dispatch import merge_by_body
 from textgate.router.http.drain import Drain, DrainMiddleware
 from textgate.router.http.errors import (
     error_api,
@@ -42,6 +43,7 @@ from textgate.router.http.state import Engine, RouterState
 from textgate.router.http.typed_errors import TYPED_ERRORS
 from textgate.router.metrics import Metrics
 from textgate.router.openai.routes import openai_routes
+from textgate.router.openai.tokenize import VLLM_TOKENIZE, is_vllm_tokenize
 from textgate.router.openapi import DOCS_ASSETS_PATH, DOCS_PATH, SPEC_PATH, docs_routes
 from textgate.router.shard_client import ShardedClient
 from textgate.router.tgi.routes import tgi_routes
@@ -80,6 +82,10 @@ def build_app(
         config, shards, tokenizer, validator, engine, shard_info, metrics, autoconfig
     )
     routes = [*tgi_routes(state), *openai_routes(state), *anthropic_routes(state)]
+    # TGI's and vLLM's POST /tokenize share the path: the body's shape picks the API.
+    routes = merge_by_body(
+        routes, "/tokenize", VLLM_TOKENIZE, is_vllm_tokenize, config.payload_limit
+    )
     routes.append(sagemaker_route(routes, config.payload_limit))
     routes += docs_routes(routes, textgate.__version__)
     # After the docs: the playground's page and files are not API routes.

@@ -161,6 +161,12 @@ class Validator:
         decode = getattr(self._tokenizer, "decode", None)
         return str(decode(list(ids))) if decode is not None else ""
 
+    def check_token_ids(self, ids: Sequence[int], field: str) -> None:
+        """ValidationError unless every one of `ids` is in the vocabulary (`field` names
+        them in the message)."""
+        for token_id in ids:
+            self._check_id(token_id, f"`{field}` token id")
+
     def _check_token_ids(self, logit_bias: tuple[tuple[int, float], ...]) -> None:
         for token_id, _ in logit_bias:
             self._check_id(token_id, "`logit_bias` token id")

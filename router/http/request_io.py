@@ -35,7 +35,12 @@ class ClientDisconnectedError(Exception):
 async def read_json(request: Request, model: type[M], limit: int) -> M:
     """The body parsed as `model`: PayloadTooLargeError over `limit` bytes, else
     ValidationError (422) with TGI's "Failed to deserialize..." message when it does not fit."""
-    body = await read_body(request, limit)
+    return parse_json(await read_body(request, limit), model)
+
+
+def parse_json(body: bytes, model: type[M]) -> M:
+    """`body` parsed as `model` as `read_json` parses it (ValidationError when it does not
+    fit), for a route that reads its body once and picks the model by its shape."""
     try:
         # Only standard JSON, and no coercion ("5" is not an int, 1 is not a bool): serde's
         # strictness, as TGI. pydantic reads duplicate keys silently (the last one wins),

@@ -10,6 +10,7 @@ TGI's statuses; `/chat_tokenize` is TGI's route and answers in TGI's shape.
     POST /v1/completions        prompt(s) -> generation
     GET  /v1/models             the served model
     POST /chat_tokenize         TGI's: the templated prompt and its tokens
+    POST /tokenize, /detokenize vLLM's tokenizer routes (router/openai/tokenize.py)
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ from textgate.router.openai.stream import (
     ChunkWriter,
     CompletionChunks,
 )
+from textgate.router.openai.tokenize import VLLM_TOKENIZE, VllmTokenizer
 from textgate.router.openai.tools import tool_plan
 
 OPENAI_TRUNCATE = "truncate_prompt_tokens"
@@ -76,6 +78,7 @@ def openai_routes(state: RouterState) -> list[BaseRoute]:
     serving = Serving(state)
     handlers = _OpenAIHandlers(state, serving)
     responses = ResponsesHandler(state, serving)
+    tokenizer = VllmTokenizer(state, handlers.templated)
     return [
         Route(
             "/v1/chat/completions",
@@ -86,6 +89,14 @@ def openai_routes(state: RouterState) -> list[BaseRoute]:
         Route("/v1/responses", answers_typed_errors(responses.create), methods=["POST"]),
         Route("/v1/models", handlers.models, methods=["GET"]),
         Route("/chat_tokenize", answers_typed_errors(handlers.chat_tokenize), methods=["POST"]),
+        # Beside TGI's on the same path; the app picks by body (openai/tokenize.py).
+        Route(
+            "/tokenize",
+            answers_typed_errors(tokenizer.tokenize),
+            methods=["POST"],
+            name=VLLM_TOKENIZE,
+        ),
+        Route("/detokenize", answers_typed_errors(tokenizer.detokenize), methods=["POST"]),
     ]
 
 
@@ -119,11 +130,15 @@ class _OpenAIHandlers:
     async def chat_tokenize(self, request: Request) -> Response:
         """POST /chat_tokenize: the chat-templated prompt and its tokens with their spans."""
         body = await read_json(request, ChatCompletionRequest, self._config.payload_limit)
-        prompt = await self._render(body, tool_plan(body))
+        prompt = await self.templated(body)
         inputs = GenerateRequest(inputs=prompt, add_special_tokens=False)
         tokens = await self._state.validator.tokenize(inputs)
         answer = ChatTokenizeResponse(tokenize_response=tokens, templated_text=prompt)
         return JSONResponse(answer.model_dump(mode="json"))
+
+    async def templated(self, body: ChatCompletionRequest) -> str:
+        """The prompt of `body` as a chat completion renders it, its tools included."""
+        return await self._render(body, tool_plan(body))
 
     async def _chat(self, request: Request, received: float) -> Response:
         body = await read_json(request, ChatCompletionRequest, self._config.payload_limit)
