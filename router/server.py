@@ -86,7 +86,7 @@ async def build_router(
     log.info("%s", limits_line(config, info, warmup))
     metrics = Metrics(config.max_input_tokens, config.max_total_tokens)
     engine = make_engine(config, shards, info, warmup, metrics=metrics)
-    engine.step_timeout_s = config.shard_step_timeout
+    engine.shard_calls.timeout_s = config.shard_step_timeout
     return build_app(
         config,
         shards,

@@ -21,6 +21,7 @@ from textgate.router.engine.padded_queue import BatchLimits
 from textgate.router.engine.paged_engine import PagedEngine
 from textgate.router.engine.request import ValidRequest
 from textgate.router.engine.scheduler import Scheduler, SchedulerConfig
+from textgate.router.engine.shard_calls import ShardCalls
 from textgate.router.metrics import Metrics
 from textgate.router.shard_client import ShardedClient
 
@@ -30,7 +31,8 @@ log = logging.getLogger("textgate.router")
 class Engine(Protocol):
     """What the handlers and the server need from an engine (PagedEngine, PaddedEngine)."""
 
-    step_timeout_s: float
+    shard_calls: ShardCalls
+    """Its calls to the shards (their deadline is `shard_calls.timeout_s`)."""
 
     @property
     def num_active(self) -> int: ...

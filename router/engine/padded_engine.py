@@ -49,7 +49,8 @@ class PaddedEngine:
         """`metrics` gets the queue, batch and per-call metrics (a private one by default)."""
         self._metrics = metrics or Metrics()
         self._admitted = Admitted(max_concurrent_requests)
-        self._shards = ShardCalls(shards, self._metrics)
+        self.shard_calls = ShardCalls(shards, self._metrics)
+        """Every call to the shards; `shard_calls.timeout_s` is --shard-step-timeout."""
         self._task = StepTask("padded-engine", self.step, self._has_work, self._recover)
         self._queue: Queue[Entry] = Queue(limits)
         self._running: pb.CachedBatch | None = None
@@ -61,15 +62,6 @@ class PaddedEngine:
     def num_active(self) -> int:
         """Admitted requests without a final event yet."""
         return len(self._admitted)
-
-    @property
-    def step_timeout_s(self) -> float:
-        """A shard call not answered within this many seconds fails, its batch with it."""
-        return self._shards.timeout_s
-
-    @step_timeout_s.setter
-    def step_timeout_s(self, seconds: float) -> None:
-        self._shards.timeout_s = seconds
 
     def submit(self, requests: Sequence[ValidRequest]) -> list[Channel]:
         """Admit all of `requests` or none (OverloadedError); one channel each."""
@@ -131,7 +123,7 @@ class PaddedEngine:
         self._in_shards.clear()
         self._running = None
         self._report_batch()
-        await self._shards.clear_cache(None)
+        await self.shard_calls.clear_cache(None)
 
     def _running_view(self) -> Running | None:
         if self._running is None:
@@ -164,16 +156,16 @@ class PaddedEngine:
         log.debug("filtering batch %d: %d cancelled", batch.id, len(cancelled))
         try:
             if keep:
-                self._running = await self._shards.filter_batch(batch.id, keep)
+                self._running = await self.shard_calls.filter_batch(batch.id, keep)
             else:
                 self._running = None
-                await self._shards.clear_cache(batch.id)
+                await self.shard_calls.clear_cache(batch.id)
         except Exception as exc:
             self._running = None
             log.error("shard call failed: %s", exc)
             message = f"Request failed during generation: {exc}"
             self._forget(self._admitted.fail_ids(batch.request_ids, message))
-            await self._shards.clear_cache(batch.id)
+            await self.shard_calls.clear_cache(batch.id)
 
     async def _prefill(self, entries: list[Entry]) -> pb.CachedBatch | None:
         batch = pb.Batch(
@@ -188,11 +180,11 @@ class PaddedEngine:
             entry.channel.started_at = now
             self._in_shards.add(entry.id)
         ids = [e.id for e in entries]
-        return await self._step_batch(PREFILL, ids, self._shards.prefill(batch), batch.id)
+        return await self._step_batch(PREFILL, ids, self.shard_calls.prefill(batch), batch.id)
 
     async def _decode(self, batches: list[pb.CachedBatch]) -> pb.CachedBatch | None:
         ids = [i for b in batches for i in b.request_ids]
-        return await self._step_batch(DECODE, ids, self._shards.decode(batches), None)
+        return await self._step_batch(DECODE, ids, self.shard_calls.decode(batches), None)
 
     async def _step_batch(
         self,
@@ -206,12 +198,12 @@ class PaddedEngine:
         the shards drop `clear_batch_id`, or everything with None)."""
         traces = [self._admitted.get(i) for i in ids] if tracing_enabled() else []
         try:
-            response = await self._shards.run(
+            response = await self.shard_calls.run(
                 method, call, [e.trace for e in traces if e is not None]
             )
         except StepFailed as exc:
             self._forget(self._admitted.fail_ids(ids, str(exc)))
-            await self._shards.clear_cache(clear_batch_id)
+            await self.shard_calls.clear_cache(clear_batch_id)
             return None
         routed_at = time.monotonic()
         kept = set(response.batch.request_ids) if response.HasField("batch") else set()

@@ -55,7 +55,8 @@ class PagedEngine:
         self.scheduler = scheduler
         self._metrics = metrics or Metrics()
         self._admitted = Admitted(max_concurrent_requests)
-        self._shards = ShardCalls(shards, self._metrics)
+        self.shard_calls = ShardCalls(shards, self._metrics)
+        """Every call to the shards; `shard_calls.timeout_s` is --shard-step-timeout."""
         self._task = StepTask("paged-engine", self.step, self._has_work, self._recover)
         # Utilization on every device: the share of wall time inside shard steps.
         self._busy = BusyMeter()
@@ -69,16 +70,6 @@ class PagedEngine:
     def num_active(self) -> int:
         """Admitted requests without a final event yet."""
         return len(self._admitted)
-
-    @property
-    def step_timeout_s(self) -> float:
-        """A shard call not answered within this many seconds fails (a step: its requests
-        with it): a hung shard is reported, not waited on forever."""
-        return self._shards.timeout_s
-
-    @step_timeout_s.setter
-    def step_timeout_s(self, seconds: float) -> None:
-        self._shards.timeout_s = seconds
 
     def submit(self, requests: Sequence[ValidRequest]) -> list[Channel]:
         """Admit all of `requests` or none (OverloadedError); one channel each."""
@@ -117,7 +108,7 @@ class PagedEngine:
             self._busy.record(call_started, time.monotonic())
             # The scheduler's plan is unrun: everything in flight fails with it.
             self._forget(self._admitted.fail(self._admitted, str(exc)))
-            await self._shards.clear_cache(None)
+            await self.shard_calls.clear_cache(None)
             self.scheduler.update(ModelStepResult())
             self._report_step()
             return
@@ -164,7 +155,7 @@ class PagedEngine:
         self._in_shards.update(new)
         requests = [self._admitted[i].request.to_pb(i) for i in new]
         traces = [self._admitted[i].trace for i in producing] if tracing_enabled() else []
-        return await self._shards.run(method, self._shards.step(requests, plan), traces)
+        return await self.shard_calls.run(method, self.shard_calls.step(requests, plan), traces)
 
     async def _idle_step(self) -> None:
         """Nothing could be scheduled: drop what left from the shards, then wait a little
@@ -201,14 +192,14 @@ class PagedEngine:
         self._fail_all(f"Request failed during generation: {exc}")
         self.scheduler = Scheduler(self.scheduler.config, self.scheduler.controller)
         self._went_idle()
-        await self._shards.clear_cache(None)
+        await self.shard_calls.clear_cache(None)
 
     async def _drop_finished_in_shards(self) -> None:
         """An empty step that only drops what the shards hold for requests that left."""
         if not self._finished_for_shards:
             return
         try:
-            await self._shards.step([], pb.StepPlan(finished_ids=self._take_finished()))
+            await self.shard_calls.step([], pb.StepPlan(finished_ids=self._take_finished()))
         except Exception as exc:
             # Nothing is waiting on them; a shard that lost its way fails the next step.
             log.error("dropping finished requests from the shards failed: %s", exc)

@@ -66,7 +66,7 @@ class ShardCalls:
     @timeout_s.setter
     def timeout_s(self, seconds: float) -> None:
         if not seconds > 0:
-            raise ValueError(f"step_timeout_s must be > 0, got {seconds}")
+            raise ValueError(f"the shard-call timeout must be > 0 s, got {seconds}")
         self._timeout_s = seconds
 
     async def run(

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import pytest
 
 from textgate.router.engine.admission import OverloadedError
-from textgate.router.engine.channel import Channel, ErrorEvent, Event, StepEvent
+from textgate.router.engine.channel import ErrorEvent, Event, StepEvent
 from textgate.router.engine.padded_engine import PaddedEngine
 from textgate.router.engine.padded_queue import BatchLimits
 from textgate.router.engine.request import SamplingParams, StoppingParams, ValidRequest
 from textgate.router.shard_client import ShardedClient
+from textgate.tests.router.engine.channel_helpers import events_of, eventually
 from textgate.tests.router.fake_shard import FakeShard
 
 LIMITS = BatchLimits(
@@ -30,21 +31,6 @@ def request(max_new_tokens: int, prompt: tuple[int, ...] = (5,)) -> ValidRequest
         sampling=SamplingParams(),
         stopping=StoppingParams(max_new_tokens=max_new_tokens),
     )
-
-
-async def events_of(channel: Channel, timeout: float = 5.0) -> list[Event]:
-    async def drain() -> list[Event]:
-        return [event async for event in channel]
-
-    return await asyncio.wait_for(drain(), timeout)
-
-
-async def eventually(condition: Callable[[], object], timeout: float = 5.0) -> None:
-    for _ in range(int(timeout / 0.01)):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not met in time")
 
 
 def token_ids(events: list[Event]) -> list[int]:

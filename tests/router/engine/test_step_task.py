@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -12,13 +12,13 @@ from textgate.router.engine.admission import Admitted, Entry, OverloadedError
 from textgate.router.engine.channel import (
     Channel,
     ErrorEvent,
-    Event,
     Finished,
     StepEvent,
     TokenInfo,
 )
 from textgate.router.engine.request import SamplingParams, StoppingParams, ValidRequest
 from textgate.router.engine.step_task import SHUTDOWN_MESSAGE, StepTask
+from textgate.tests.router.engine.channel_helpers import events_of, eventually
 
 
 def request(prompt: tuple[int, ...] = (5,)) -> ValidRequest:
@@ -80,21 +80,6 @@ class OneAtATime:
         self.recovered.append(str(exc))
         self.waiting.clear()
         self.admitted.fail(self.admitted, f"failed: {exc}")
-
-
-async def events_of(channel: Channel, timeout: float = 5.0) -> list[Event]:
-    async def drain() -> list[Event]:
-        return [event async for event in channel]
-
-    return await asyncio.wait_for(drain(), timeout)
-
-
-async def eventually(condition: Callable[[], object], timeout: float = 5.0) -> None:
-    for _ in range(int(timeout / 0.01)):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not met in time")
 
 
 @pytest.fixture

@@ -150,7 +150,7 @@ async def padded(uds_path: str) -> AsyncIterator[tuple[FakeShard, PaddedEngine]]
             max_waiting_tokens=20,
         )
         engine = PaddedEngine(shards, limits, max_concurrent_requests=8)
-        engine.step_timeout_s = CALL_TIMEOUT_S
+        engine.shard_calls.timeout_s = CALL_TIMEOUT_S
         yield shard, engine
         await engine.close()
         await shards.close()
@@ -168,7 +168,7 @@ async def paged(uds_path: str) -> AsyncIterator[tuple[FakeShard, PagedEngine]]:
             num_reserved_tokens=0,
         )
         engine = PagedEngine(shards, Scheduler(config), max_concurrent_requests=8)
-        engine.step_timeout_s = CALL_TIMEOUT_S
+        engine.shard_calls.timeout_s = CALL_TIMEOUT_S
         yield shard, engine
         await engine.close()
         await shards.close()
