@@ -33,7 +33,9 @@ step's share, the share grows to what would clear them in time, up to what fits 
 of ~20 steps behind the decodes; the decodes' steps stretch, boundedly, only while a
 prompt would otherwise miss its target (goodput needs both), and never for one already
 past it or that could not make it even so (its request is lost to goodput; the streams'
-pace is not). The age of a request is
+pace is not). A prompt late, or clearly out of reach (1.5x the time it has left even at the
+stretched share), is judged lost for good: it is not waited for later, when what is left of
+it looks feasible (a long prompt near its end), for it will miss anyway. The age of a request is
 measured on the controller's own clock, the sum of the steps' latencies (`clock_s`).
 
 Between growing (at the target) and shrinking (past target × (1 + dead_band)) it holds, so a
@@ -134,8 +136,8 @@ class Backlog:
     """The prompt work waiting when a step is planned, in the order it will be served:
     what a TTFT target weighs."""
 
-    prompts: tuple[tuple[int, float], ...]
-    """(prompt tokens still to compute, how long its request has waited on the
+    prompts: tuple[tuple[int, int, float], ...]
+    """(request id, prompt tokens still to compute, how long it has waited on the
     controller's clock) of the unfinished prefill, then of each request that may join."""
 
 
@@ -287,6 +289,7 @@ class BatchController:
         self._mixed_latency = 0.0
         self.num_limit_changes = 0
         """How often the batch limit changed (a steady load should rarely change it)."""
+        self._lost: set[int] = set()  # requests the TTFT target no longer waits for
         self.clock_s = 0.0
         """The controller's clock: the sum of the observed steps' latencies (requests'
         ages are read on it; it stands still while nothing runs)."""
@@ -340,14 +343,25 @@ class BatchController:
         past it, or that would need more than `room` per step, is not waited for."""
         target = self.target_ttft_s
         assert target is not None
+        self._lost &= {request_id for request_id, _, _ in backlog.prompts}
         needed, ahead = 0, 0
-        for tokens, age_s in backlog.prompts:
+        for request_id, tokens, age_s in backlog.prompts:
             ahead += tokens  # its own tokens and everything served before it
-            if age_s < target:
-                rate = self._rate_within(ahead, target - age_s, num_decodes, context, share, room)
-                if rate is not None:
-                    needed = max(needed, rate)
+            if request_id in self._lost:
+                continue
+            left_s = target - age_s
+            rate = self._rate_within(ahead, left_s, num_decodes, context, share, room)
+            if rate is not None:
+                needed = max(needed, rate)
+            elif left_s <= 0 or self._time_at(ahead, room, num_decodes, context) > 1.5 * left_s:
+                self._lost.add(request_id)  # late, or clearly out of reach: for good
         return needed
+
+    def _time_at(self, tokens: int, rate: int, num_decodes: int, context: int) -> float:
+        """Predicted time to compute `tokens` prompt tokens at `rate` per step."""
+        if rate <= 0:
+            return math.inf
+        return math.ceil(tokens / rate) * self.cost.predict(num_decodes, rate, context)
 
     def _rate_within(
         self, tokens: int, left_s: float, num_decodes: int, context: int, low: int, high: int
@@ -356,10 +370,9 @@ class BatchController:
         `left_s`, each step predicted at that share (None: not even `high` does)."""
 
         def in_time(rate: int) -> bool:
-            steps = math.ceil(tokens / rate)
-            return steps * self.cost.predict(num_decodes, rate, context) <= left_s
+            return self._time_at(tokens, rate, num_decodes, context) <= left_s
 
-        if high < low or not in_time(high):
+        if left_s <= 0 or high < low or not in_time(high):
             return None
         while low < high:  # the time taken falls as the share grows (fewer steps)
             middle = (low + high) // 2

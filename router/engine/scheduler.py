@@ -295,7 +295,10 @@ class Scheduler:
             return None
         now = self.controller.clock_s
         return Backlog(
-            tuple((r.num_tokens - r.num_computed_tokens, now - r.added_at_s) for r in pending)
+            tuple(
+                (r.request_id, r.num_tokens - r.num_computed_tokens, now - r.added_at_s)
+                for r in pending
+            )
         )
 
     def _schedule_running(self, draft: _StepDraft) -> None:
