@@ -27,7 +27,7 @@ token) to the measured steps and keeps every step under an inter-token-latency t
 
 A time-to-first-token target stands beside it (`target_ttft_s`, else `TTFT_STEPS` inter-
 token targets): when the prompt tokens waiting (the queue's and the unfinished prefill's,
-`Backlog`) cannot all be computed before the oldest of them is past that target at the
+`first_token.Backlog`) cannot all be computed before the oldest of them is past that target at the
 step's share, the share grows to what would clear them in time, up to what fits in
 `max_stretch` inter-token targets. A burst of prompts then waits a bounded time instead
 of ~20 steps behind the decodes; the decodes' steps stretch, boundedly, only while a
@@ -60,10 +60,10 @@ controller only measures. Pure Python: no I/O beyond its log lines, no clock.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from textgate.router.engine.first_token import Backlog, FirstTokenDeadlines
 from textgate.router.engine.step_cost import StepCostModel
 
 log = logging.getLogger("textgate.router")
@@ -129,16 +129,6 @@ class StartupSteps:
     def reference_batch(self, max_batch_size: int) -> int:
         """The largest timed batch within `max_batch_size` (1 when none is)."""
         return max((batch for batch in self.decode_s if batch <= max_batch_size), default=1)
-
-
-@dataclass(frozen=True)
-class Backlog:
-    """The prompt work waiting when a step is planned, in the order it will be served:
-    what a TTFT target weighs."""
-
-    prompts: tuple[tuple[int, int, float], ...]
-    """(request id, prompt tokens still to compute, how long it has waited on the
-    controller's clock) of the unfinished prefill, then of each request that may join."""
 
 
 @dataclass(frozen=True)
@@ -289,7 +279,7 @@ class BatchController:
         self._mixed_latency = 0.0
         self.num_limit_changes = 0
         """How often the batch limit changed (a steady load should rarely change it)."""
-        self._lost: set[int] = set()  # requests the TTFT target no longer waits for
+        self._first_tokens = FirstTokenDeadlines()
         self.clock_s = 0.0
         """The controller's clock: the sum of the observed steps' latencies (requests'
         ages are read on it; it stands still while nothing runs)."""
@@ -333,54 +323,10 @@ class BatchController:
             return share
         stretched = self._target * config.max_stretch
         room = self.cost.prefill_tokens_within(stretched, num_decodes, ceiling, context)
-        return max(share, self._catch_up_tokens(num_decodes, share, context, backlog, room))
-
-    def _catch_up_tokens(
-        self, num_decodes: int, share: int, context: int, backlog: Backlog, room: int
-    ) -> int:
-        """Prompt tokens per step, at most `room`, that give every waiting prompt that can
-        still make the TTFT target its first token in time, served in order: one already
-        past it, or that would need more than `room` per step, is not waited for."""
-        target = self.target_ttft_s
-        assert target is not None
-        self._lost &= {request_id for request_id, _, _ in backlog.prompts}
-        needed, ahead = 0, 0
-        for request_id, tokens, age_s in backlog.prompts:
-            ahead += tokens  # its own tokens and everything served before it
-            if request_id in self._lost:
-                continue
-            left_s = target - age_s
-            rate = self._rate_within(ahead, left_s, num_decodes, context, share, room)
-            if rate is not None:
-                needed = max(needed, rate)
-            elif left_s <= 0 or self._time_at(ahead, room, num_decodes, context) > 1.5 * left_s:
-                self._lost.add(request_id)  # late, or clearly out of reach: for good
-        return needed
-
-    def _time_at(self, tokens: int, rate: int, num_decodes: int, context: int) -> float:
-        """Predicted time to compute `tokens` prompt tokens at `rate` per step."""
-        if rate <= 0:
-            return math.inf
-        return math.ceil(tokens / rate) * self.cost.predict(num_decodes, rate, context)
-
-    def _rate_within(
-        self, tokens: int, left_s: float, num_decodes: int, context: int, low: int, high: int
-    ) -> int | None:
-        """The fewest prompt tokens per step in [low, high] that compute `tokens` within
-        `left_s`, each step predicted at that share (None: not even `high` does)."""
-
-        def in_time(rate: int) -> bool:
-            return self._time_at(tokens, rate, num_decodes, context) <= left_s
-
-        if left_s <= 0 or high < low or not in_time(high):
-            return None
-        while low < high:  # the time taken falls as the share grows (fewer steps)
-            middle = (low + high) // 2
-            if in_time(middle):
-                high = middle
-            else:
-                low = middle + 1
-        return low
+        catch_up = self._first_tokens.catch_up(
+            self.cost, self.target_ttft_s, backlog, num_decodes, context, share, room
+        )
+        return max(share, catch_up)
 
     def plan_prefill(
         self, num_decodes: int, context: int = 0, backlog: Backlog | None = None

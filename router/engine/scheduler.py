@@ -28,8 +28,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from textgate.router.engine.batch_controller import Backlog, BatchController, StepSample
+from textgate.router.engine.batch_controller import BatchController, StepSample
 from textgate.router.engine.block_allocator import BlockAllocator
+from textgate.router.engine.first_token import Backlog
 from textgate.router.engine.step_cost import attention_pairs
 from textgate.router.engine.step_types import (
     ModelStepResult,
