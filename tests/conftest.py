@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -28,8 +29,11 @@ _CORPUS = [
 ]
 
 
-def build_tiny_model(path: Path, model_type: str = "llama", seed: int = 0) -> Path:
-    """A seeded random causal LM with its own small byte-level BPE tokenizer, saved to `path`."""
+def build_tiny_model(
+    path: Path, model_type: str = "llama", seed: int = 0, **overrides: Any
+) -> Path:
+    """A seeded random causal LM with its own small byte-level BPE tokenizer, saved to
+    `path`; `overrides` add to (or replace) its config's keys."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
@@ -59,6 +63,7 @@ def build_tiny_model(path: Path, model_type: str = "llama", seed: int = 0) -> Pa
         bos_token_id=fast.bos_token_id,
         eos_token_id=fast.eos_token_id,
         tie_word_embeddings=True,
+        **overrides,
     )
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
@@ -82,6 +87,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3-MoE: per-head q/k norms, eight experts of which each token runs two."""
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny-qwen3-moe"),
+        "qwen3_moe",
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+    )
 
 
 @pytest.fixture(scope="session")

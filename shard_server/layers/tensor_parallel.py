@@ -107,13 +107,20 @@ class TensorParallelRowLinear(nn.Module):
 
     @classmethod
     def load(
-        cls, weights: Weights, prefix: str, *, bias: bool, shard: Shard | None = None
+        cls,
+        weights: Weights,
+        prefix: str,
+        *,
+        bias: bool,
+        shard: Shard | None = None,
+        reduce: bool = True,
     ) -> TensorParallelRowLinear:
-        """This rank's input columns of `<prefix>.weight`."""
+        """This rank's input columns of `<prefix>.weight`; `reduce=False` returns the partial
+        sum, for a caller that all-reduces it together with others."""
         weight = weights.get_weights_row(prefix, shard)
         # The bias is added once, by rank 0, so the all-reduce does not multiply it.
         bias_tensor = weights.get_tensor(f"{prefix}.bias") if bias and weights.rank == 0 else None
-        return cls(weight.get_linear(bias_tensor), weights.process_group)
+        return cls(weight.get_linear(bias_tensor), weights.process_group if reduce else None)
 
     def forward(self, x: Tensor) -> Tensor:
         return all_reduce(self.linear(x), self.process_group)

@@ -1,4 +1,9 @@
-"""The Llama-family model config: what the native models read from config.json."""
+"""The Llama-family model config: what the native models read from config.json.
+
+The family covers dense decoders (Llama, Mistral, Qwen2, Qwen3) and sparse
+mixture-of-experts ones built on the same attention (Mixtral, Qwen2-MoE, Qwen3-MoE);
+`MoEConfig` holds what the latter add.
+"""
 
 from __future__ import annotations
 
@@ -9,14 +14,63 @@ from typing import Any
 from textgate.shard_server.layers.rotary import RopeConfig
 
 # Families whose q/k/v projections carry a bias without saying so in config.json.
-_QKV_BIAS_BY_DEFAULT = frozenset({"qwen2"})
+_QKV_BIAS_BY_DEFAULT = frozenset({"qwen2", "qwen2_moe"})
+# Families that RMS-normalise each query and key head before RoPE.
+_QK_NORM = frozenset({"qwen3", "qwen3_moe"})
+# Mixtral names its experts w1 / w3 / w2 under `block_sparse_moe`; the Qwen MoEs name them
+# gate_proj / up_proj / down_proj under `mlp`, as a dense MLP does.
+_MIXTRAL_NAMING = frozenset({"mixtral"})
+_MOE_TYPES = frozenset({"mixtral", "qwen2_moe", "qwen3_moe"})
 _SUPPORTED_ACTIVATIONS = frozenset({"silu", "swish"})
 _LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """A sparse MLP: each token runs `top_k` of `num_experts` SwiGLU experts, weighted."""
+
+    num_experts: int
+    top_k: int
+    #: Each expert's intermediate size.
+    intermediate_size: int
+    #: Renormalise the top-k softmax probabilities to sum to 1 (Mixtral always does;
+    #: the Qwen MoEs when `norm_topk_prob`).
+    normalize_top_k: bool
+    #: A shared expert every token runs, scaled by sigmoid(its gate) (Qwen2-MoE); 0: none.
+    shared_intermediate_size: int
+    #: Per layer: True where the MLP is sparse, False where it is dense (`mlp_only_layers`,
+    #: `decoder_sparse_step`).
+    sparse_layers: tuple[bool, ...]
+    #: "mixtral" (block_sparse_moe.experts.N.w1/w3/w2) or "qwen" (mlp.experts.N.*_proj).
+    naming: str
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], num_layers: int) -> MoEConfig:
+        model_type = d["model_type"]
+        mixtral = model_type in _MIXTRAL_NAMING
+        num_experts = d.get("num_local_experts") if mixtral else None
+        num_experts = num_experts or d.get("num_experts") or d.get("num_local_experts")
+        if not num_experts:
+            raise ValueError(f"{model_type} config.json names no experts (num_experts)")
+        top_k = d["num_experts_per_tok"]
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={top_k} must be in 1..{num_experts}")
+        step = d.get("decoder_sparse_step") or 1
+        dense = set(d.get("mlp_only_layers") or ())
+        return cls(
+            num_experts=num_experts,
+            top_k=top_k,
+            intermediate_size=d["intermediate_size"] if mixtral else d["moe_intermediate_size"],
+            normalize_top_k=True if mixtral else bool(d.get("norm_topk_prob", False)),
+            shared_intermediate_size=d.get("shared_expert_intermediate_size") or 0,
+            sparse_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers)),
+            naming="mixtral" if mixtral else "qwen",
+        )
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    """A validated, frozen view of a Llama / Mistral / Qwen2 config.json."""
+    """A validated, frozen view of a Llama-family config.json (dense or MoE)."""
 
     model_type: str
     vocab_size: int
@@ -37,6 +91,10 @@ class ModelConfig:
     rope: RopeConfig
     #: Per layer: the sliding attention window, or None for full attention.
     sliding_windows: tuple[int | None, ...]
+    #: RMSNorm over each query and key head before RoPE (Qwen3's q_norm / k_norm).
+    qk_norm: bool = False
+    #: The sparse MLP of a mixture-of-experts model; None for a dense one.
+    moe: MoEConfig | None = None
 
     @classmethod
     def parse(cls, config: ModelConfig | Mapping[str, Any] | Any) -> ModelConfig:
@@ -57,6 +115,8 @@ class ModelConfig:
         num_heads = d["num_attention_heads"]
         num_layers = d["num_hidden_layers"]
         attention_bias = d.get("attention_bias")
+        # Llama's attention_bias covers q/k/v and o; Qwen2-MoE's qkv_bias q/k/v only.
+        qkv_bias = d.get("qkv_bias", model_type in _QKV_BIAS_BY_DEFAULT)
         return cls(
             model_type=model_type,
             vocab_size=d["vocab_size"],
@@ -69,13 +129,13 @@ class ModelConfig:
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qkv_bias=bool(
-                attention_bias if attention_bias is not None else model_type in _QKV_BIAS_BY_DEFAULT
-            ),
+            qkv_bias=bool(attention_bias if attention_bias is not None else qkv_bias),
             o_bias=bool(attention_bias),
             mlp_bias=bool(d.get("mlp_bias", False)),
             rope=RopeConfig.from_config(d),
             sliding_windows=_sliding_windows(d, num_layers),
+            qk_norm=model_type in _QK_NORM,
+            moe=MoEConfig.from_dict(d, num_layers) if model_type in _MOE_TYPES else None,
         )
 
 

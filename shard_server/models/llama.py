@@ -1,9 +1,11 @@
-"""The Llama family (Llama 1-3, SmolLM, Mistral, Qwen2), tensor parallel, over a paged KV cache.
+"""The Llama family (Llama 1-3, SmolLM, Mistral, Qwen2, Qwen3, and the mixture-of-experts
+Mixtral, Qwen2-MoE and Qwen3-MoE), tensor parallel, over a paged KV cache.
 
 One forward step takes a flat varlen batch (all sequences' new tokens concatenated)
 and returns logits only for the rows the caller asks for. Differences within the family
-are config switches: GQA, q/k/v bias (Qwen2), sliding windows (Mistral, Qwen2), tied
-embeddings and RoPE scaling.
+are config switches: GQA, q/k/v bias (Qwen2), per-head q/k RMSNorm (Qwen3), sliding
+windows (Mistral, Qwen2), tied embeddings, RoPE scaling, and a sparse MoE MLP in place
+of the dense one (`layers.moe`, on the layers the config makes sparse).
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from textgate.kernels import cpu_attention, cpu_layers, get_attention_backend, kv_quant
@@ -21,6 +22,8 @@ from textgate.kernels.attention import AttentionBackend, AttentionMetadata
 from textgate.kernels.triton import layers as gpu_layers
 from textgate.quantization.weights import Weights
 from textgate.shard_server.layers.heads import HeadPartition
+from textgate.shard_server.layers.mlp import GatedMLP
+from textgate.shard_server.layers.moe import SparseMoE
 from textgate.shard_server.layers.norm import RMSNorm
 from textgate.shard_server.layers.rotary import RotaryEmbedding, apply_rotary_signed, signed_sin
 from textgate.shard_server.layers.tensor_parallel import (
@@ -70,10 +73,18 @@ class LlamaAttention(nn.Module):
         self.layer_idx = layer_idx
         self.scale = config.head_dim**-0.5
         self.sliding_window = config.sliding_windows[layer_idx]
+        self.qk_norm: tuple[RMSNorm, RMSNorm] | None = None
+        if config.qk_norm:
+            eps = config.rms_norm_eps
+            self.q_norm = RMSNorm.load(weights, f"{prefix}.q_norm", eps)
+            self.k_norm = RMSNorm.load(weights, f"{prefix}.k_norm", eps)
+            self.qk_norm = (self.q_norm, self.k_norm)
 
     def forward(self, hidden: Tensor, ctx: ForwardContext) -> Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, (H_q + 2 H_kv) * D]
+        if self.qk_norm is not None:
+            qkv = self._normalize_heads(qkv, *self.qk_norm)
         key_cache, value_cache = ctx.kv_cache.layer(self.layer_idx)
         query = self._fused_rotary_and_store(qkv, ctx, key_cache, value_cache)  # [T, H_q, D]
         if query is None:
@@ -90,6 +101,17 @@ class LlamaAttention(nn.Module):
             value_scales=value_scales,
         )  # [T, H_q, D]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+    def _normalize_heads(self, qkv: Tensor, q_norm: RMSNorm, k_norm: RMSNorm) -> Tensor:
+        """q/k/v with every query and key head RMS-normalised over head_dim (Qwen3), so the
+        rotary kernels that follow read it as they read any q/k/v."""
+        num_tokens, dim = qkv.shape[0], self.head_dim
+        query, key, value = qkv.split(
+            [self.num_heads * dim, self.num_kv_heads * dim, self.num_kv_heads * dim], -1
+        )
+        query, _ = q_norm(query.reshape(-1, dim))
+        key, _ = k_norm(key.reshape(-1, dim))
+        return torch.cat([query.view(num_tokens, -1), key.view(num_tokens, -1), value], dim=-1)
 
     def _fused_rotary_and_store(
         self, qkv: Tensor, ctx: ForwardContext, key_cache: Tensor, value_cache: Tensor
@@ -133,29 +155,6 @@ class LlamaAttention(nn.Module):
         return query
 
 
-class LlamaMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one column linear."""
-
-    def __init__(self, config: ModelConfig, weights: Weights, prefix: str) -> None:
-        super().__init__()
-        self.gate_up_proj = TensorParallelColumnLinear.load_multi(
-            weights, [f"{prefix}.gate_proj", f"{prefix}.up_proj"], bias=config.mlp_bias
-        )
-        self.down_proj = TensorParallelRowLinear.load(
-            weights, f"{prefix}.down_proj", bias=config.mlp_bias
-        )
-
-    def forward(self, hidden: Tensor) -> Tensor:
-        gate_up = self.gate_up_proj(hidden)  # [T, 2 * intermediate / world]
-        activated = cpu_layers.silu_and_mul(gate_up)  # None off the CPU
-        if activated is None:
-            activated = gpu_layers.silu_and_mul(gate_up)  # None off the GPU
-        if activated is None:
-            gate, up = gate_up.chunk(2, dim=-1)
-            activated = F.silu(gate) * up
-        return self.down_proj(activated)
-
-
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks around one residual stream."""
 
@@ -167,7 +166,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm.load(
             weights, f"{prefix}.post_attention_layernorm", eps
         )
-        self.mlp = LlamaMLP(config, weights, f"{prefix}.mlp")
+        self.mlp = _mlp(config, weights, prefix, layer_idx)
 
     def forward(
         self, hidden: Tensor, residual: Tensor | None, ctx: ForwardContext
@@ -178,6 +177,23 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(normed), residual
 
 
+def _mlp(config: ModelConfig, weights: Weights, prefix: str, layer_idx: int) -> nn.Module:
+    """Layer `layer_idx`'s MLP: dense SwiGLU, or the sparse MoE block where the config has one."""
+    moe = config.moe
+    if moe is None or not moe.sparse_layers[layer_idx]:
+        return GatedMLP(weights, f"{prefix}.mlp", bias=config.mlp_bias)
+    block = "block_sparse_moe" if moe.naming == "mixtral" else "mlp"
+    return SparseMoE.load(
+        weights,
+        f"{prefix}.{block}",
+        num_experts=moe.num_experts,
+        top_k=moe.top_k,
+        normalize_top_k=moe.normalize_top_k,
+        naming=moe.naming,
+        shared_expert=moe.shared_intermediate_size > 0,
+    )
+
+
 def add_rms_norm(norm: RMSNorm, x: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
     """`norm(x, residual)`, fused in one Triton program on the GPU (the CPU's C kernel and
     the reference run inside RMSNorm)."""
@@ -185,7 +201,7 @@ def add_rms_norm(norm: RMSNorm, x: Tensor, residual: Tensor | None) -> tuple[Ten
     return fused if fused is not None else norm(x, residual)
 
 
-@register("llama", "mistral", "qwen2")
+@register("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 class LlamaForCausalLM(nn.Module):
     """A Llama-family causal LM for one tensor-parallel rank.
 

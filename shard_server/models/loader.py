@@ -66,7 +66,9 @@ def load_model(
     weights.loader.finish(model, path)
     model.quantize = method
     log.info(
-        "Loaded %s weights (%s) on %s: %.1f MiB resident, attention backend %s",
+        "Loaded %s (native %s) %s weights (%s) on %s: %.1f MiB resident, attention backend %s",
+        config.get("model_type"),
+        model_class.__name__,
         method or "unquantized",
         weights.dtype,
         weights.device,

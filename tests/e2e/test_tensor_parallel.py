@@ -1,4 +1,8 @@
-"""--num-shard 2 over gloo answers exactly what one shard answers (tiny native model)."""
+"""--num-shard 2 over gloo answers exactly what one shard answers, for a tiny Qwen3-MoE:
+the launcher, gloo and the router are the same for every family, and this one carries
+the most that tensor parallelism splits (q/k/v heads with per-head norms, experts, the
+one all-reduce per MoE layer). Each family's TP is checked against one rank in
+tests/shard_server/models/test_llama_tp.py."""
 
 from __future__ import annotations
 
@@ -42,9 +46,9 @@ def _answers(launch_server: Any, tmp_path: Path, model: Path, num_shard: int) ->
 
 
 def test_two_shards_give_the_same_greedy_tokens(
-    launch_server: Any, tmp_path: Path, tiny_model_dir: Path
+    launch_server: Any, tmp_path: Path, tiny_moe_model_dir: Path
 ) -> None:
     (tmp_path / "tp1").mkdir()
     (tmp_path / "tp2").mkdir()
-    two = _answers(launch_server, tmp_path, tiny_model_dir, 2)
-    assert two == _answers(launch_server, tmp_path, tiny_model_dir, 1)
+    two = _answers(launch_server, tmp_path, tiny_moe_model_dir, 2)
+    assert two == _answers(launch_server, tmp_path, tiny_moe_model_dir, 1)

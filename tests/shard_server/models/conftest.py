@@ -1,4 +1,5 @@
-"""Tiny random Llama-family checkpoints and a paged runner that drives a native model."""
+"""Tiny random Llama-family checkpoints (dense and MoE) and a paged runner that drives a
+native model."""
 
 from __future__ import annotations
 
@@ -12,14 +13,26 @@ from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     PreTrainedModel,
     Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from textgate.kernels import AttentionMetadata
 from textgate.shard_server.models import load_model
 
-_CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
+_CONFIGS = {
+    "llama": LlamaConfig,
+    "qwen2": Qwen2Config,
+    "mistral": MistralConfig,
+    "qwen3": Qwen3Config,
+    "mixtral": MixtralConfig,
+    "qwen2_moe": Qwen2MoeConfig,
+    "qwen3_moe": Qwen3MoeConfig,
+}
 
 TINY = {
     "vocab_size": 101,
@@ -32,11 +45,30 @@ TINY = {
     "tie_word_embeddings": False,
 }
 
+# What each family adds to TINY: Qwen3's own head_dim (its default is 128), four experts
+# of which each token runs two, Qwen2-MoE's shared expert.
+FAMILY = {
+    "qwen3": {"head_dim": 16},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen2_moe": {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 24,
+        "shared_expert_intermediate_size": 32,
+    },
+    "qwen3_moe": {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 24,
+        "head_dim": 16,
+    },
+}
+
 
 def build_tiny(directory: Path, kind: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
     """Save a seeded random `kind` model to `directory` and return transformers' copy (fp32)."""
     torch.manual_seed(seed)
-    config = _CONFIGS[kind](**{**TINY, **overrides})
+    config = _CONFIGS[kind](**{**TINY, **FAMILY.get(kind, {}), **overrides})
     # Random init is tiny (std 0.02); larger weights make attention and RoPE matter.
     config.initializer_range = 0.2
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()

@@ -1,4 +1,4 @@
-"""Tensor parallel over gloo: two ranks give the same logits as one."""
+"""Tensor parallel over gloo: two ranks give the same logits as one, dense and MoE."""
 
 from __future__ import annotations
 
@@ -20,6 +20,12 @@ CASES = {
     ),
     "mqa-tied": ("llama", {"num_key_value_heads": 1, "tie_word_embeddings": True}),
     "qwen2-bias": ("qwen2", {"vocab_size": 100}),
+    "qwen3-qk-norm": ("qwen3", {}),
+    # Mixture of experts: every expert's intermediate features split over the ranks
+    # (unevenly for Mixtral's 37), the shared expert too, one all-reduce per layer.
+    "mixtral": ("mixtral", {"intermediate_size": 37}),
+    "qwen2-moe-shared": ("qwen2_moe", {"mlp_only_layers": [1]}),
+    "qwen3-moe": ("qwen3_moe", {"norm_topk_prob": True}),
 }
 
 
