@@ -34,7 +34,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("requires_padding", "dtype", "device_type", "block_size", "max_position_embeddings", "model_id", "model_type", "world_size", "quantize", "weight_bytes", "kv_cache_dtype", "kv_cache_bytes_per_token", "attention_backend", "cpu_kernels")
+    __slots__ = ("requires_padding", "dtype", "device_type", "block_size", "max_position_embeddings", "model_id", "model_type", "world_size", "quantize", "weight_bytes", "kv_cache_dtype", "kv_cache_bytes_per_token", "attention_backend", "cpu_kernels", "model_implementation")
     class CpuKernelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,7 @@ class InfoResponse(_message.Message):
     KV_CACHE_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
     CPU_KERNELS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_IMPLEMENTATION_FIELD_NUMBER: _ClassVar[int]
     requires_padding: bool
     dtype: str
     device_type: str
@@ -70,7 +71,8 @@ class InfoResponse(_message.Message):
     kv_cache_bytes_per_token: int
     attention_backend: str
     cpu_kernels: _containers.ScalarMap[str, str]
-    def __init__(self, requires_padding: _Optional[bool] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., block_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., model_id: _Optional[str] = ..., model_type: _Optional[str] = ..., world_size: _Optional[int] = ..., quantize: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., kv_cache_bytes_per_token: _Optional[int] = ..., attention_backend: _Optional[str] = ..., cpu_kernels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    model_implementation: str
+    def __init__(self, requires_padding: _Optional[bool] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., block_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., model_id: _Optional[str] = ..., model_type: _Optional[str] = ..., world_size: _Optional[int] = ..., quantize: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., kv_cache_bytes_per_token: _Optional[int] = ..., attention_backend: _Optional[str] = ..., cpu_kernels: _Optional[_Mapping[str, str]] = ..., model_implementation: _Optional[str] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()

@@ -216,6 +216,7 @@ def info_response(
         model_weight_bytes=(shard_info.weight_bytes or None) if shard_info else None,
         kv_cache_dtype=(shard_info.kv_cache_dtype or None) if shard_info else None,
         attention_backend=(shard_info.attention_backend or None) if shard_info else None,
+        model_implementation=(shard_info.model_implementation or None) if shard_info else None,
         cpu_kernels=(dict(shard_info.cpu_kernels) or None) if shard_info else None,
         kv_cache_bytes_per_token=(shard_info.kv_cache_bytes_per_token or None)
         if shard_info

@@ -1,8 +1,10 @@
 """Pick and load the implementation that serves a model folder.
 
 Architectures with a native implementation run paged (continuous batching over the
-paged KV cache, tensor parallel); everything else runs through the transformers
-fallback on one shard.
+paged KV cache, tensor parallel). Other decoders run transformers' own modules on the
+paged engine (`models.transformers_paged`, one shard); what cannot (recurrent layers,
+encoder-decoders, attention soft-capping; `unsupported_reason` says) runs through the
+padded transformers fallback on one shard.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 
 import torch
 
-from textgate.kernels import select_attention_backend
+from textgate.kernels import get_attention_backend, select_attention_backend
 from textgate.shard_server.layers.tensor_parallel import distributed_backend, rank_device
 from textgate.shard_server.protocols.paged_model import PagedModel
 from textgate.shard_server.protocols.shard_model import ShardModel
@@ -87,10 +89,24 @@ def load_model(
         auto_on_cpu = dtype == "auto" and device.type == "cpu"
         method_dtype = quantized_cpu_dtype(model_path, quantize) if auto_on_cpu else None
         return load_paged(build, dtype, torch_dtype, device, method_dtype)
+    reason = transformers_paged_reason(model_path) if native else "--no-native"
+    if reason is None:
+        check_transformers_paged_flags(model_type, world_size, quantize)
+        log.info(
+            "model type %r has no native class: transformers' modules on the paged engine",
+            model_type,
+        )
+        build = transformers_paged_builder(
+            model_path, model_id, device, cache_config, attention, trust_remote_code
+        )
+        return load_paged(build, dtype, torch_dtype, device)
+    log.info("model type %r: the padded transformers fallback (%s)", model_type, reason)
     check_fallback_flags(model_type, world_size, cache_config, quantize)
     from textgate.shard_server.protocols.transformers_model import TransformersModel
 
-    return TransformersModel(model_path, torch_dtype, device, model_id, trust_remote_code)
+    return TransformersModel(
+        model_path, torch_dtype, device, model_id, trust_remote_code, why_padded=reason
+    )
 
 
 def read_model_type(model_path: Path) -> str | None:
@@ -124,6 +140,52 @@ def paged_builder(
             model_path, dtype, device, group, quantize=quantize, attention_backend=backend
         )
         return PagedModel(model, tokenizer, model_id, config, world_size, group)
+
+    return build
+
+
+def transformers_paged_reason(model_path: Path) -> str | None:
+    """Why transformers' modules cannot run this model on the paged engine, or None."""
+    from textgate.shard_server.models.transformers_paged import unsupported_reason
+
+    return unsupported_reason(json.loads((model_path / "config.json").read_text()))
+
+
+def check_transformers_paged_flags(
+    model_type: str | None, world_size: int, quantize: str | None
+) -> None:
+    """Refuse flags transformers-on-paged cannot honour, naming the model type."""
+    where = f"model type {model_type!r} has no native class and runs transformers' modules"
+    if quantize is not None:
+        raise ValueError(f"--quantize needs a native implementation; {where} unquantized")
+    if world_size > 1:
+        raise ValueError(
+            f"tensor parallel (--num-shard > 1) needs a native implementation; {where} on one shard"
+        )
+
+
+def transformers_paged_builder(
+    model_path: Path,
+    model_id: str,
+    device: torch.device,
+    cache_config: CacheConfig | None,
+    attention: str,
+    trust_remote_code: bool,
+) -> Callable[[torch.dtype], PagedModel]:
+    """`paged_builder`'s counterpart for a model with no native class."""
+    from textgate.shard_server.models.transformers_paged import TransformersPagedModel
+
+    tokenizer = load_tokenizer(model_path)
+    config = cache_config or CacheConfig()
+
+    def build(dtype: torch.dtype) -> PagedModel:
+        backend = select_attention_backend(
+            attention, device, dtype, config.block_size, config.kv_cache_dtype != "auto"
+        )
+        model = TransformersPagedModel.load(
+            model_path, dtype, device, get_attention_backend(backend), trust_remote_code
+        )
+        return PagedModel(model, tokenizer, model_id, config, 1, None)
 
     return build
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from textgate.kernels import cpu_attention, cpu_layers, get_attention_backend, kv_quant
+from textgate.kernels import cpu_attention, cpu_layers, get_attention_backend
 from textgate.kernels.attention import AttentionBackend, AttentionMetadata
 from textgate.kernels.triton import layers as gpu_layers
 from textgate.quantization.weights import Weights
@@ -33,6 +33,7 @@ from textgate.shard_server.layers.tensor_parallel import (
     TensorParallelRowLinear,
 )
 from textgate.shard_server.models.config import ModelConfig
+from textgate.shard_server.models.paged_cache import PagedCacheOwner
 from textgate.shard_server.models.registry import register
 from textgate.shard_server.step.kv_cache import KVCache
 
@@ -202,7 +203,7 @@ def add_rms_norm(norm: RMSNorm, x: Tensor, residual: Tensor | None) -> tuple[Ten
 
 
 @register("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(PagedCacheOwner, nn.Module):
     """A Llama-family causal LM for one tensor-parallel rank.
 
     Cache sizing: `num_layers`, `num_kv_heads` (this rank's) and `head_dim`.
@@ -237,6 +238,11 @@ class LlamaForCausalLM(nn.Module):
         self.kv_cache_dtype = self.dtype
         """Element dtype of the caches `allocate_kv_cache` makes (int8 / fp8: quantized)."""
 
+    @property
+    def implementation(self) -> str:
+        """How this model runs, for /info: its native class."""
+        return f"native {type(self).__name__}"
+
     def forward(
         self,
         input_ids: Tensor,
@@ -269,26 +275,3 @@ class LlamaForCausalLM(nn.Module):
             residual.index_select(0, logits_indices),
         )  # [N, hidden]
         return self.lm_head(hidden).float()
-
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
-        """A zeroed paged cache sized for this model (this rank's kv heads), of elements
-        `kv_cache_dtype`."""
-        return KVCache.allocate(
-            num_layers=self.num_layers,
-            num_blocks=num_blocks,
-            block_size=block_size,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            dtype=self.kv_cache_dtype,
-            device=self.device,
-        )
-
-    def set_kv_cache_dtype(self, dtype: torch.dtype) -> None:
-        """Make later caches of elements `dtype`; a quantized one needs a backend that reads it."""
-        if kv_quant.is_quantized(dtype) and not self.attention_backend.supports_quantized_kv:
-            raise ValueError(
-                f"attention backend {type(self.attention_backend).__name__} cannot read a "
-                f"{kv_quant.kv_dtype_name(dtype)} KV cache; use --kv-cache-dtype auto or "
-                "another attention backend"
-            )
-        self.kv_cache_dtype = dtype

@@ -104,6 +104,7 @@ class PagedModel(ShardModel):
             max_position_embeddings=config.max_position_embeddings,
             model_id=self.model_id,
             model_type=config.model_type,
+            model_implementation=self.model.implementation,
             world_size=self.world_size,
             quantize=getattr(self.model, "quantize", None) or "",
             weight_bytes=resident_bytes(self.model),

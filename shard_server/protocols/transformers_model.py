@@ -29,8 +29,11 @@ class TransformersModel(PaddedModel[CausalLMBatch]):
         device: torch.device,
         model_id: str,
         trust_remote_code: bool = False,
+        why_padded: str = "",
     ) -> None:
         super().__init__()
+        self.why_padded = why_padded
+        """Why the model runs here and not on the paged engine (for /info and the log)."""
         self.device = device
         self.dtype = dtype
         self.model_id = model_id
@@ -53,6 +56,9 @@ class TransformersModel(PaddedModel[CausalLMBatch]):
             max_position_embeddings=getattr(config, "max_position_embeddings", 0) or 0,
             model_id=self.model_id,
             model_type="transformers",
+            model_implementation=(
+                f"transformers {type(self.model).__name__}, padded ({self.why_padded})"
+            ),
             world_size=1,
             weight_bytes=resident_bytes(self.model),
             cpu_kernels=cpu_kernel_report() if self.device.type == "cpu" else {},
