@@ -5,7 +5,8 @@ default), then for each batch size B: one prefill step of B prompts of `--prompt
 tokens, then `--steps` decode steps of all B. Prints the prefill step's time and the
 decode steps' median, the way `textgate-bench` numbers decompose: what the model costs
 per step, before serving adds its share. `--quantize` times a quantized model (int8,
-bitsandbytes, ...). `TEXTGATE_CPU_KERNELS=0` runs the PyTorch references instead of the C
+bitsandbytes, ...); `--transformers` the same checkpoint through transformers-on-paged
+(`shard_server.models.transformers_paged`), for the ratio to its native class. `TEXTGATE_CPU_KERNELS=0` runs the PyTorch references instead of the C
 kernels, for an A/B of the same code.
 """
 
@@ -25,8 +26,14 @@ from textgate.bench.serving.report import format_table
 from textgate.bench.serving.tokenizer import default_model_dir
 from textgate.kernels import int4_linear
 from textgate.proto import generate_pb2 as pb
-from textgate.shard_server.loading.shard_loader import load_model
+from textgate.shard_server.loading.shard_loader import (
+    load_model,
+    load_paged,
+    resolve_dtype,
+    transformers_paged_builder,
+)
 from textgate.shard_server.protocols.paged_model import CacheConfig, PagedModel
+from textgate.shard_server.protocols.shard_model import ShardModel
 from textgate.shard_server.startup.step_timing import probe_request
 
 BLOCK_SIZE = 16
@@ -86,7 +93,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="4-bit layers run every prompt chunk through the int4 kernel, not the bf16 "
         "expansion (int4_linear.PROMPT_ROWS): the A/B of that choice",
     )
+    parser.add_argument(
+        "--transformers",
+        action="store_true",
+        help="run the model's transformers modules on the paged engine even where a native "
+        "class exists (the A/B of the two paths; CPU only)",
+    )
     return parser
+
+
+def load_transformers_paged(model_dir: Path, dtype: str, cache_config: CacheConfig) -> PagedModel:
+    """The model through transformers-on-paged even where a native class exists: the A/B
+    of the two paths on one checkpoint."""
+    device = torch.device("cpu")
+    build = transformers_paged_builder(
+        model_dir, model_dir.name, device, cache_config, "auto", False
+    )
+    return load_paged(build, dtype, resolve_dtype(dtype, device), device)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -99,13 +122,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     batches = parse_list(args.batch, int)
     blocks = (args.prompt_len + args.steps + BLOCK_SIZE) // BLOCK_SIZE + 1
     cache_bytes = 1 << 30
-    model = load_model(
-        model_dir,
-        model_dir.name,
-        args.dtype,
-        cache_config=CacheConfig(BLOCK_SIZE, cache_bytes),
-        quantize=args.quantize,
-    )
+    cache_config = CacheConfig(BLOCK_SIZE, cache_bytes)
+    if args.transformers:
+        model: ShardModel = load_transformers_paged(model_dir, args.dtype, cache_config)
+    else:
+        model = load_model(
+            model_dir, model_dir.name, args.dtype, cache_config=cache_config, quantize=args.quantize
+        )
     if not isinstance(model, PagedModel):
         print(f"{model_dir} has no native implementation: nothing to time", file=sys.stderr)
         return 1
@@ -127,7 +150,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"{model_dir.name}: {model.model.dtype}, {getattr(model.model, 'quantize', None) or 'unquantized'}, "
         f"{torch.get_num_threads()} threads, "
-        f"prompts of {args.prompt_len} tokens, {args.steps} decode steps"
+        f"prompts of {args.prompt_len} tokens, {args.steps} decode steps; "
+        f"{model.model.implementation}"
     )
     headers = ["batch", "prefill step ms", "decode step ms p50", "min", "decode tok/s"]
     print(format_table(headers, rows))

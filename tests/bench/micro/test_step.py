@@ -28,3 +28,10 @@ def test_no_int4_expand_sends_every_chunk_to_the_int4_kernel(tiny_model_dir, mon
     argv = ["--model", str(tiny_model_dir), "--batch", "1", "--prompt-len", "4", "--steps", "1"]
     assert step.main([*argv, "--dtype", "float32", "--no-int4-expand"]) == 0
     assert int4_linear.PROMPT_ROWS > 1 << 40
+
+
+def test_times_a_native_checkpoint_through_transformers_on_paged(tiny_model_dir, capsys) -> None:
+    argv = ["--model", str(tiny_model_dir), "--batch", "2", "--prompt-len", "4", "--steps", "2"]
+    assert step.main([*argv, "--dtype", "float32", "--transformers"]) == 0
+    out = capsys.readouterr().out
+    assert "transformers LlamaForCausalLM on the paged engine" in out
