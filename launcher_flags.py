@@ -24,6 +24,8 @@ QUANTIZE_METHODS = (
     "int8",
     "gguf",
 )
+# router/generation/reasoning.py's parsers; tests/test_launcher.py keeps the two in step.
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 # TGI's other --quantize values, refused by name.
 TGI_ONLY_QUANTIZE = ("compressed-tensors", "eetq", "exl2", "fp8", "marlin")
 
@@ -140,6 +142,14 @@ class LauncherConfig:
         "take more waiting prompt tokens, up to 2x the inter-token target, while a prompt "
         "would otherwise miss it; unset = 16 inter-token targets",
         float,
+    )
+    reasoning_parser: str | None = flag(
+        None,
+        "Chat answers of a reasoning model: the text between <think> and </think> goes to "
+        "`reasoning_content`, the rest to `content` (deepseek_r1: the prompt opens the "
+        "thinking; qwen3: the answer opens it); unset = all of it is content",
+        str,
+        REASONING_PARSERS,
     )
     no_adaptive: bool = flag(
         False,

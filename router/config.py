@@ -77,6 +77,9 @@ class RouterConfig:
     """Paged shards: inter-token latency the batch controller keeps each step under; None =
     derived from the machine (`batch_controller` docstring), 0 = fixed budgets."""
     target_ttft_ms: float | None = None
+    #: `--reasoning-parser`: reads a reasoning model's thinking into `reasoning_content`
+    #: (router/generation/reasoning.py); None: the text is all answer.
+    reasoning_parser: str | None = None
     """Paged shards: time to first token the batch controller defends; None = 16 inter-token
     targets."""
     stream_interval: int = 1

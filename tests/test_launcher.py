@@ -137,6 +137,17 @@ def test_sigterm_stops_everything_cleanly(tmp_path: Path, tiny_model_dir: Path) 
         os.kill(shard, 0)
 
 
+def test_reasoning_parsers_are_the_routers() -> None:
+    from textgate.launcher_flags import REASONING_PARSERS
+    from textgate.router.generation.reasoning import PARSERS
+
+    assert sorted(REASONING_PARSERS) == PARSERS.names()
+    config = launcher.parse_args(["--reasoning-parser", "qwen3"], env={})
+    assert config.reasoning_parser == "qwen3"
+    with pytest.raises(SystemExit):
+        launcher.parse_args(["--reasoning-parser", "nope"], env={})
+
+
 def test_readme_documents_every_flag() -> None:
     readme = (Path(launcher.__file__).parent / "README.md").read_text()
     for flag in launcher.FLAGS:

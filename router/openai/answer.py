@@ -10,23 +10,33 @@ from __future__ import annotations
 from typing import Any
 
 from textgate.router.generation.answer import AnswerDiff, read_answer
+from textgate.router.generation.reasoning import ReasoningDiff, ReasoningParser, read_reasoning
 from textgate.router.openai.schemas import AssistantMessage
 from textgate.router.openai.tools import new_call
 
 
-def answer_message(text: str, tools: bool) -> AssistantMessage:
-    """The non-streamed message of a finished choice's text."""
-    answer = read_answer(text, ended=True, tools=tools)
+def answer_message(
+    text: str, tools: bool, reasoning: ReasoningParser | None = None
+) -> AssistantMessage:
+    """The non-streamed message of a finished choice's text: its thinking apart (with a
+    reasoning parser), then its content or tool calls."""
+    reasoned = read_reasoning(text, ended=True, parser=reasoning)
+    answer = read_answer(reasoned.rest, ended=True, tools=tools)
     calls = [new_call(call.name, call.arguments) for call in answer.calls]
-    return AssistantMessage(content=answer.content, tool_calls=calls or None)
+    return AssistantMessage(
+        content=answer.content, tool_calls=calls or None, reasoning_content=reasoned.reasoning
+    )
 
 
 class AnswerStream:
-    """A streamed choice: the content and tool-call deltas each new piece of text adds
-    (one entry per call and chunk)."""
+    """A streamed choice: the thinking, content and tool-call deltas each new piece of
+    text adds (one entry per call and chunk)."""
 
-    def __init__(self, tools: bool) -> None:
+    def __init__(self, tools: bool, reasoning: ReasoningParser | None = None) -> None:
+        self._reasoning = ReasoningDiff(reasoning)
         self._diff = AnswerDiff(tools)
+        self.thinking = ""
+        """What the last `push` added to the thinking."""
 
     @property
     def called(self) -> bool:
@@ -34,8 +44,10 @@ class AnswerStream:
         return self._diff.called
 
     def push(self, text: str, ended: bool) -> tuple[str, list[dict[str, Any]]]:
-        """Add `text`; the content and the tool-call deltas to send now."""
-        content, calls = self._diff.push(text, ended)
+        """Add `text`; the content and the tool-call deltas to send now (the thinking's
+        in `thinking`)."""
+        self.thinking, rest = self._reasoning.push(text, ended)
+        content, calls = self._diff.push(rest, ended)
         deltas: list[dict[str, Any]] = []
         for call in calls:
             if call.name is not None:

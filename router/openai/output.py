@@ -15,6 +15,7 @@ from typing import TypedDict
 
 import textgate
 from textgate.router.engine.channel import FinishReason, TokenInfo
+from textgate.router.generation.reasoning import ReasoningParser
 from textgate.router.generation.result import Generated
 from textgate.router.generation.stop_text import TextOptions, answer_text
 from textgate.router.openai.answer import answer_message
@@ -188,6 +189,7 @@ def chat_completion(
     tools: bool = False,
     top_logprobs: int | None = None,
     prompt_top: int | None = None,
+    reasoning: ReasoningParser | None = None,
 ) -> ChatCompletion:
     """A non-streamed chat answer, one choice per result; with `tools`, each result's
     text is a tool call object read back into `tool_calls` (router/openai/answer.py).
@@ -197,7 +199,7 @@ def chat_completion(
     choices = [
         ChatChoice(
             index=i,
-            message=answer_message(answer_text(g.finished, options), tools),
+            message=answer_message(answer_text(g.finished, options), tools, reasoning),
             logprobs=chat_logprobs(g.tokens, _first(g.top_tokens, top_logprobs))
             if logprobs
             else None,

@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from textgate.router.engine.channel import Channel
+from textgate.router.generation.reasoning import reasoning_parser
 from textgate.router.generation.schemas import GenerateRequest
 from textgate.router.generation.stop_text import TextOptions
 from textgate.router.generation.tools import ToolPlan
@@ -107,6 +108,7 @@ class _OpenAIHandlers:
         self._config = state.config
         self._metrics = state.metrics
         self._created = int(time.time())
+        self._reasoning = reasoning_parser(self._config.reasoning_parser)
 
     async def chat_completions(self, request: Request) -> Response:
         """POST /v1/chat/completions: OpenAI chat completion (messages through the chat template)."""
@@ -157,7 +159,12 @@ class _OpenAIHandlers:
         options = _text_options(body)
         if body.stream:
             writer = ChatChunks(
-                meta, len(channels), options, logprobs=body.logprobs, tools=tools is not None
+                meta,
+                len(channels),
+                options,
+                logprobs=body.logprobs,
+                tools=tools is not None,
+                reasoning=self._reasoning,
             )
             return self._stream(channels, writer, valid.input_length, body, received)
         results = await self._serving.collect(request, channels, received)
@@ -172,6 +179,7 @@ class _OpenAIHandlers:
             tools=tools is not None,
             top_logprobs=body.top_logprobs or 0,
             prompt_top=body.prompt_logprobs,
+            reasoning=self._reasoning,
         )
         return JSONResponse(answer.model_dump(mode="json"))
 

@@ -211,7 +211,7 @@ class _OmitsWhenNone(BaseModel):
 class _OmitsNoToolCalls(_OmitsWhenNone):
     """Leaves `tool_calls` out when there are none, as OpenAI does."""
 
-    omit_when_none = ("tool_calls",)
+    omit_when_none: ClassVar[tuple[str, ...]] = ("tool_calls",)
 
 
 class PromptLogprob(BaseModel):
@@ -228,11 +228,15 @@ PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class AssistantMessage(_OmitsNoToolCalls):
-    """The answer of a chat choice: text, or tool calls (content null)."""
+    """The answer of a chat choice: text, or tool calls (content null); with
+    --reasoning-parser, the thinking before it (vLLM's `reasoning_content`)."""
+
+    omit_when_none = ("tool_calls", "reasoning_content")
 
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChoice(BaseModel):
@@ -263,8 +267,12 @@ class ChatCompletion(_OmitsWhenNone):
 class ChatDelta(_OmitsNoToolCalls):
     """What a chunk adds to its choice; `role` is repeated on every chunk, as TGI does."""
 
+    omit_when_none = ("tool_calls", "reasoning_content")
+
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None
+    """With --reasoning-parser: what the thinking adds (vLLM's field)."""
     tool_calls: list[dict[str, Any]] | None = None
     """Tool-call deltas: the first of a call has its `index`, `id`, `type` and
     `function.name`, the next ones pieces of `function.arguments`."""

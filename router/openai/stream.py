@@ -16,6 +16,7 @@ from typing import Protocol
 from pydantic import BaseModel
 
 from textgate.router.engine.channel import Channel, ErrorEvent, StepEvent
+from textgate.router.generation.reasoning import ReasoningParser
 from textgate.router.generation.result import TextLedger, visible_text
 from textgate.router.generation.stop_text import StreamText, TextOptions
 from textgate.router.http.delivery import StreamPacing
@@ -119,6 +120,7 @@ class ChatChunks:
         *,
         logprobs: bool,
         tools: bool = False,
+        reasoning: ReasoningParser | None = None,
     ) -> None:
         self._meta = meta
         self._ledgers = [TextLedger() for _ in range(num_choices)]
@@ -126,7 +128,7 @@ class ChatChunks:
         self._logprobs = logprobs
         self._tools = tools
         # With tools, each choice's text is a tool call object, streamed as call deltas.
-        self._answers = [AnswerStream(tools) for _ in range(num_choices)]
+        self._answers = [AnswerStream(tools, reasoning) for _ in range(num_choices)]
 
     def opening(self, index: int) -> BaseModel | None:
         return self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=""))])
@@ -139,12 +141,17 @@ class ChatChunks:
         reason = None if done is None else finish_reason(done.finish_reason)
         answer = self._answers[index]
         content, calls = answer.push(text, done is not None)
-        delta = ChatDelta(content=(content or None) if self._tools else content)
+        thinking = answer.thinking or None
+        delta = ChatDelta(
+            content=(content or None) if self._tools or thinking else content,
+            reasoning_content=thinking,
+        )
         if calls:
-            delta = ChatDelta(content=None, tool_calls=calls)
+            delta = ChatDelta(content=None, tool_calls=calls, reasoning_content=thinking)
         if answer.called and reason == "stop":
             reason = "tool_calls"
-        if not content and not calls and done is None and not (logprobs and logprobs.content):
+        quiet = not content and not calls and not thinking
+        if quiet and done is None and not (logprobs and logprobs.content):
             return None
         choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=reason)
         return self._chunk([choice])
