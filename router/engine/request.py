@@ -24,6 +24,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     """(token id, bias) pairs added to the logits."""
+    min_p: float = 0.0
 
     def to_pb(self) -> pb.NextTokenChooserParameters:
         fields = dataclasses.asdict(self)
@@ -39,6 +40,8 @@ class StoppingParams:
     stop_sequences: tuple[str, ...] = ()
     ignore_eos_token: bool = False
     min_new_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    """The request's own end-of-sequence tokens."""
 
     def to_pb(self) -> pb.StoppingCriteriaParameters:
         return pb.StoppingCriteriaParameters(
@@ -46,6 +49,7 @@ class StoppingParams:
             stop_sequences=list(self.stop_sequences),
             ignore_eos_token=self.ignore_eos_token,
             min_new_tokens=self.min_new_tokens,
+            stop_token_ids=list(self.stop_token_ids),
         )
 
 

@@ -99,6 +99,8 @@ def sampling_params(p: GenerateParameters, best_of: int) -> SamplingParams:
         raise ValidationError("`typical_p` must be > 0.0 and < 1.0")
     if p.top_k is not None and p.top_k <= 0:
         raise ValidationError("`top_k` must be strictly positive")
+    if p.min_p is not None and not 0.0 <= p.min_p <= 1.0:
+        raise ValidationError("`min_p` must be >= 0.0 and <= 1.0")
     return SamplingParams(
         temperature=temperature,
         top_k=p.top_k or 0,
@@ -111,6 +113,7 @@ def sampling_params(p: GenerateParameters, best_of: int) -> SamplingParams:
         frequency_penalty=frequency_penalty,
         presence_penalty=presence_penalty,
         logit_bias=_logit_bias(p.logit_bias),
+        min_p=p.min_p or 0.0,
     )
 
 
@@ -189,4 +192,5 @@ def stopping_params(p: GenerateParameters, max_new_tokens: int) -> StoppingParam
         stop_sequences=tuple(p.stop),
         ignore_eos_token=p.ignore_eos,
         min_new_tokens=min(p.min_new_tokens or 0, max_new_tokens),
+        stop_token_ids=tuple(sorted(set(p.stop_token_ids or ()))),
     )

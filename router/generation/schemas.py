@@ -63,6 +63,12 @@ class GenerateParameters(BaseModel):
     """Keep generating after the end-of-sequence token (benchmarking)."""
     min_new_tokens: int | None = None
     """End-of-sequence is suppressed until this many tokens were generated (benchmarking)."""
+    min_p: float | None = None
+    """Keep tokens at least min_p times as likely as the likeliest, in [0, 1] (vLLM's; not
+    in TGI)."""
+    stop_token_ids: list[int] | None = None
+    """More end-of-sequence tokens for this request, even with `ignore_eos` (vLLM's; not
+    in TGI)."""
 
     @field_validator("stop", mode="before")
     @classmethod

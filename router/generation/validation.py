@@ -90,6 +90,7 @@ class Validator:
         best_of = check_best_of(params, self._config.max_best_of)
         sampling = sampling_params(params, best_of)
         self._check_token_ids(sampling.logit_bias)
+        self.check_token_ids(params.stop_token_ids or (), "stop_token_ids")
         check_counts(params, self._config)
         truncate = check_truncate(params.truncate, self._config.max_input_tokens)
         if input_ids is not None:

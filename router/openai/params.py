@@ -184,6 +184,7 @@ def _parameters(
         temperature=None if greedy else body.temperature,
         top_p=None if greedy or body.top_p == 1 else body.top_p,
         top_k=None if greedy else top_k,
+        min_p=None if greedy else body.min_p,
         max_new_tokens=max_tokens,
         stop=stop_sequences(body),
         seed=body.seed,
@@ -195,6 +196,7 @@ def _parameters(
         decoder_input_details=prompt_logprobs,
         ignore_eos=body.ignore_eos,
         min_new_tokens=body.min_tokens,
+        stop_token_ids=body.stop_token_ids,
         truncate=body.truncate_prompt_tokens,
     )
 

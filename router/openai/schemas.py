@@ -78,6 +78,12 @@ class SamplingRequest(NullMeansUnset):
     """vLLM extra: keep generating past the end-of-sequence token."""
     min_tokens: int | None = None
     """vLLM extra: suppress end-of-sequence until this many tokens were generated."""
+    min_p: float | None = None
+    """vLLM extra: keep tokens at least min_p times as likely as the likeliest, in [0, 1]
+    (ignored when greedy)."""
+    stop_token_ids: list[int] | None = None
+    """vLLM extra: more tokens that end the answer (finish reason `stop`), even with
+    `ignore_eos`; the token's text stays unless it is special."""
     include_stop_str_in_output: bool = False
     """vLLM extra: keep the matched stop sequence at the end of the text."""
     truncate_prompt_tokens: int | None = None

@@ -29,12 +29,12 @@ def sample(
     sequences need."""
     counts = _token_counts(sequences, logits) if params.any_penalty else None
     suppress = None
-    if any(s.stopping.suppress_eos for s in sequences) and info.eos_token_ids:
+    if any(s.stopping.suppress_eos for s in sequences):
         suppress = torch.zeros_like(logits, dtype=torch.bool)
-        eos = torch.tensor(sorted(info.eos_token_ids), device=logits.device)
         for row, seq in enumerate(sequences):
-            if seq.stopping.suppress_eos:
-                suppress[row, eos] = True
+            ends = info.eos_token_ids | seq.stopping.stop_token_ids
+            if seq.stopping.suppress_eos and ends:
+                suppress[row, torch.tensor(sorted(ends), device=logits.device)] = True
     return sampler(logits, params, counts, suppress, grammar)
 
 

@@ -4,6 +4,7 @@ Per-request parameters live in tensors (`SamplingTensors`), so a batch mixing gr
 sampled requests with different temperatures, top-k/p, typical-p and penalties runs in
 one pass. Follows TGI's semantics: a request samples when `do_sample` is set or any
 warper (temperature != 1, top_k, top_p < 1, typical_p < 1) is active; otherwise greedy.
+vLLM's min_p filters a sampled row and never makes a row sample (argmax always stays).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class SamplingTensors:
     top_k: torch.Tensor  # [B] int64, 0 = off
     top_p: torch.Tensor  # [B] float32, 1.0 = off
     typical_p: torch.Tensor  # [B] float32, 1.0 = off
+    min_p: torch.Tensor  # [B] float32, 0.0 = off
     repetition_penalty: torch.Tensor  # [B] float32, 1.0 = off
     frequency_penalty: torch.Tensor  # [B] float32, 0.0 = off
     presence_penalty: torch.Tensor  # [B] float32, 0.0 = off
@@ -56,6 +58,7 @@ class SamplingTensors:
             top_k=column([p.top_k for p in params], torch.int64),
             top_p=column([p.top_p or 1.0 for p in params]),
             typical_p=column([p.typical_p or 1.0 for p in params]),
+            min_p=column([p.min_p for p in params]),
             repetition_penalty=column([p.repetition_penalty or 1.0 for p in params]),
             frequency_penalty=column([p.frequency_penalty for p in params]),
             presence_penalty=column([p.presence_penalty for p in params]),
@@ -79,6 +82,7 @@ class SamplingTensors:
             top_k=self.top_k[index],
             top_p=self.top_p[index],
             typical_p=self.typical_p[index],
+            min_p=self.min_p[index],
             repetition_penalty=self.repetition_penalty[index],
             frequency_penalty=self.frequency_penalty[index],
             presence_penalty=self.presence_penalty[index],
@@ -96,6 +100,7 @@ class SamplingTensors:
             top_k=torch.cat([p.top_k for p in parts]),
             top_p=torch.cat([p.top_p for p in parts]),
             typical_p=torch.cat([p.typical_p for p in parts]),
+            min_p=torch.cat([p.min_p for p in parts]),
             repetition_penalty=torch.cat([p.repetition_penalty for p in parts]),
             frequency_penalty=torch.cat([p.frequency_penalty for p in parts]),
             presence_penalty=torch.cat([p.presence_penalty for p in parts]),
@@ -218,13 +223,22 @@ def apply_penalties(
 
 
 def apply_warpers(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
-    """Temperature, top-k, top-p and typical-p; neutral values leave a row unchanged."""
+    """Temperature, min-p, top-k, top-p and typical-p; neutral values leave a row unchanged."""
     logits = logits / params.temperature[:, None]
+    if bool((params.min_p > 0.0).any()):
+        logits = _min_p(logits, params.min_p)
     if bool((params.top_k > 0).any()) or bool((params.top_p < 1.0).any()):
         logits = _top_k_top_p(logits, params.top_k, params.top_p)
     if bool((params.typical_p < 1.0).any()):
         logits = _typical(logits, params.typical_p)
     return logits
+
+
+def _min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens less likely than min_p times the likeliest (which always stays)."""
+    probs = logits.softmax(dim=-1)  # [B, V]
+    floor = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
+    return logits.masked_fill(probs < floor, float("-inf"))
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

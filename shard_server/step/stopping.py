@@ -16,6 +16,8 @@ class StoppingCriteria:
     stop_sequences: tuple[str, ...] = ()
     ignore_eos: bool = False
     min_new_tokens: int = 0
+    stop_token_ids: frozenset[int] = frozenset()
+    """The request's own end-of-sequence ids (they stop it even when it ignores eos)."""
     num_generated: int = 0
     # Only the tail of the text that could still hold a stop sequence is kept.
     _tail: str = field(default="", repr=False)
@@ -30,6 +32,7 @@ class StoppingCriteria:
             stop_sequences=tuple(s for s in params.stop_sequences if s),
             ignore_eos=params.ignore_eos_token,
             min_new_tokens=params.min_new_tokens,
+            stop_token_ids=frozenset(params.stop_token_ids),
         )
 
     @property
@@ -41,6 +44,8 @@ class StoppingCriteria:
         """Record one generated token; return why the request finished, or None."""
         self.num_generated += 1
         if not self.ignore_eos and token_id in self.eos_token_ids:
+            return pb.FINISH_REASON_EOS_TOKEN
+        if token_id in self.stop_token_ids:
             return pb.FINISH_REASON_EOS_TOKEN
         if self.stop_sequences and text:
             longest = max(len(s) for s in self.stop_sequences)

@@ -49,6 +49,8 @@ async def test_chat_maps_parameters_onto_the_shard_request(
         logit_bias={"7": 5.0, "2": -100},
         ignore_eos=True,
         min_tokens=1,
+        min_p=0.05,
+        stop_token_ids=[11, 3],
     )
     assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
     (request,) = fake.received_requests()
@@ -62,6 +64,10 @@ async def test_chat_maps_parameters_onto_the_shard_request(
     assert dict(params.logit_bias) == {7: 5.0, 2: -100.0}
     assert stopping.max_new_tokens == 2
     assert stopping.ignore_eos_token and stopping.min_new_tokens == 1
+    assert params.min_p == pytest.approx(0.05)
+    assert list(stopping.stop_token_ids) == [3, 11]
+    bad = await client.post("/v1/chat/completions", json=chat(stop_token_ids=[10**6]))
+    assert bad.status_code == 422 and "`stop_token_ids` token id 1000000" in bad.text
 
 
 async def test_temperature_zero_is_greedy_and_unset_samples(

@@ -197,3 +197,21 @@ def test_candidates_get_consecutive_or_random_seeds() -> None:
     random = candidates(valid, None, 3)
     assert random[0] is valid
     assert len({c.sampling.seed for c in random}) == 3
+
+
+def test_min_p_and_stop_token_ids_pass_through_and_min_p_drops_when_greedy() -> None:
+    params = chat_parameters(chat(min_p=0.1, stop_token_ids=[7, 3]), CONFIG)
+    assert (params.min_p, params.stop_token_ids) == (0.1, [7, 3])
+    greedy = completion_parameters(completion(min_p=0.1, temperature=0, stop_token_ids=[7]), CONFIG)
+    assert greedy.min_p is None and greedy.stop_token_ids == [7]
+
+
+def test_min_p_and_stop_token_ids_reach_the_engine_request() -> None:
+    from textgate.router.generation.parameters import sampling_params, stopping_params
+    from textgate.router.generation.schemas import GenerateParameters
+
+    p = GenerateParameters(min_p=0.25, stop_token_ids=[9, 4, 9], do_sample=True)
+    assert sampling_params(p, 1).to_pb().min_p == 0.25
+    assert list(stopping_params(p, 5).to_pb().stop_token_ids) == [4, 9]
+    with pytest.raises(ValidationError, match=r"`min_p` must be >= 0\.0 and <= 1\.0"):
+        sampling_params(GenerateParameters(min_p=1.5), 1)

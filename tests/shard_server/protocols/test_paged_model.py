@@ -181,3 +181,35 @@ def test_padded_calls_are_unsupported_and_clear_forgets_every_sequence(
     assert 50 in paged.sequences
     paged.clear(None)
     assert not paged.sequences
+
+
+def test_stop_token_ids_end_a_request_and_min_new_tokens_suppresses_them(
+    paged: PagedModel, tiny_model_dir: Path, request_factory: Callable[..., pb.Request]
+) -> None:
+    prompt = [5, 17, 42, 8]
+    greedy = reference_greedy(tiny_model_dir, prompt, 6)
+    stop, at = greedy[0], 0  # the greedy answer's first token
+
+    def generate(request_id: int, min_new_tokens: int) -> tuple[list[int], int]:
+        request = request_factory(request_id, prompt, 6)
+        request.stopping_parameters.stop_token_ids.append(stop)
+        request.stopping_parameters.min_new_tokens = min_new_tokens
+        planner = MiniPlanner(first_block=request_id * 8)
+        planner.admit(request)
+        new, ids, reason = [request], [], None
+        while request_id in paged.sequences or new:
+            out = paged.step(new, pb.StepPlan(scheduled=[planner.chunk(request_id)]))
+            new = []
+            planner.record(out.generations)
+            for g in out.generations:
+                ids.extend(g.tokens.ids)
+                if g.HasField("generated_text"):
+                    reason = g.generated_text.finish_reason
+        assert reason is not None
+        return ids, reason
+
+    # Ends at the stop token (even though the request ignores eos), as eos would.
+    assert generate(10, 0) == (greedy[: at + 1], pb.FINISH_REASON_EOS_TOKEN)
+    # Not before min_new_tokens: the token cannot be chosen until then.
+    ids, _ = generate(11, at + 2)
+    assert stop not in ids[: at + 2] and len(ids) >= at + 2

@@ -173,6 +173,7 @@ def _greedy_params(rows: int) -> SamplingTensors:
         top_k=torch.zeros(rows, dtype=torch.int64),
         top_p=ones,
         typical_p=ones,
+        min_p=torch.zeros(rows),
         repetition_penalty=ones,
         frequency_penalty=torch.zeros(rows),
         presence_penalty=torch.zeros(rows),

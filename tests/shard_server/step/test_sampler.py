@@ -134,3 +134,21 @@ def test_penalty_flags_follow_rows() -> None:
         False,
         True,
     ]
+
+
+def test_min_p_keeps_tokens_near_the_likeliest_after_temperature() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 3))
+    rows = tensors(params(min_p=0.5), params(min_p=0.2), params(min_p=0.5, temperature=4.0))
+    warped = apply_warpers(logits, rows)
+    assert torch.isfinite(warped[0]).tolist() == [True, True, False, False]  # 0.3 >= 0.25
+    assert torch.isfinite(warped[1]).tolist() == [True, True, True, False]  # 0.15 >= 0.1
+    # Temperature 4 flattens the distribution first: everything is within half the top.
+    assert torch.isfinite(warped[2]).all()
+
+
+def test_min_p_alone_does_not_make_a_row_sample() -> None:
+    sampling = tensors(params(min_p=0.9), params(min_p=0.9, do_sample=True))
+    assert sampling.do_sample == [False, True]
+    logits = torch.tensor([[0.0, 1.0, 0.9], [0.0, 1.0, 0.9]])
+    draws = {Sampler()(logits, sampling).next_ids[1] for _ in range(10)}
+    assert Sampler()(logits, sampling).next_ids[0] == 1 and draws == {1, 2}

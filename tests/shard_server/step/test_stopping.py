@@ -36,3 +36,15 @@ def test_min_new_tokens_suppresses_eos_until_reached() -> None:
     assert stop.suppress_eos
     stop(5, "y")
     assert not stop.suppress_eos
+
+
+def test_stop_token_ids_end_like_eos_even_when_eos_is_ignored() -> None:
+    stop = criteria(stop_token_ids=frozenset({7, 8}), ignore_eos=True)
+    assert stop(5, "a") is None
+    assert stop(2, "") is None  # eos itself is ignored
+    assert stop(8, "b") == pb.FINISH_REASON_EOS_TOKEN
+
+
+def test_stop_token_ids_come_from_the_request() -> None:
+    params = pb.StoppingCriteriaParameters(max_new_tokens=4, stop_token_ids=[9, 11])
+    assert StoppingCriteria.from_pb(params, frozenset({2})).stop_token_ids == {9, 11}
