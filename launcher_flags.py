@@ -143,6 +143,12 @@ class LauncherConfig:
         "would otherwise miss it; unset = 16 inter-token targets",
         float,
     )
+    max_logit_bias: float = flag(
+        100.0,
+        "Largest logit_bias magnitude a request may set (OpenAI's 100; lower it to stop "
+        "clients from forcing or banning tokens outright)",
+        float,
+    )
     reasoning_parser: str | None = flag(
         None,
         "Chat answers of a reasoning model: the text between <think> and </think> goes to "
@@ -246,6 +252,8 @@ class LauncherConfig:
             raise ValueError("--block-size must be at least 1")
         if self.target_itl_ms is not None and not self.target_itl_ms >= 0:
             raise ValueError("--target-itl-ms must be >= 0 (0 = fixed budgets)")
+        if not 0 < self.max_logit_bias <= 100:
+            raise ValueError(f"--max-logit-bias must be > 0 and <= 100, got {self.max_logit_bias}")
         if self.target_ttft_ms is not None and not self.target_ttft_ms > 0:
             raise ValueError("--target-ttft-ms must be > 0")
         if self.no_adaptive and self.target_itl_ms:

@@ -77,6 +77,9 @@ class RouterConfig:
     """Paged shards: inter-token latency the batch controller keeps each step under; None =
     derived from the machine (`batch_controller` docstring), 0 = fixed budgets."""
     target_ttft_ms: float | None = None
+    #: `--max-logit-bias`: the largest `logit_bias` magnitude a request may set (OpenAI's
+    #: 100 by default).
+    max_logit_bias: float = 100.0
     #: `--reasoning-parser`: reads a reasoning model's thinking into `reasoning_content`
     #: (router/generation/reasoning.py); None: the text is all answer.
     reasoning_parser: str | None = None
@@ -135,6 +138,8 @@ class RouterConfig:
             raise ValueError(
                 f"target_itl_ms must be >= 0 (0 = fixed budgets), got {self.target_itl_ms}"
             )
+        if not 0 < self.max_logit_bias <= 100:
+            raise ValueError(f"max_logit_bias must be > 0 and <= 100, got {self.max_logit_bias}")
         if self.target_ttft_ms is not None and not self.target_ttft_ms > 0:
             raise ValueError(f"target_ttft_ms must be > 0, got {self.target_ttft_ms}")
         for name in ("max_stop_sequences", "max_top_n_tokens", "max_waiting_tokens"):

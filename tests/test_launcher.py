@@ -167,3 +167,10 @@ def test_router_config_round_trips_into_the_router(tiny_model_dir: Path) -> None
     default = launcher.router_config(tiny_model_dir, launcher.parse_args([], env={}))
     assert default["target_itl_ms"] is None  # derived by the controller
     assert router.max_total_tokens == 512
+
+
+def test_max_logit_bias_reaches_the_router_and_is_bounded(tiny_model_dir: Path) -> None:
+    config = launcher.parse_args(["--max-logit-bias", "5"], env={})
+    assert launcher.router_config(tiny_model_dir, config)["max_logit_bias"] == 5
+    with pytest.raises((SystemExit, ValueError)):
+        launcher.parse_args(["--max-logit-bias", "101"], env={})

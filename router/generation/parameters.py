@@ -83,7 +83,9 @@ def _wants_sampling(p: GenerateParameters) -> bool:
     return p.do_sample or any(value is not None for value in warpers)
 
 
-def sampling_params(p: GenerateParameters, best_of: int) -> SamplingParams:
+def sampling_params(
+    p: GenerateParameters, best_of: int, max_logit_bias: float = 100.0
+) -> SamplingParams:
     """The sampler's settings, each range checked; unset values take TGI's defaults."""
     temperature = 1.0 if p.temperature is None else p.temperature
     if temperature <= 0:
@@ -112,17 +114,19 @@ def sampling_params(p: GenerateParameters, best_of: int) -> SamplingParams:
         repetition_penalty=repetition_penalty,
         frequency_penalty=frequency_penalty,
         presence_penalty=presence_penalty,
-        logit_bias=_logit_bias(p.logit_bias),
+        logit_bias=_logit_bias(p.logit_bias, max_logit_bias),
         min_p=p.min_p or 0.0,
     )
 
 
-def _logit_bias(bias: dict[int, float] | None) -> tuple[tuple[int, float], ...]:
-    """The bias as sorted (token id, value) pairs, each value within [-100, 100]."""
+def _logit_bias(bias: dict[int, float] | None, bound: float) -> tuple[tuple[int, float], ...]:
+    """The bias as sorted (token id, value) pairs, each value within [-bound, bound]
+    (OpenAI's 100, or --max-logit-bias)."""
     for token_id, value in (bias or {}).items():
-        if not -100.0 <= value <= 100.0:
+        if not -bound <= value <= bound:
             raise ValidationError(
-                f"`logit_bias` values must be >= -100 and <= 100 (token {token_id}: {value})"
+                f"`logit_bias` values must be >= {-bound:g} and <= {bound:g} "
+                f"(token {token_id}: {value})"
             )
     return tuple(sorted((bias or {}).items()))
 

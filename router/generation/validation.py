@@ -88,7 +88,7 @@ class Validator:
         check_unsupported(params)
         check_stream(params, stream)
         best_of = check_best_of(params, self._config.max_best_of)
-        sampling = sampling_params(params, best_of)
+        sampling = sampling_params(params, best_of, self._config.max_logit_bias)
         self._check_token_ids(sampling.logit_bias)
         self.check_token_ids(params.stop_token_ids or (), "stop_token_ids")
         check_counts(params, self._config)

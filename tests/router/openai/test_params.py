@@ -215,3 +215,15 @@ def test_min_p_and_stop_token_ids_reach_the_engine_request() -> None:
     assert list(stopping_params(p, 5).to_pb().stop_token_ids) == [4, 9]
     with pytest.raises(ValidationError, match=r"`min_p` must be >= 0\.0 and <= 1\.0"):
         sampling_params(GenerateParameters(min_p=1.5), 1)
+
+
+def test_max_logit_bias_bounds_every_value() -> None:
+    from textgate.router.generation.parameters import sampling_params
+    from textgate.router.generation.schemas import GenerateParameters
+
+    p = GenerateParameters(logit_bias={5: 20.0})
+    assert sampling_params(p, 1).logit_bias == ((5, 20.0),)
+    with pytest.raises(ValidationError, match=r"must be >= -10 and <= 10 \(token 5: 20.0\)"):
+        sampling_params(p, 1, max_logit_bias=10)
+    with pytest.raises(ValueError, match="max_logit_bias must be > 0"):
+        RouterConfig(model_id="m", tokenizer_path="t", max_logit_bias=0)
