@@ -143,7 +143,7 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
     if layers is None or not all(_has_linears(layer) for layer in layers):
         raise ValueError(
             f"model type {model.config.model_type!r} is not a Llama-family decoder "
-            "(q/k/v/o_proj and gate/up/down_proj); textgate quantize supports llama, mistral, qwen2"
+            "(q/k/v/o_proj and gate/up/down_proj); textgate quantize supports llama, mistral, qwen2, qwen3"
         )
     return list(layers)
 

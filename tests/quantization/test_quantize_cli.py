@@ -194,3 +194,33 @@ def test_model_may_be_left_out_for_the_default():
     assert args.model is None and args.out == Path("out")
     args = build_parser().parse_args(["quantize", "--method", "gptq", "default", "out"])
     assert args.model == "default"
+
+
+def test_a_tiny_qwen3_quantizes_and_serves_like_its_dequantized_twin(tmp_path):
+    from textgate.tests.conftest import build_tiny_model
+
+    qwen3 = build_tiny_model(tmp_path / "qwen3", "qwen3", head_dim=16)
+    out = tmp_path / "qwen3-gptq"
+    with pytest.raises(SystemExit) as exit_info:
+        main(
+            [
+                "quantize",
+                "--method",
+                "gptq",
+                "--group-size",
+                "32",
+                *CALIBRATION,
+                str(qwen3),
+                str(out),
+            ]
+        )
+    assert exit_info.value.code == 0
+    native = load_model(out, torch.float32, "cpu")
+    assert native.quantize == "gptq" and native.config.qk_norm
+    reference = dequantized_reference(out, qwen3)
+    prompt = [5, 17, 42, 8, 99, 3]
+    with torch.inference_mode():
+        expected = reference.generate(
+            torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0
+        )[0, len(prompt) :].tolist()
+    assert greedy_native(native, prompt, 6) == expected
