@@ -96,6 +96,20 @@ def greedy_native(model: torch.nn.Module, prompt: list[int], steps: int) -> list
     return tokens[len(prompt) :]
 
 
+def assert_generates_like_dequantized_twin(
+    native: torch.nn.Module, checkpoint: Path, source: Path
+) -> None:
+    """Six greedy tokens of the loaded checkpoint equal transformers' over its weights
+    dequantized (the same numbers, without textgate's kernels)."""
+    reference = dequantized_reference(checkpoint, source)
+    prompt = [5, 17, 42, 8, 99, 3]
+    with torch.inference_mode():
+        expected = reference.generate(
+            torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0
+        )[0, len(prompt) :].tolist()
+    assert greedy_native(native, prompt, 6) == expected
+
+
 @pytest.mark.parametrize("name", list(METHODS))
 def test_checkpoint_loads_in_the_shard_and_generates_like_its_dequantized_twin(
     name, checkpoints, tiny
@@ -104,13 +118,7 @@ def test_checkpoint_loads_in_the_shard_and_generates_like_its_dequantized_twin(
     native = load_model(checkpoint, torch.float32, "cpu")  # method auto-detected
     expected_method = "awq" if name == "awq" else "gptq"
     assert native.quantize == expected_method
-    reference = dequantized_reference(checkpoint, tiny)
-    prompt = [5, 17, 42, 8, 99, 3]
-    with torch.inference_mode():
-        expected = reference.generate(
-            torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0
-        )[0, len(prompt) :].tolist()
-    assert greedy_native(native, prompt, 6) == expected
+    assert_generates_like_dequantized_twin(native, checkpoint, tiny)
 
 
 def test_gptq_layout_and_configs(checkpoints):
@@ -217,10 +225,4 @@ def test_a_tiny_qwen3_quantizes_and_serves_like_its_dequantized_twin(tmp_path):
     assert exit_info.value.code == 0
     native = load_model(out, torch.float32, "cpu")
     assert native.quantize == "gptq" and native.config.qk_norm
-    reference = dequantized_reference(out, qwen3)
-    prompt = [5, 17, 42, 8, 99, 3]
-    with torch.inference_mode():
-        expected = reference.generate(
-            torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0
-        )[0, len(prompt) :].tolist()
-    assert greedy_native(native, prompt, 6) == expected
+    assert_generates_like_dequantized_twin(native, out, qwen3)

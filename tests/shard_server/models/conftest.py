@@ -139,6 +139,56 @@ def runner() -> Callable[..., PagedRunner]:
     return make
 
 
+def greedy_continue(
+    paged: PagedRunner, logits: dict[int, torch.Tensor], steps: int
+) -> dict[int, list[int]]:
+    """Greedy tokens of every sequence, from the logits of its last step on: `steps` each."""
+    tokens: dict[int, list[int]] = {seq: [] for seq in logits}
+    for step in range(steps):
+        for seq, row in logits.items():
+            tokens[seq].append(int(row.argmax()))
+        if step < steps - 1:
+            logits = paged.step({seq: tokens[seq][-1:] for seq in tokens})
+    return tokens
+
+
+def assert_generate_agrees(
+    hf: PreTrainedModel, prompts: dict[int, list[int]], tokens: dict[int, list[int]]
+) -> None:
+    """transformers' greedy `generate` of each prompt gives its `tokens` (no eos stop)."""
+    for seq, prompt in prompts.items():
+        steps = len(tokens[seq])
+        with torch.inference_mode():
+            out = hf.generate(
+                torch.tensor([prompt]),
+                do_sample=False,
+                max_new_tokens=steps,
+                min_new_tokens=steps,
+                pad_token_id=0,
+            )
+        assert out[0, len(prompt) :].tolist() == tokens[seq], f"prompt {seq}"
+
+
+def assert_decode_follows_transformers_cache(
+    hf: PreTrainedModel, paged: PagedRunner, prompt: list[int], steps: int = 6, atol: float = 1e-4
+) -> None:
+    """Prefill then `steps` greedy decode steps: each step's last logits equal transformers'
+    with its own DynamicCache."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=hf.config)
+    with torch.inference_mode():
+        expected = hf(torch.tensor([prompt]), cache=cache).logits[0, -1]
+    logits = paged.step({0: prompt})[0]
+    for _ in range(steps):
+        torch.testing.assert_close(logits, expected, atol=atol, rtol=0)
+        token = int(expected.argmax())
+        with torch.inference_mode():
+            expected = hf(torch.tensor([[token]]), cache=cache).logits[0, -1]
+        logits = paged.step({0: [token]})[0]
+    torch.testing.assert_close(logits, expected, atol=atol, rtol=0)
+
+
 def reference_logits(model: PreTrainedModel, tokens: list[int]) -> torch.Tensor:
     """transformers' logits [L, V] for one sequence, no cache."""
     with torch.inference_mode():

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from textgate.shard_server.layers import moe
 from textgate.shard_server.layers.moe import LinearExperts, SparseMoE, StackedExperts
 from textgate.shard_server.models import load_model
+from textgate.tests.shard_server.models.conftest import (
+    assert_decode_follows_transformers_cache,
+    assert_generate_agrees,
+    greedy_continue,
+)
 
 ATOL = 1e-4
 
@@ -43,19 +47,7 @@ def test_prefill_logits_match_transformers(tiny, runner, reference, kind, overri
 @pytest.mark.parametrize(("kind", "overrides"), FAMILIES, ids=IDS)
 def test_paged_decode_matches_transformers_cache(tiny, runner, kind, overrides):
     path, hf = tiny(kind, **overrides)
-    paged = runner(path, 16)
-    prompt = _prompt(9)
-    cache = DynamicCache(config=hf.config)
-    with torch.inference_mode():
-        expected = hf(torch.tensor([prompt]), cache=cache).logits[0, -1]
-    logits = paged.step({0: prompt})[0]
-    for _ in range(6):
-        torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
-        token = int(expected.argmax())
-        with torch.inference_mode():
-            expected = hf(torch.tensor([[token]]), cache=cache).logits[0, -1]
-        logits = paged.step({0: [token]})[0]
-    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+    assert_decode_follows_transformers_cache(hf, runner(path, 16), _prompt(9))
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "mixtral", "qwen2_moe", "qwen3_moe"])
@@ -63,22 +55,7 @@ def test_greedy_batch_of_eight_equals_transformers_generate(tiny, runner, kind):
     path, hf = tiny(kind)
     prompts = {seq: _prompt(3 + 2 * seq, seed=seq) for seq in range(8)}
     paged = runner(path)
-    tokens: dict[int, list[int]] = {seq: [] for seq in prompts}
-    logits = paged.step(prompts)
-    for _ in range(8):
-        for seq, row in logits.items():
-            tokens[seq].append(int(row.argmax()))
-        logits = paged.step({seq: tokens[seq][-1:] for seq in prompts})
-    for seq, prompt in prompts.items():
-        with torch.inference_mode():
-            out = hf.generate(
-                torch.tensor([prompt]),
-                do_sample=False,
-                max_new_tokens=8,
-                min_new_tokens=8,
-                pad_token_id=0,
-            )
-        assert out[0, len(prompt) :].tolist() == tokens[seq], f"prompt {seq}"
+    assert_generate_agrees(hf, prompts, greedy_continue(paged, paged.step(prompts), 8))
 
 
 def _moe_blocks(model: torch.nn.Module) -> list[SparseMoE]:

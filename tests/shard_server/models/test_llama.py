@@ -9,6 +9,7 @@ from transformers import DynamicCache
 from textgate.kernels import AttentionMetadata
 from textgate.quantization import Weights
 from textgate.shard_server.models import LlamaForCausalLM, load_model
+from textgate.tests.shard_server.models.conftest import assert_decode_follows_transformers_cache
 
 ATOL = 1e-4
 
@@ -48,19 +49,7 @@ def test_prefill_logits_match_transformers(
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_paged_decode_matches_transformers_cache(tiny, runner, kind, block_size, kernels):
     path, hf = tiny(kind, sliding_window=6) if kind == "mistral" else tiny(kind)
-    paged = runner(path, block_size)
-    prompt = _prompt(9)
-    cache = DynamicCache(config=hf.config)
-    with torch.inference_mode():
-        expected = hf(torch.tensor([prompt]), cache=cache).logits[0, -1]
-    logits = paged.step({0: prompt})[0]
-    for _ in range(6):
-        torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
-        token = int(expected.argmax())
-        with torch.inference_mode():
-            expected = hf(torch.tensor([[token]]), cache=cache).logits[0, -1]
-        logits = paged.step({0: [token]})[0]
-    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+    assert_decode_follows_transformers_cache(hf, runner(path, block_size), _prompt(9), atol=ATOL)
 
 
 @pytest.mark.parametrize("block_size", [4, 16])

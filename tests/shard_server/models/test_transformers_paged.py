@@ -24,7 +24,12 @@ from textgate.shard_server.models.transformers_paged import (
 from textgate.shard_server.protocols.padded_model import PaddedModel
 from textgate.shard_server.protocols.paged_model import PagedModel
 from textgate.tests.conftest import build_tiny_model
-from textgate.tests.shard_server.models.conftest import TINY, PagedRunner
+from textgate.tests.shard_server.models.conftest import (
+    TINY,
+    PagedRunner,
+    assert_generate_agrees,
+    greedy_continue,
+)
 
 ATOL = 1e-4
 
@@ -93,24 +98,10 @@ def test_a_concurrent_batch_with_shared_prefixes_equals_transformers_generate(
     shared = _prompt(9, seed=99)
     prompts = {seq: shared[: 3 + seq] + _prompt(1 + 2 * seq, seed=seq) for seq in range(6)}
     # Sequences of different lengths; two join one step late, one prefills in two chunks.
-    tokens: dict[int, list[int]] = {seq: [] for seq in prompts}
     logits = paged.step({0: prompts[0], 1: prompts[1], 2: prompts[2][:4]})
     del logits[2]
     logits |= paged.step({2: prompts[2][4:], 3: prompts[3], 4: prompts[4], 5: prompts[5]})
-    logits = dict(sorted(logits.items()))
-    for _ in range(6):
-        for seq, row in logits.items():
-            tokens[seq].append(int(row.argmax()))
-        logits = paged.step({seq: tokens[seq][-1:] for seq in prompts})
-    for seq, prompt in prompts.items():
-        with torch.inference_mode():
-            out = hf.generate(
-                torch.tensor([prompt]),
-                do_sample=False,
-                max_new_tokens=6,
-                pad_token_id=0,
-            )
-        assert out[0, len(prompt) :].tolist() == tokens[seq], f"prompt {seq}"
+    assert_generate_agrees(hf, prompts, greedy_continue(paged, dict(sorted(logits.items())), 6))
 
 
 def test_the_cache_shape_comes_from_the_model_not_its_config_names(tmp_path) -> None:
