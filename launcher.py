@@ -141,6 +141,8 @@ def shard_argv(model_path: Path, config: LauncherConfig) -> list[str]:
     argv += ["--cuda-graphs", _graph_sizes_text(config.cuda_graphs)]
     if config.quantize is not None:
         argv += ["--quantize", config.quantize]
+    if config.lora_adapters:
+        argv += ["--lora-adapters", ",".join(f"{n}={p}" for n, p in config.lora_adapters)]
     if config.trust_remote_code:
         argv.append("--trust-remote-code")
     if config.json_output:

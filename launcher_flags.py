@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from textgate.shard_server.flag_types import cuda_graph_sizes
+from textgate.shard_server.flag_types import cuda_graph_sizes, lora_adapters
 
 # TGI's spellings, plus int8 (W8A8 quantized at load) and gguf (a GGUF's 4-bit layers kept
 # quantized). The shards' loader registry
@@ -142,6 +142,13 @@ class LauncherConfig:
         "take more waiting prompt tokens, up to 2x the inter-token target, while a prompt "
         "would otherwise miss it; unset = 16 inter-token targets",
         float,
+    )
+    lora_adapters: tuple[tuple[str, str], ...] = flag(
+        (),
+        "LoRA adapters to serve beside the base model, TGI's syntax: comma-separated "
+        "id=path or path (a PEFT folder; its id is the folder's name); requests pick one "
+        "with adapter_id (TGI) or model (OpenAI); native models on one shard",
+        lora_adapters,
     )
     max_logit_bias: float = flag(
         100.0,

@@ -76,7 +76,10 @@ def build_app(
     """
     # Padded shards (block_size 0: the transformers fallback) cannot enforce grammars.
     validator = Validator(
-        config, tokenizer, grammars=shard_info is None or shard_info.block_size > 0
+        config,
+        tokenizer,
+        grammars=shard_info is None or shard_info.block_size > 0,
+        adapters=list(shard_info.lora_adapters) if shard_info is not None else (),
     )
     state = RouterState(
         config, shards, tokenizer, validator, engine, shard_info, metrics, autoconfig

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from textgate.logs import setup_logging
 from textgate.shard_server import tracing
-from textgate.shard_server.flag_types import cuda_graph_sizes
+from textgate.shard_server.flag_types import cuda_graph_sizes, lora_adapters
 from textgate.shard_server.loading.shard_loader import load_model
 from textgate.shard_server.protocols.shard_model import ShardModel
 from textgate.shard_server.server import model_thread, serve
@@ -67,6 +67,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--no-native", action="store_true", help="serve through transformers even if native"
     )
+    parser.add_argument(
+        "--lora-adapters",
+        type=lora_adapters,
+        default=(),
+        help="LoRA adapters as id=path or path, comma-separated (PEFT folders)",
+    )
     parser.add_argument("--json-output", action="store_true")
     parser.add_argument(
         "--otlp-endpoint", default=None, help="OTLP/gRPC collector for traces (unset: none)"
@@ -101,6 +107,7 @@ def main(argv: list[str] | None = None) -> None:
         native=not args.no_native,
         quantize=args.quantize,
         attention=args.attention,
+        lora_adapters=args.lora_adapters,
     ).result()
     telemetry = start_tracing(
         args.otlp_endpoint,

@@ -24,3 +24,22 @@ def cuda_graph_sizes(text: str) -> tuple[int, ...]:
             f"batch sizes must be positive (0 alone disables): {text!r}"
         )
     return tuple(sorted(set(sizes)))
+
+
+def lora_adapters(text: str) -> tuple[tuple[str, str], ...]:
+    """`--lora-adapters`, TGI's syntax: comma-separated `id=path` or `path` (its id: the
+    folder's name); ids unique."""
+    adapters: list[tuple[str, str]] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        name, sep, path = part.partition("=")
+        if not sep:
+            name, path = part.rstrip("/").rsplit("/", 1)[-1], part
+        if not name or not path:
+            raise argparse.ArgumentTypeError(f"expected id=path or a path, got {part!r}")
+        adapters.append((name.strip(), path.strip()))
+    names = [name for name, _ in adapters]
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"LoRA adapter ids must be unique: {names}")
+    return tuple(adapters)

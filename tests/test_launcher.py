@@ -174,3 +174,14 @@ def test_max_logit_bias_reaches_the_router_and_is_bounded(tiny_model_dir: Path) 
     assert launcher.router_config(tiny_model_dir, config)["max_logit_bias"] == 5
     with pytest.raises((SystemExit, ValueError)):
         launcher.parse_args(["--max-logit-bias", "101"], env={})
+
+
+def test_lora_adapters_take_tgis_syntax_and_reach_the_shard(tmp_path: Path) -> None:
+    config = launcher.parse_args(["--lora-adapters", "sql=/a/sql, /b/poet/"], env={})
+    assert config.lora_adapters == (("sql", "/a/sql"), ("poet", "/b/poet/"))
+    argv = launcher.shard_argv(tmp_path, config)
+    assert argv[argv.index("--lora-adapters") + 1] == "sql=/a/sql,poet=/b/poet/"
+    from_env = launcher.parse_args([], env={"LORA_ADAPTERS": "x=/x"})
+    assert from_env.lora_adapters == (("x", "/x"),)
+    with pytest.raises(SystemExit):
+        launcher.parse_args(["--lora-adapters", "a=/1,a=/2"], env={})

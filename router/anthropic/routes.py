@@ -28,7 +28,7 @@ from textgate.router.generation.schemas import GenerateRequest
 from textgate.router.generation.stop_text import TextOptions
 from textgate.router.generation.tools import ToolPlan
 from textgate.router.http.request_io import read_json
-from textgate.router.http.served_model import served_model
+from textgate.router.http.served_model import served_model, with_adapter
 from textgate.router.http.serving import CLIENT_CLOSED_REQUEST, Serving
 from textgate.router.http.state import RouterState
 from textgate.router.http.typed_errors import answers_typed_errors
@@ -63,7 +63,7 @@ class _MessagesHandlers:
     async def count_tokens(self, request: Request) -> Response:
         """POST /v1/messages/count_tokens: the tokens of the templated system, turns and tools."""
         body = await read_json(request, CountTokensRequest, self._config.payload_limit)
-        served_model(body.model, self._config.model_id)
+        served_model(body.model, self._config.model_id, self._state.validator.adapters)
         prompt = await self._render(body, tool_plan(body))
         inputs = GenerateRequest(inputs=prompt, add_special_tokens=False)
         tokens = await self._state.validator.tokenize(inputs)
@@ -71,9 +71,10 @@ class _MessagesHandlers:
 
     async def _message(self, request: Request, received: float) -> Response:
         body = await read_json(request, MessagesRequest, self._config.payload_limit)
-        model = served_model(body.model, self._config.model_id)
+        adapters = self._state.validator.adapters
+        model = served_model(body.model, self._config.model_id, adapters)
         tools = tool_plan(body)
-        params = generate_parameters(body, tools)
+        params = with_adapter(model, adapters, generate_parameters(body, tools))
         prompt = await self._render(body, tools)
         # The template already holds the special tokens the model expects (BOS, markers).
         inputs = GenerateRequest(inputs=prompt, parameters=params, add_special_tokens=False)

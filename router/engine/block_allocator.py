@@ -46,6 +46,11 @@ def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
     return hashlib.sha256(parent + struct.pack(f"<{len(token_ids)}I", *token_ids)).digest()
 
 
+def _root_hash(salt: str) -> BlockHash:
+    """The hash a request's first block chains from: b"" unsalted, else the salt's own."""
+    return hashlib.sha256(b"salt:" + salt.encode()).digest() if salt else _ROOT_HASH
+
+
 class BlockAllocator:
     """A fixed pool of KV blocks handed out to requests as block tables.
 
@@ -72,6 +77,7 @@ class BlockAllocator:
         self._tables: dict[int, list[int]] = {}
         # Chain hashes of each request's leading full blocks, hit or published so far.
         self._request_hashes: dict[int, list[BlockHash]] = {}
+        self._request_roots: dict[int, BlockHash] = {}
         self.num_prefix_query_tokens = 0
         self.num_prefix_hit_tokens = 0
 
@@ -110,8 +116,13 @@ class BlockAllocator:
 
     # ---- request lifecycle ----
 
-    def allocate(self, request_id: int, token_ids: Sequence[int], num_tokens: int) -> int | None:
+    def allocate(
+        self, request_id: int, token_ids: Sequence[int], num_tokens: int, salt: str = ""
+    ) -> int | None:
         """Give a new request a block table covering `num_tokens` tokens.
+
+        `salt` names what else the request's KV depends on (a LoRA adapter): its blocks
+        chain from a root of their own, so only requests with the same salt share them.
 
         `token_ids` are the tokens known now (prompt, plus generated ones on a
         recompute); `num_tokens` >= len(token_ids) adds room for decoding. Leading full
@@ -126,7 +137,8 @@ class BlockAllocator:
             raise ValueError(
                 f"need 1 <= len(token_ids) <= num_tokens, got {len(token_ids)}, {num_tokens}"
             )
-        hits, hashes = self._match_prefix(token_ids)
+        root = _root_hash(salt)
+        hits, hashes = self._match_prefix(token_ids, root)
         num_fresh = self.num_blocks_for(num_tokens) - len(hits)
         num_revived = sum(1 for block in hits if self._ref_counts[block] == 0)
         if num_fresh > self.num_free_blocks - num_revived:
@@ -135,6 +147,7 @@ class BlockAllocator:
             self._acquire_cached(block)
         self._tables[request_id] = hits + [self._take_fresh() for _ in range(num_fresh)]
         self._request_hashes[request_id] = hashes
+        self._request_roots[request_id] = root
         num_computed = len(hits) * self.block_size
         if self.enable_prefix_caching:
             self.num_prefix_query_tokens += len(token_ids)
@@ -165,7 +178,7 @@ class BlockAllocator:
         table = self._tables[request_id]
         hashes = self._request_hashes[request_id]
         for index in range(len(hashes), num_computed_tokens // self.block_size):
-            parent = hashes[-1] if hashes else _ROOT_HASH
+            parent = hashes[-1] if hashes else self._request_roots[request_id]
             block_hash = hash_block(parent, self._block_tokens(token_ids, index))
             hashes.append(block_hash)
             block = table[index]
@@ -177,6 +190,7 @@ class BlockAllocator:
         """Release a finished, aborted or preempted request's blocks (no-op if it has none)."""
         table = self._tables.pop(request_id, None)
         self._request_hashes.pop(request_id, None)
+        self._request_roots.pop(request_id, None)
         if table is None:
             return
         # Tail first: a prompt's last blocks are the least likely to be shared, so they
@@ -222,13 +236,15 @@ class BlockAllocator:
 
     # ---- internals ----
 
-    def _match_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], list[BlockHash]]:
+    def _match_prefix(
+        self, token_ids: Sequence[int], root: BlockHash
+    ) -> tuple[list[int], list[BlockHash]]:
         """Cached blocks equal to the leading full blocks, never including the last token."""
         if not self.enable_prefix_caching:
             return [], []
         hits: list[int] = []
         hashes: list[BlockHash] = []
-        parent = _ROOT_HASH
+        parent = root
         for index in range((len(token_ids) - 1) // self.block_size):
             block_hash = hash_block(parent, self._block_tokens(token_ids, index))
             block = self._cached.get(block_hash)

@@ -77,7 +77,9 @@ class PagedEngine:
         for entry in entries:
             request = entry.request
             try:
-                self.scheduler.add_request(entry.id, request.input_ids, request.max_new_tokens)
+                self.scheduler.add_request(
+                    entry.id, request.input_ids, request.max_new_tokens, request.adapter_id or ""
+                )
             except ValueError as exc:
                 self._admitted.fail([entry], str(exc), "validation")
         self._metrics.queue_size(self.scheduler.num_waiting)

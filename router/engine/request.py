@@ -90,6 +90,8 @@ class ValidRequest:
     """Candidates to generate; the response keeps the one with the highest logprob sum."""
     grammar: GrammarSpec | None = None
     """The text must match this grammar; None: unconstrained."""
+    adapter_id: str | None = None
+    """The LoRA adapter it runs with; None: the base model."""
 
     @property
     def input_length(self) -> int:
@@ -118,4 +120,5 @@ class ValidRequest:
             prefill_logprobs=self.decoder_input_details,
             top_n_tokens=self.top_n_tokens,
             grammar=None if self.grammar is None else self.grammar.to_pb(),
+            adapter_id=self.adapter_id or "",
         )

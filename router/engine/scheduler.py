@@ -51,6 +51,9 @@ class _Request:
     num_computed_tokens: int = 0
     added_at_s: float = 0.0
     """When it was added, on the controller's clock (`BatchController.clock_s`)."""
+    cache_salt: str = ""
+    """What else its KV depends on besides its tokens (the LoRA adapter): prefix-cache
+    hits only come from requests with the same salt."""
 
     @property
     def num_tokens(self) -> int:
@@ -144,7 +147,11 @@ class Scheduler:
     # ---- requests in and out ----
 
     def add_request(
-        self, request_id: int, prompt_token_ids: Sequence[int], max_new_tokens: int
+        self,
+        request_id: int,
+        prompt_token_ids: Sequence[int],
+        max_new_tokens: int,
+        cache_salt: str = "",
     ) -> None:
         """Queue a request; ValueError if it is malformed or could never fit the KV cache."""
         if request_id in self._requests:
@@ -168,6 +175,7 @@ class Scheduler:
             len(prompt_token_ids),
             max_new_tokens,
             added_at_s=self.controller.clock_s,
+            cache_salt=cache_salt,
         )
         self._requests[request_id] = request
         self._waiting.append(request)
@@ -360,7 +368,9 @@ class Scheduler:
             overdue = False
             request = self._waiting[0]
             num_tokens = min(request.num_tokens + reserve, request.max_total_tokens)
-            num_cached = self.allocator.allocate(request.request_id, request.token_ids, num_tokens)
+            num_cached = self.allocator.allocate(
+                request.request_id, request.token_ids, num_tokens, salt=request.cache_salt
+            )
             if num_cached is None:
                 return  # first come, first served: nobody overtakes the head of the queue
             self._waiting.popleft()

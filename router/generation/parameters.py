@@ -32,8 +32,6 @@ def check_unsupported(p: GenerateParameters) -> None:
     # Silently ignoring these would return output the client did not ask for.
     if p.watermark:
         raise ValidationError("`watermark` is not supported: this server does not watermark")
-    if p.adapter_id is not None:
-        raise ValidationError("`adapter_id` is not supported: this server loads no adapters")
 
 
 def grammar_spec(p: GenerateParameters) -> GrammarSpec | None:

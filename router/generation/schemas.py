@@ -55,7 +55,7 @@ class GenerateParameters(BaseModel):
     watermark: bool = False
     """Kirchenbauer et al. watermark; not implemented, so setting it is rejected."""
     adapter_id: str | None = None
-    """LoRA adapter id; no adapters are loaded, so setting it is rejected."""
+    """LoRA adapter to run with (one of --lora-adapters, listed in /info); None: the base."""
     grammar: Any = None
     """Structured output: `{"type": "json", "value": <JSON schema>}` or `{"type": "regex",
     "value": "..."}` (router/generation/grammar.py); the text is constrained to match it."""

@@ -57,9 +57,16 @@ class Validator:
     """Checks requests against the router's limits and tokenizes them in a thread pool."""
 
     def __init__(
-        self, config: RouterConfig, tokenizer: Tokenizer, *, grammars: bool = True
+        self,
+        config: RouterConfig,
+        tokenizer: Tokenizer,
+        *,
+        grammars: bool = True,
+        adapters: Sequence[str] = (),
     ) -> None:
         self._config = config
+        self.adapters = tuple(adapters)
+        """The LoRA adapters the shards loaded (`adapter_id` must name one)."""
         # Grammars are enforced by the paged shards' sampler; the transformers fallback
         # (padded shards) has none, so a grammar there is refused here rather than failing
         # the batch it would join.
@@ -114,6 +121,15 @@ class Validator:
             decoder_input_details=params.decoder_input_details,
             best_of=best_of,
             grammar=self.grammar_spec(params),
+            adapter_id=self._check_adapter(params.adapter_id),
+        )
+
+    def _check_adapter(self, adapter_id: str | None) -> str | None:
+        if adapter_id is None or adapter_id in self.adapters:
+            return adapter_id
+        loaded = ", ".join(self.adapters) or "none (--lora-adapters)"
+        raise ValidationError(
+            f"`adapter_id` {adapter_id!r} is not a loaded adapter; loaded: {loaded}"
         )
 
     def grammar_spec(self, params: GenerateParameters) -> GrammarSpec | None:

@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response
 from textgate.router.generation.schemas import GenerateRequest
 from textgate.router.generation.validation import Wording
 from textgate.router.http.request_io import read_json
-from textgate.router.http.served_model import served_model
+from textgate.router.http.served_model import served_model, with_adapter
 from textgate.router.http.serving import CLIENT_CLOSED_REQUEST, Serving
 from textgate.router.http.state import RouterState
 from textgate.router.openai.responses_input import (
@@ -55,11 +55,12 @@ class ResponsesHandler:
     async def _create(self, request: Request, received: float) -> Response:
         config = self._state.config
         body = await read_json(request, ResponsesRequest, config.payload_limit)
-        model = served_model(body.model, config.model_id)
+        adapters = self._state.validator.adapters
+        model = served_model(body.model, config.model_id, adapters)
         check_stateless(body)
         tools = tool_plan(body)
         grammar = tools.grammar if tools is not None else format_grammar(body)
-        params = generate_parameters(body, config, grammar)
+        params = with_adapter(model, adapters, generate_parameters(body, config, grammar))
         prompt = await self._serving.render(input_messages(body), tools)
         # The template already holds the special tokens the model expects (BOS, markers).
         inputs = GenerateRequest(inputs=prompt, parameters=params, add_special_tokens=False)

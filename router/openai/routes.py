@@ -30,7 +30,7 @@ from textgate.router.generation.stop_text import TextOptions
 from textgate.router.generation.tools import ToolPlan
 from textgate.router.generation.validation import Wording
 from textgate.router.http.request_io import read_json
-from textgate.router.http.served_model import served_model
+from textgate.router.http.served_model import served_model, with_adapter
 from textgate.router.http.serving import CLIENT_CLOSED_REQUEST, Serving
 from textgate.router.http.state import RouterState
 from textgate.router.http.typed_errors import answers_typed_errors
@@ -126,8 +126,12 @@ class _OpenAIHandlers:
 
     async def models(self, request: Request) -> Response:
         """GET /v1/models: the served model, OpenAI's model list."""
-        card = ModelCard(id=self._config.model_id, created=self._created)
-        return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
+        base = self._config.model_id
+        cards = [ModelCard(id=base, created=self._created)] + [
+            ModelCard(id=name, created=self._created, parent=base)
+            for name in self._state.validator.adapters
+        ]
+        return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
 
     async def chat_tokenize(self, request: Request) -> Response:
         """POST /chat_tokenize: the chat-templated prompt and its tokens with their spans."""
@@ -144,9 +148,10 @@ class _OpenAIHandlers:
 
     async def _chat(self, request: Request, received: float) -> Response:
         body = await read_json(request, ChatCompletionRequest, self._config.payload_limit)
-        model = served_model(body.model, self._config.model_id)
+        adapters = self._state.validator.adapters
+        model = served_model(body.model, self._config.model_id, adapters)
         tools = tool_plan(body)
-        params = chat_parameters(body, self._config, tools)
+        params = with_adapter(model, adapters, chat_parameters(body, self._config, tools))
         fanout = chat_fanout(body, self._config)
         prompt = await self._render(body, tools)
         # The template already holds the special tokens the model expects (BOS, markers).
@@ -185,9 +190,10 @@ class _OpenAIHandlers:
 
     async def _complete(self, request: Request, received: float) -> Response:
         body = await read_json(request, CompletionRequest, self._config.payload_limit)
-        model = served_model(body.model, self._config.model_id)
+        adapters = self._state.validator.adapters
+        model = served_model(body.model, self._config.model_id, adapters)
         given = prompt_list(body)
-        params = completion_parameters(body, self._config)
+        params = with_adapter(model, adapters, completion_parameters(body, self._config))
         fanout = completion_fanout(body, self._config)
         validator = self._state.validator
         # Token-id prompts keep their ids; their text is what `echo` returns.

@@ -339,13 +339,17 @@ class Completion(BaseModel):
     usage: Usage | None = None
 
 
-class ModelCard(BaseModel):
-    """The served model in /v1/models."""
+class ModelCard(_OmitsWhenNone):
+    """The served model, or one of its LoRA adapters, in /v1/models."""
+
+    omit_when_none: ClassVar[tuple[str, ...]] = ("parent",)
 
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "textgate"
+    parent: str | None = None
+    """A LoRA adapter's base model (vLLM's field); absent for the base itself."""
 
 
 class ModelList(BaseModel):

@@ -217,6 +217,7 @@ def info_response(
         kv_cache_dtype=(shard_info.kv_cache_dtype or None) if shard_info else None,
         attention_backend=(shard_info.attention_backend or None) if shard_info else None,
         model_implementation=(shard_info.model_implementation or None) if shard_info else None,
+        lora_adapters=(list(shard_info.lora_adapters) or None) if shard_info else None,
         cpu_kernels=(dict(shard_info.cpu_kernels) or None) if shard_info else None,
         kv_cache_bytes_per_token=(shard_info.kv_cache_bytes_per_token or None)
         if shard_info

@@ -145,6 +145,8 @@ class Info(_Response):
     #: textgate's: how the shards run the model and why ("native LlamaForCausalLM",
     #: "transformers Olmo2ForCausalLM on the paged engine (no native class)", ...).
     model_implementation: str | None = None
+    #: textgate's: the LoRA adapters loaded (--lora-adapters), by id; None without any.
+    lora_adapters: list[str] | None = None
     #: textgate's: on a CPU, what each kernel runs on here (the C kernels' instruction-set
     #: level, the int8 kernel, torch's int4 layout, ...; docs/hardware.md); None on a GPU.
     cpu_kernels: dict[str, str] | None = None

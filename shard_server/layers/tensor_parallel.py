@@ -20,6 +20,8 @@ from textgate.quantization.weights import Shard, Weights
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
+    from textgate.shard_server.layers.lora import LoraLayer
+
 
 def rank_device(rank: int, world_size: int, num_gpus: int) -> torch.device:
     """The device of shard `rank`: GPU `rank` of the visible ones (TGI's rule; the launcher
@@ -61,6 +63,8 @@ class TensorParallelColumnLinear(nn.Module):
     def __init__(self, linear: nn.Module) -> None:
         super().__init__()
         self.linear = linear
+        self.lora: LoraLayer | None = None
+        """LoRA adapters' updates of this layer (layers.lora.attach); None: none."""
 
     @classmethod
     def load(
@@ -94,7 +98,8 @@ class TensorParallelColumnLinear(nn.Module):
         return cls(weight.get_linear(bias_tensor))
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.linear(x)
+        out = self.linear(x)
+        return out if self.lora is None else self.lora.add(x, out)
 
 
 class TensorParallelRowLinear(nn.Module):
@@ -104,6 +109,8 @@ class TensorParallelRowLinear(nn.Module):
         super().__init__()
         self.linear = linear
         self.process_group = process_group
+        self.lora: LoraLayer | None = None
+        """LoRA adapters' updates, added to the partial sum before the all-reduce."""
 
     @classmethod
     def load(
@@ -123,7 +130,10 @@ class TensorParallelRowLinear(nn.Module):
         return cls(weight.get_linear(bias_tensor), weights.process_group if reduce else None)
 
     def forward(self, x: Tensor) -> Tensor:
-        return all_reduce(self.linear(x), self.process_group)
+        out = self.linear(x)
+        if self.lora is not None:
+            out = self.lora.add(x, out)
+        return all_reduce(out, self.process_group)
 
 
 class TensorParallelEmbedding(nn.Module):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -63,11 +63,13 @@ def load_model(
     native: bool = True,
     quantize: str | None = None,
     attention: str = "auto",
+    lora_adapters: Sequence[tuple[str, str]] = (),
 ) -> ShardModel:
     """Load `model_path` for this rank: native and paged when the architecture allows.
 
     `quantize` names the weight quantization method (None: the checkpoint's own, if any).
     `attention` is `--attention` (kernels.select_attention_backend; native models only).
+    `lora_adapters` are (id, PEFT folder) pairs, attached to a native model on one shard.
 
     `dtype` "auto" on CPU builds a native model in each candidate dtype and keeps the one
     whose own step measured fastest (`dtype_choice.pick_dtype`).
@@ -88,7 +90,13 @@ def load_model(
 
         auto_on_cpu = dtype == "auto" and device.type == "cpu"
         method_dtype = quantized_cpu_dtype(model_path, quantize) if auto_on_cpu else None
-        return load_paged(build, dtype, torch_dtype, device, method_dtype)
+        paged = load_paged(build, dtype, torch_dtype, device, method_dtype)
+        attach_adapters(paged, lora_adapters)
+        return paged
+    if lora_adapters:
+        raise ValueError(
+            f"--lora-adapters needs a native implementation; model type {model_type!r} has none"
+        )
     reason = transformers_paged_reason(model_path) if native else "--no-native"
     if reason is None:
         check_transformers_paged_flags(model_type, world_size, quantize)
@@ -107,6 +115,31 @@ def load_model(
     return TransformersModel(
         model_path, torch_dtype, device, model_id, trust_remote_code, why_padded=reason
     )
+
+
+def attach_adapters(paged: PagedModel, adapters: Sequence[tuple[str, str]]) -> None:
+    """Load each (id, folder) LoRA adapter and attach it to the paged native model."""
+    if not adapters:
+        return
+    from textgate.shard_server.layers.lora import LoraAdapter, LoraError, attach
+
+    if paged.world_size > 1:
+        raise LoraError(
+            "--lora-adapters runs on one shard; --num-shard > 1 does not split them yet"
+        )
+    model = paged.model
+    loaded = [
+        LoraAdapter.load(name, Path(path), model.dtype, model.device) for name, path in adapters
+    ]
+    paged.adapters = attach(model, loaded)
+    for adapter in loaded:
+        log.info(
+            "LoRA adapter %r: rank %d, scale %g, %d layers updated",
+            adapter.name,
+            adapter.rank,
+            adapter.scale,
+            len(adapter.weights),
+        )
 
 
 def read_model_type(model_path: Path) -> str | None:

@@ -25,6 +25,7 @@ from textgate.kernels import attention_backend_name
 from textgate.kernels.kv_quant import kv_dtype_name, resolve_kv_cache_dtype
 from textgate.proto import generate_pb2 as pb
 from textgate.quantization.resident import resident_bytes
+from textgate.shard_server.layers.lora import LoraRows, lora_rows
 from textgate.shard_server.protocols.shard_model import PAGED_ONLY, ShardModel, UnsupportedCall
 from textgate.shard_server.startup.cache_config import CacheConfig
 from textgate.shard_server.startup.dtype_choice import DtypeChoice
@@ -93,6 +94,8 @@ class PagedModel(ShardModel):
         """How decode graphs are recorded; None: real CUDA graphs on a GPU, none on CPU."""
         self.graphs: DecodeGraphRunner | None = None
         self.prompt_logprobs = PromptLogprobs()
+        self.adapters: dict[str, int] = {}
+        """LoRA adapters attached to the model (layers.lora.attach): id -> slot."""
 
     def describe(self) -> pb.InfoResponse:
         config = self.model.config
@@ -112,6 +115,7 @@ class PagedModel(ShardModel):
             attention_backend=attention_backend_name(self.model.attention_backend),
             kv_cache_bytes_per_token=self._kv_bytes(block_size=1),
             cpu_kernels=cpu_kernel_report() if self.device.type == "cpu" else {},
+            lora_adapters=sorted(self.adapters),
         )
 
     # -- warmup -----------------------------------------------------------------------
@@ -285,14 +289,30 @@ class PagedModel(ShardModel):
         )
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Logits [N, V] of the step: through a decode graph where one fits, else eager."""
+        """Logits [N, V] of the step: through a decode graph where one fits (and no row
+        uses a LoRA adapter), else eager."""
         assert self.kv_cache is not None
+        rows = self._lora_rows(inputs)
+        if rows is not None:
+            with lora_rows(rows):
+                return self._eager(inputs)
         if self.graphs is not None and not inputs.prefill_rows:
             logits = self.graphs.run(
                 inputs.input_ids, inputs.positions, inputs.metadata, inputs.logits_indices
             )
             if logits is not None:
                 return logits
+        return self._eager(inputs)
+
+    def _lora_rows(self, inputs: StepInputs) -> LoraRows | None:
+        """Which of the step's rows run which adapter (None: all run the base)."""
+        if not self.adapters:
+            return None
+        slots = [self.adapters.get(seq.request.adapter_id, 0) for seq in inputs.row_sequences]
+        return LoraRows.from_slots(slots, self.device)
+
+    def _eager(self, inputs: StepInputs) -> torch.Tensor:
+        assert self.kv_cache is not None
         eager: torch.Tensor = self.model(
             inputs.input_ids,
             inputs.positions,
@@ -330,6 +350,11 @@ class PagedModel(ShardModel):
         not added, and answered with an error Generation instead."""
         rejected = []
         for request in requests:
+            if request.adapter_id and request.adapter_id not in self.adapters:
+                known = ", ".join(sorted(self.adapters)) or "none"
+                message = f"LoRA adapter {request.adapter_id!r} is not loaded (loaded: {known})"
+                rejected.append(pb.Generation(request_id=request.id, error=message))
+                continue
             try:
                 seq = Sequence.from_pb(request, self.info, self.device, self.grammars)
             except GrammarError as exc:

@@ -26,6 +26,7 @@ class StepInputs:
     sampled: list[Sequence] = field(default_factory=list)  # their sequences, same order
     # seq id -> (position of its first token this step, its logits rows)
     prefill_rows: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
+    row_sequences: list[Sequence] = field(default_factory=list)  # [T] each token row's
 
 
 def build_step_inputs(
@@ -43,12 +44,14 @@ def build_step_inputs(
     sample_rows: list[int] = []
     sampled: list[Sequence] = []
     prefill_rows: dict[int, tuple[int, list[int]]] = {}
+    row_sequences: list[Sequence] = []
     for item in scheduled:
         seq = sequences.get(item.request_id)
         if seq is None:
             raise KeyError(f"request {item.request_id} is not known to this shard")
         start, offset, count = item.start_position, len(ids), len(item.token_ids)
         ids.extend(item.token_ids)
+        row_sequences.extend([seq] * count)
         positions.extend(range(start, start + count))
         if wants_prompt_logprobs(seq, start):
             prefill_rows[seq.id] = (start, list(range(len(indices), len(indices) + count)))
@@ -73,4 +76,5 @@ def build_step_inputs(
         sample_rows=sample_rows,
         sampled=sampled,
         prefill_rows=prefill_rows,
+        row_sequences=row_sequences,
     )

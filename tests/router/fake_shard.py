@@ -65,6 +65,8 @@ class FakeShard(pb_grpc.TextGenerationServiceServicer):
         """A step that brings a request with these `inputs` fails with INTERNAL (a request
         the model chokes on): every time, until reset."""
         self.hang: dict[str, int] = {}
+        self.lora_adapters: list[str] = []
+        """The adapters Info reports (the fake model ignores them when generating)."""
         """Method name -> number of upcoming calls that never answer (a hung shard)."""
         self.healthy = True
         self.max_supported_total_tokens: int | None = None
@@ -137,6 +139,7 @@ class FakeShard(pb_grpc.TextGenerationServiceServicer):
             model_id="fake",
             model_type="fake",
             world_size=len(self.urls),
+            lora_adapters=self.lora_adapters,
         )
 
     async def Health(self, request: pb.HealthRequest, context: Any) -> pb.HealthResponse:

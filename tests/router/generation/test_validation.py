@@ -103,7 +103,12 @@ RULES: list[tuple[dict[str, Any], str, bool, str]] = [
         "`truncate` must be strictly positive and less than 64. Given: 65",
     ),
     ({"watermark": True}, "w5", False, "`watermark` is not supported"),
-    ({"adapter_id": "my-lora"}, "w5", False, "`adapter_id` is not supported"),
+    (
+        {"adapter_id": "my-lora"},
+        "w5",
+        False,
+        "`adapter_id` 'my-lora' is not a loaded adapter; loaded: none",
+    ),
     ({"grammar": {"type": "regex", "value": "(a"}}, "w5", False, "Grammar is not valid: not a"),
     ({"seed": -1}, "w5", False, "`seed` must be >= 0 and < 2^64"),
     ({"seed": 2**64}, "w5", False, "`seed` must be >= 0 and < 2^64"),

@@ -1,0 +1,214 @@
+"""LoRA adapters over a native model: many at once, mixed in one step (`--lora-adapters`).
+
+An adapter is a PEFT folder (`adapter_config.json`, `adapter_model.safetensors`): for
+each targeted linear W a pair A [r, in], B [out, r], and the update
+`x @ A.T @ B.T * scale` (scale = lora_alpha / r, or / sqrt(r) with `use_rslora`).
+
+The base layer runs once over the whole step; each adapter's update then runs on its
+own rows only (the rows of the step grouped by adapter, one pair of small matmuls per
+adapter and layer, added in place: `LoraLayer.add`). Which rows use which adapter is
+the step's `LoraRows`, set around the forward pass (`lora_rows`); without it, or when
+no row uses an adapter, a layer is its base alone. A fused layer (q/k/v, gate/up) keeps
+one update per part, added to that part's output columns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import Tensor
+
+# PEFT's target names -> (the native layer that holds them, the part's index in it).
+TARGETS: dict[str, tuple[str, int]] = {
+    "q_proj": ("self_attn.qkv_proj", 0),
+    "k_proj": ("self_attn.qkv_proj", 1),
+    "v_proj": ("self_attn.qkv_proj", 2),
+    "o_proj": ("self_attn.o_proj", 0),
+    "gate_proj": ("mlp.gate_up_proj", 0),
+    "up_proj": ("mlp.gate_up_proj", 1),
+    "down_proj": ("mlp.down_proj", 0),
+}
+
+
+class LoraError(ValueError):
+    """An adapter that cannot run on this base model; the message says why."""
+
+
+@dataclass(frozen=True)
+class LoraRows:
+    """One step's rows by adapter: slot -> the rows [R] (int64) that use it (base rows,
+    slot 0, are not listed)."""
+
+    groups: Mapping[int, Tensor]
+
+    @classmethod
+    def from_slots(cls, slots: Sequence[int], device: torch.device) -> LoraRows | None:
+        """Rows by slot for a step whose row i uses adapter slot `slots[i]` (0: base);
+        None when no row uses one."""
+        if not any(slots):
+            return None
+        by_slot: dict[int, list[int]] = {}
+        for row, slot in enumerate(slots):
+            if slot:
+                by_slot.setdefault(slot, []).append(row)
+        return cls(
+            {s: torch.tensor(r, dtype=torch.int64, device=device) for s, r in by_slot.items()}
+        )
+
+
+_ROWS: contextvars.ContextVar[LoraRows | None] = contextvars.ContextVar(
+    "textgate_lora_rows", default=None
+)
+
+
+@contextlib.contextmanager
+def lora_rows(rows: LoraRows | None) -> Iterator[None]:
+    """Run a forward pass whose LoRA layers read `rows`."""
+    token = _ROWS.set(rows)
+    try:
+        yield
+    finally:
+        _ROWS.reset(token)
+
+
+@dataclass
+class LoraLayer:
+    """The adapters' updates of one native layer: slot -> [(columns start, end, A, B, scale)]
+    (one entry per fused part the adapter targets)."""
+
+    updates: dict[int, list[tuple[int, int, Tensor, Tensor, float]]] = field(default_factory=dict)
+
+    def add(self, x: Tensor, out: Tensor) -> Tensor:
+        """`out` (the base layer's output for inputs `x` [T, in]) plus every row's update."""
+        rows = _ROWS.get()
+        if rows is None:
+            return out
+        for slot, index in rows.groups.items():
+            updates = self.updates.get(slot)
+            if not updates:
+                continue
+            picked = x.index_select(0, index)
+            for start, end, a, b, scale in updates:
+                delta = (picked @ a.T) @ b.T
+                out[:, start:end].index_add_(0, index, delta, alpha=scale)
+        return out
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """One PEFT adapter as read from its folder."""
+
+    name: str
+    rank: int
+    scale: float
+    #: (layer index, PEFT target name) -> (A [r, in], B [out, r])
+    weights: dict[tuple[int, str], tuple[Tensor, Tensor]]
+
+    @classmethod
+    def load(cls, name: str, path: Path, dtype: torch.dtype, device: torch.device) -> LoraAdapter:
+        """Read `path`; LoraError for what this server cannot apply."""
+        config_path = path / "adapter_config.json"
+        if not config_path.is_file():
+            raise LoraError(f"LoRA adapter {name!r}: {path} has no adapter_config.json")
+        config = json.loads(config_path.read_text())
+        _check_config(name, config)
+        rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
+        scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+        files = [path / "adapter_model.safetensors"]
+        if not files[0].is_file():
+            raise LoraError(f"LoRA adapter {name!r}: {path} has no adapter_model.safetensors")
+        tensors = load_file(files[0])
+        weights: dict[tuple[int, str], tuple[Tensor, Tensor]] = {}
+        for key, a in tensors.items():
+            if ".lora_A." not in key:
+                continue
+            layer, target = _locate(name, key)
+            b = tensors.get(key.replace(".lora_A.", ".lora_B."))
+            if b is None:
+                raise LoraError(f"LoRA adapter {name!r}: {key} has no lora_B")
+            weights[(layer, target)] = (a.to(device, dtype), b.to(device, dtype))
+        if not weights:
+            raise LoraError(f"LoRA adapter {name!r}: no lora_A / lora_B weights in {files[0]}")
+        return cls(name, rank, scale, weights)
+
+
+def _check_config(name: str, config: Mapping[str, object]) -> None:
+    if config.get("peft_type", "LORA") != "LORA":
+        raise LoraError(f"LoRA adapter {name!r} is a {config.get('peft_type')} adapter, not LORA")
+    for key in ("use_dora", "rank_pattern", "alpha_pattern"):
+        if config.get(key):
+            raise LoraError(f"LoRA adapter {name!r} sets {key}, which is not supported")
+    if config.get("bias", "none") != "none":
+        raise LoraError(f"LoRA adapter {name!r} trains biases (bias={config['bias']!r})")
+
+
+def _locate(name: str, key: str) -> tuple[int, str]:
+    """(layer index, target) of a PEFT key `...layers.<i>.<module>.<target>.lora_A.weight`."""
+    parts = key.split(".")
+    target = parts[parts.index("lora_A") - 1]
+    if "layers" not in parts or target not in TARGETS:
+        raise LoraError(
+            f"LoRA adapter {name!r} targets {key.split('.lora_A.')[0]}; supported: the "
+            f"decoder layers' {', '.join(TARGETS)}"
+        )
+    return int(parts[parts.index("layers") + 1]), target
+
+
+def attach(model: torch.nn.Module, adapters: Sequence[LoraAdapter]) -> dict[str, int]:
+    """Add `adapters` to a native model's layers (slots 1, 2, ...); their slots by name.
+
+    One shard's layout (the caller refuses tensor parallelism). Every update is checked
+    against its layer's shapes (LoraError naming the adapter, the layer and both)."""
+    slots: dict[str, int] = {}
+    layers = model.layers  # type: ignore[attr-defined]
+    for slot, adapter in enumerate(adapters, start=1):
+        slots[adapter.name] = slot
+        for (index, target), (a, b) in adapter.weights.items():
+            if index >= len(layers):
+                raise LoraError(
+                    f"LoRA adapter {adapter.name!r} targets layer {index}; the model has "
+                    f"{len(layers)}"
+                )
+            holder_name, part = TARGETS[target]
+            try:
+                holder = layers[index].get_submodule(holder_name)
+            except AttributeError:
+                raise LoraError(
+                    f"LoRA adapter {adapter.name!r} targets {target} of layer {index}, which "
+                    "has none (a mixture-of-experts layer)"
+                ) from None
+            in_features, sizes = _layout(model.config, holder_name)  # type: ignore[attr-defined]
+            start = sum(sizes[:part])
+            end = start + sizes[part]
+            if a.shape[1] != in_features or b.shape != (end - start, a.shape[0]):
+                raise LoraError(
+                    f"LoRA adapter {adapter.name!r} layer {index} {target}: A {tuple(a.shape)} "
+                    f"and B {tuple(b.shape)} do not fit the base layer ({in_features} inputs, "
+                    f"{end - start} outputs)"
+                )
+            if holder.lora is None:
+                holder.lora = LoraLayer()
+            holder.lora.updates.setdefault(slot, []).append((start, end, a, b, adapter.scale))
+    return slots
+
+
+def _layout(config: object, holder: str) -> tuple[int, list[int]]:
+    """(inputs, output sizes of its fused parts) of a Llama-family layer on one shard."""
+    hidden = config.hidden_size  # type: ignore[attr-defined]
+    q = config.num_heads * config.head_dim  # type: ignore[attr-defined]
+    kv = config.num_kv_heads * config.head_dim  # type: ignore[attr-defined]
+    inner = config.intermediate_size  # type: ignore[attr-defined]
+    return {
+        "self_attn.qkv_proj": (hidden, [q, kv, kv]),
+        "self_attn.o_proj": (q, [hidden]),
+        "mlp.gate_up_proj": (hidden, [inner, inner]),
+        "mlp.down_proj": (inner, [hidden]),
+    }[holder]
