@@ -40,9 +40,15 @@ BLOCK_SIZE = 16
 
 
 def time_batch(
-    model: PagedModel, batch: int, prompt_len: int, steps: int, first_id: int
+    model: PagedModel,
+    batch: int,
+    prompt_len: int,
+    steps: int,
+    first_id: int,
+    adapters: Sequence[str] = (),
 ) -> tuple[float, list[float]]:
-    """Seconds of the prefill step of `batch` prompts, and of each decode step after it."""
+    """Seconds of the prefill step of `batch` prompts, and of each decode step after it;
+    with `adapters`, the requests take them in turn (LoRA ids the model has loaded)."""
     blocks = (prompt_len + steps + BLOCK_SIZE) // BLOCK_SIZE + 1
     tokens = {first_id + i: [100 + (i + j) % 1000 for j in range(prompt_len)] for i in range(batch)}
     tables = {rid: list(range(i * blocks, (i + 1) * blocks)) for i, rid in enumerate(tokens)}
@@ -68,6 +74,8 @@ def time_batch(
         return seconds
 
     requests = [probe_request(rid, seq, steps + 2) for rid, seq in tokens.items()]
+    for i, request in enumerate(requests):
+        request.adapter_id = adapters[i % len(adapters)] if adapters else ""
     prefill = run(requests, prompt=True)
     decodes = [run([], prompt=False) for _ in range(steps)]
     model.step([], pb.StepPlan(finished_ids=list(tokens)))

@@ -162,14 +162,17 @@ def _locate(name: str, key: str) -> tuple[int, str]:
     return int(parts[parts.index("layers") + 1]), target
 
 
-def attach(model: torch.nn.Module, adapters: Sequence[LoraAdapter]) -> dict[str, int]:
-    """Add `adapters` to a native model's layers (slots 1, 2, ...); their slots by name.
+def attach(
+    model: torch.nn.Module, adapters: Sequence[LoraAdapter], first_slot: int = 1
+) -> dict[str, int]:
+    """Add `adapters` to a native model's layers (slots first_slot, first_slot + 1, ...,
+    which must be free); their slots by name.
 
     One shard's layout (the caller refuses tensor parallelism). Every update is checked
     against its layer's shapes (LoraError naming the adapter, the layer and both)."""
     slots: dict[str, int] = {}
     layers = model.layers  # type: ignore[attr-defined]
-    for slot, adapter in enumerate(adapters, start=1):
+    for slot, adapter in enumerate(adapters, start=first_slot):
         slots[adapter.name] = slot
         for (index, target), (a, b) in adapter.weights.items():
             if index >= len(layers):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from textgate.bench.micro import step
 
 
@@ -35,3 +37,15 @@ def test_times_a_native_checkpoint_through_transformers_on_paged(tiny_model_dir,
     assert step.main([*argv, "--dtype", "float32", "--transformers"]) == 0
     out = capsys.readouterr().out
     assert "transformers LlamaForCausalLM on the paged engine" in out
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+def test_lora_bench_times_base_and_adapters_in_one_run(tiny_model_dir, capsys) -> None:
+    pytest.importorskip("peft")
+    from textgate.bench.micro import lora
+
+    argv = ["--model", str(tiny_model_dir), "--adapters", "2", "--rank", "4", "--batch", "4"]
+    assert lora.main([*argv, "--prompt-len", "4", "--steps", "2", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "2 adapters of rank 4 mixed evenly" in out and "ratio" in out
+    assert "one adapter load + attach:" in out

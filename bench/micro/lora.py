@@ -1,0 +1,103 @@
+"""`python -m textgate.bench.micro.lora`: what serving LoRA adapters costs a shard's step.
+
+Makes `--adapters` random PEFT adapters (rank `--rank`, every attention and MLP
+projection; random A and B) for the model (default: the embedded one), loads it the way
+a shard does with them attached, then times, interleaved over `--rounds`, decode steps
+of `--batch` sequences all on the base and the same batch spread evenly over the
+adapters (`bench.micro.step.time_batch`). Prints each side's decode tok/s (best round)
+and their ratio, and the milliseconds one adapter takes to load and attach.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from textgate.bench.micro.step import BLOCK_SIZE, time_batch
+from textgate.bench.serving.tokenizer import default_model_dir
+from textgate.proto import generate_pb2 as pb
+from textgate.shard_server.layers.lora import LoraAdapter, attach
+from textgate.shard_server.loading.shard_loader import load_model
+from textgate.shard_server.protocols.paged_model import CacheConfig, PagedModel
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_adapters(model_dir: Path, out: Path, count: int, rank: int) -> list[tuple[str, str]]:
+    """`count` random PEFT adapters of the model in `model_dir`, saved under `out`."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    adapters = []
+    for index in range(count):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS)
+        lora = peft.get_peft_model(model, config)
+        generator = torch.Generator().manual_seed(index)
+        with torch.no_grad():
+            for name, parameter in lora.named_parameters():
+                if "lora_" in name:
+                    parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.01)
+        lora.save_pretrained(out / f"lora{index}")
+        adapters.append((f"lora{index}", str(out / f"lora{index}")))
+    return adapters
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m textgate.bench.micro.lora", description=__doc__
+    )
+    parser.add_argument("--model", default=None, help="model folder (default: the embedded one)")
+    parser.add_argument("--dtype", default="float32", help="as the launcher's --dtype")
+    parser.add_argument("--adapters", type=int, default=4)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=16, help="decode steps per round")
+    parser.add_argument("--rounds", type=int, default=3)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    model_dir = Path(args.model) if args.model else default_model_dir()
+    with tempfile.TemporaryDirectory() as tmp:
+        adapters = make_adapters(model_dir, Path(tmp), args.adapters, args.rank)
+        model = load_model(
+            model_dir,
+            model_dir.name,
+            args.dtype,
+            cache_config=CacheConfig(BLOCK_SIZE, 1 << 30),
+            lora_adapters=adapters,
+        )
+        assert isinstance(model, PagedModel)
+        started = time.perf_counter()
+        extra = LoraAdapter.load("extra", Path(adapters[0][1]), model.model.dtype, model.device)
+        attach(model.model, [extra], first_slot=len(adapters) + 1)  # a slot no request uses
+        load_ms = (time.perf_counter() - started) * 1e3
+    model.warmup(pb.WarmupRequest(max_prefill_tokens=args.prompt_len))
+    names = [name for name, _ in adapters]
+    best = {"base": float("inf"), "lora": float("inf")}
+    for round_index in range(args.rounds):
+        for side, using in (("base", ()), ("lora", names)):
+            first = (2 * round_index + (side == "lora")) * 10_000
+            _, decodes = time_batch(model, args.batch, args.prompt_len, args.steps, first, using)
+            best[side] = min(best[side], sorted(decodes)[len(decodes) // 2])
+    base, lora = args.batch / best["base"], args.batch / best["lora"]
+    print(
+        f"{model_dir.name}, {model.model.dtype}, {torch.get_num_threads()} threads: batch "
+        f"{args.batch}, {args.adapters} adapters of rank {args.rank} mixed evenly"
+    )
+    print(f"decode tok/s: base {base:.1f}, with adapters {lora:.1f}, ratio {lora / base:.2f}")
+    print(f"one adapter load + attach: {load_ms:.0f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
