@@ -34,7 +34,11 @@ from textgate.router.server import build_router
 from textgate.router.shard_client import ShardedClient
 from textgate.tests.router.fake_shard import FakeShard, FakeTokenizer, fake_shards
 
-SMALL_BUFFER = 1024
+SMALL_BUFFER = 4096
+"""The slow reader's SO_RCVBUF: far below a stream's ~60 KB, so the router feels its pace.
+Not smaller: a receive window of a few hundred bytes on loopback (MSS 64 KB) can leave
+the sending side waiting on TCP's silly-window rules and persist timer for tens of
+seconds (a stall seen once in a loaded full run, with a 1 KB buffer)."""
 STEP_DELAY_S = 0.01
 STREAM_LIMITS: dict[str, Any] = {"max_input_tokens": 32, "max_total_tokens": 1024}
 
