@@ -6,10 +6,10 @@ each targeted linear W a pair A [r, in], B [out, r], and the update
 
 The base layer runs once over the whole step; each adapter's update then runs on its
 own rows only (the rows of the step grouped by adapter, one pair of small matmuls per
-adapter and layer, added in place: `LoraLayer.add`). Which rows use which adapter is
+adapter and layer, added in place: `LoraLayer.add`; a fused layer's parts are one pair). Which rows use which adapter is
 the step's `LoraRows`, set around the forward pass (`lora_rows`); without it, or when
 no row uses an adapter, a layer is its base alone. A fused layer (q/k/v, gate/up) keeps
-one update per part, added to that part's output columns.
+one update per part, folded into one pair whose B is block-diagonal over the parts.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 from torch import Tensor
+
+from textgate.shard_server.layers.moe import GROUPED_MM, grouped_mm_runs
 
 # PEFT's target names -> (the native layer that holds them, the part's index in it).
 TARGETS: dict[str, tuple[str, int]] = {
@@ -45,9 +47,12 @@ class LoraError(ValueError):
 @dataclass(frozen=True)
 class LoraRows:
     """One step's rows by adapter: slot -> the rows [R] (int64) that use it (base rows,
-    slot 0, are not listed)."""
+    slot 0, are not listed); and all of them sorted by slot (`order`), with each slot's
+    end in that order (`ends`, for slots 1..the largest used), for the grouped matmul."""
 
     groups: Mapping[int, Tensor]
+    order: Tensor
+    ends: Tensor
 
     @classmethod
     def from_slots(cls, slots: Sequence[int], device: torch.device) -> LoraRows | None:
@@ -59,9 +64,17 @@ class LoraRows:
         for row, slot in enumerate(slots):
             if slot:
                 by_slot.setdefault(slot, []).append(row)
-        return cls(
-            {s: torch.tensor(r, dtype=torch.int64, device=device) for s, r in by_slot.items()}
-        )
+        order: list[int] = []
+        ends: list[int] = []
+        for slot in range(1, max(by_slot) + 1):
+            order += by_slot.get(slot, [])
+            ends.append(len(order))
+
+        def tensor(values: list[int], dtype: torch.dtype = torch.int64) -> Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        groups = {s: tensor(r) for s, r in by_slot.items()}
+        return cls(groups, tensor(order), tensor(ends, torch.int32))
 
 
 _ROWS: contextvars.ContextVar[LoraRows | None] = contextvars.ContextVar(
@@ -81,24 +94,78 @@ def lora_rows(rows: LoraRows | None) -> Iterator[None]:
 
 @dataclass
 class LoraLayer:
-    """The adapters' updates of one native layer: slot -> [(columns start, end, A, B, scale)]
-    (one entry per fused part the adapter targets)."""
+    """The adapters' updates of one native layer of `out_features` outputs.
 
+    `updates`: slot -> [(columns start, end, A, B, scale)], one entry per fused part the
+    adapter targets. `fuse` folds each slot's parts into one pair: the parts' A stacked
+    [sum r, in], their B (times scale) block-diagonal [out, sum r], so a step runs two
+    matmuls per adapter and layer, however many parts it updates."""
+
+    out_features: int
     updates: dict[int, list[tuple[int, int, Tensor, Tensor, float]]] = field(default_factory=dict)
+    _fused: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    _stacked: tuple[Tensor, Tensor] | None = None
+    """Every slot's pair zero-padded to one rank and stacked (slot 1 first), where the
+    grouped matmul runs: A [S, r, in], B [S, out, r]: two matmuls per layer and step."""
+
+    def fuse(self) -> None:
+        for slot, parts in self.updates.items():
+            a = torch.cat([part[2] for part in parts])  # [sum r, in]
+            b = a.new_zeros(self.out_features, a.shape[0])
+            offset = 0
+            for start, end, part_a, part_b, scale in parts:
+                rank = part_a.shape[0]
+                b[start:end, offset : offset + rank] = part_b * scale
+                offset += rank
+            self._fused[slot] = (a, b)
+        self._stack()
+
+    def _stack(self) -> None:
+        """Stack every slot's pair where the grouped matmul runs (16-byte aligned rows)."""
+        first = next(iter(self._fused.values()))[0]
+        inputs, size = first.shape[1], first.element_size()
+        aligned = all(n * size % 16 == 0 for n in (inputs, self.out_features))
+        if not aligned or not grouped_mm_runs(first.dtype, first.device):
+            return
+        slots = max(self._fused)
+        rank = -(-max(a.shape[0] for a, _ in self._fused.values()) // 4) * 4
+        a_all = first.new_zeros(slots, rank, inputs)
+        b_all = first.new_zeros(slots, self.out_features, rank)
+        for slot, (a, b) in self._fused.items():
+            a_all[slot - 1, : a.shape[0]] = a
+            b_all[slot - 1, :, : a.shape[0]] = b
+        self._stacked = (a_all, b_all)
 
     def add(self, x: Tensor, out: Tensor) -> Tensor:
         """`out` (the base layer's output for inputs `x` [T, in]) plus every row's update."""
         rows = _ROWS.get()
         if rows is None:
             return out
+        if self._stacked is not None and GROUPED_MM is not None:
+            return self._add_grouped(x, out, rows, *self._stacked)
         for slot, index in rows.groups.items():
-            updates = self.updates.get(slot)
-            if not updates:
-                continue
-            picked = x.index_select(0, index)
-            for start, end, a, b, scale in updates:
-                delta = (picked @ a.T) @ b.T
-                out[:, start:end].index_add_(0, index, delta, alpha=scale)
+            fused = self._fused.get(slot)
+            if fused is not None:
+                a, b = fused
+                out.index_add_(0, index, (x.index_select(0, index) @ a.T) @ b.T)
+        return out
+
+    def _add_grouped(self, x: Tensor, out: Tensor, rows: LoraRows, a: Tensor, b: Tensor) -> Tensor:
+        """All adapters' rows at once: two grouped matmuls over the rows sorted by slot."""
+        assert GROUPED_MM is not None
+        slots, ends, order = a.shape[0], rows.ends, rows.order
+        if ends.shape[0] > slots:  # rows of adapters this layer has no update for
+            order = order[: int(ends[slots - 1])]
+            ends = ends[:slots]
+        elif ends.shape[0] < slots:  # adapters of this layer no row uses
+            ends = torch.cat([ends, ends[-1:].expand(slots - ends.shape[0])])
+        low = GROUPED_MM(x.index_select(0, order), a.transpose(1, 2), offs=ends)
+        return out.index_add_(0, order, GROUPED_MM(low, b.transpose(1, 2), offs=ends))
+        for slot, index in rows.groups.items():
+            fused = self._fused.get(slot)
+            if fused is not None:
+                a, b = fused
+                out.index_add_(0, index, (x.index_select(0, index) @ a.T) @ b.T)
         return out
 
 
@@ -171,6 +238,7 @@ def attach(
     One shard's layout (the caller refuses tensor parallelism). Every update is checked
     against its layer's shapes (LoraError naming the adapter, the layer and both)."""
     slots: dict[str, int] = {}
+    touched: dict[int, LoraLayer] = {}
     layers = model.layers  # type: ignore[attr-defined]
     for slot, adapter in enumerate(adapters, start=first_slot):
         slots[adapter.name] = slot
@@ -198,8 +266,11 @@ def attach(
                     f"{end - start} outputs)"
                 )
             if holder.lora is None:
-                holder.lora = LoraLayer()
+                holder.lora = LoraLayer(sum(sizes))
             holder.lora.updates.setdefault(slot, []).append((start, end, a, b, adapter.scale))
+            touched[id(holder)] = holder.lora
+    for layer in touched.values():
+        layer.fuse()
     return slots
 
 

@@ -96,10 +96,19 @@ def test_an_adapter_gives_peft_merged_models_logits(base, adapters, name) -> Non
     torch.testing.assert_close(logits, reference_logits(merged, prompt), atol=1e-4, rtol=0)
 
 
-def test_a_step_mixing_three_adapters_and_the_base_gives_each_its_own(base, adapters) -> None:
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped-matmul", "per-adapter"])
+def test_a_step_mixing_three_adapters_and_the_base_gives_each_its_own(
+    base, adapters, grouped, monkeypatch
+) -> None:
     from transformers import AutoModelForCausalLM
 
+    from textgate.shard_server.layers import lora
+
+    if not grouped:
+        monkeypatch.setattr(lora, "grouped_mm_runs", lambda dtype, device: False)
     model, slots = native_with(base, adapters)
+    layers = [m.lora for m in model.modules() if getattr(m, "lora", None) is not None]
+    assert layers and all((layer._stacked is not None) == grouped for layer in layers)
     plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
     references = {0: plain} | {slots[n]: merged for n, (_, merged) in adapters.items()}
     prompts = {seq: _prompt(4 + seq, seed=seq) for seq in range(8)}
