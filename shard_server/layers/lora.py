@@ -161,12 +161,6 @@ class LoraLayer:
             ends = torch.cat([ends, ends[-1:].expand(slots - ends.shape[0])])
         low = GROUPED_MM(x.index_select(0, order), a.transpose(1, 2), offs=ends)
         return out.index_add_(0, order, GROUPED_MM(low, b.transpose(1, 2), offs=ends))
-        for slot, index in rows.groups.items():
-            fused = self._fused.get(slot)
-            if fused is not None:
-                a, b = fused
-                out.index_add_(0, index, (x.index_select(0, index) @ a.T) @ b.T)
-        return out
 
 
 @dataclass(frozen=True)
