@@ -126,6 +126,8 @@ class AttentionBackend(ABC, Generic[PlanT]):
 
     #: Whether `forward` reads int8 / fp8 caches with their scales (kernels/kv_quant.py).
     supports_quantized_kv: ClassVar[bool] = False
+    #: Whether `forward` also takes `softcap` and `sinks` (kernels/sdpa.py says what they do).
+    supports_softcap_and_sinks: ClassVar[bool] = False
 
     @abstractmethod
     def prepare(self, metadata: AttentionMetadata) -> PlanT:

@@ -102,6 +102,7 @@ class SdpaAttentionBackend(AttentionBackend[SdpaPlan]):
     """
 
     supports_quantized_kv = True
+    supports_softcap_and_sinks = True
 
     def prepare(self, metadata: AttentionMetadata) -> SdpaPlan:
         if metadata.max_seqlen_q == 1:
@@ -157,14 +158,22 @@ class SdpaAttentionBackend(AttentionBackend[SdpaPlan]):
         sliding_window: int | None = None,
         key_scales: Tensor | None = None,
         value_scales: Tensor | None = None,
+        softcap: float | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
+        """The base class's forward, and what only this backend does: `softcap` c turns
+        each score s into c * tanh(s / c) before masking (Gemma 2), and `sinks` [H_q] adds
+        one logit per query head to every softmax, attending to nothing (gpt-oss)."""
         scales = (key_scales, value_scales)
+        extras = Extras(softcap, sinks) if softcap is not None or sinks is not None else None
         if len(plan.groups) == 1 and plan.groups[0].token_index is None:
             group = plan.groups[0]
-            return self.attend(query, key_cache, value_cache, group, scale, sliding_window, scales)
+            return self.attend(
+                query, key_cache, value_cache, group, scale, sliding_window, scales, extras
+            )
         out = torch.empty_like(query)
         self.attend_groups(
-            query, key_cache, value_cache, plan.groups, out, scale, sliding_window, scales
+            query, key_cache, value_cache, plan.groups, out, scale, sliding_window, scales, extras
         )
         return out
 
@@ -178,6 +187,7 @@ class SdpaAttentionBackend(AttentionBackend[SdpaPlan]):
         scale: float,
         window: int | None,
         scales: tuple[Tensor | None, Tensor | None] = (None, None),
+        extras: Extras | None = None,
     ) -> None:
         """Write the attention of each group's rows of query [T, H_q, D] into out [T, H_q, D]
         (every group selects its rows: token_index is set). `scales`: (key, value) scales
@@ -192,6 +202,7 @@ class SdpaAttentionBackend(AttentionBackend[SdpaPlan]):
                 scale,
                 window,
                 scales,
+                extras,
             )
             out.index_copy_(0, group.token_index, rows)
 
@@ -204,6 +215,7 @@ class SdpaAttentionBackend(AttentionBackend[SdpaPlan]):
         scale: float,
         window: int | None,
         scales: tuple[Tensor | None, Tensor | None] = (None, None),
+        extras: Extras | None = None,
     ) -> Tensor:
         """query [Tg, H_q, D] of one group → attention output [Tg, H_q, D]."""
         num_seqs, max_q, max_k = group.num_seqs, group.max_q, group.max_k
@@ -218,9 +230,14 @@ class SdpaAttentionBackend(AttentionBackend[SdpaPlan]):
             # Decode: each kv head's query group is its query rows, no reordering needed.
             folded = query.view(num_seqs, kv_heads, group_size, dim)  # [B, H_kv, G, D]
             mask = group.mask(group_size, window, query.dtype)
-            out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scale)
+            if extras is not None:
+                out = extras.attend(folded, keys, values, mask, scale, 1)
+            else:
+                out = F.scaled_dot_product_attention(
+                    folded, keys, values, attn_mask=mask, scale=scale
+                )
             return out.view(num_seqs, heads, dim)  # [B, H_q, D]
-        if group.plain_causal and window is None:
+        if group.plain_causal and window is None and extras is None:
             # SDPA's own causal mask lets its kernel skip the masked half of the scores.
             query = query.view(num_seqs, max_q, heads, dim).transpose(1, 2)  # [B, H_q, S, D]
             out = F.scaled_dot_product_attention(
@@ -236,13 +253,50 @@ class SdpaAttentionBackend(AttentionBackend[SdpaPlan]):
             .reshape(num_seqs, kv_heads, group_size * max_q, dim)
         )  # [B, H_kv, G * Sq, D]
         mask = group.mask(group_size, window, query.dtype)
-        out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scale)
+        if extras is not None:
+            out = extras.attend(folded, keys, values, mask, scale, max_q)
+        else:
+            out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scale)
         out = (
             out.view(num_seqs, kv_heads, group_size, max_q, dim)
             .permute(0, 3, 1, 2, 4)
             .reshape(num_seqs * max_q, heads, dim)
         )  # [B * Sq, H_q, D]
         return out if group.pad_index is None else out.index_select(0, group.pad_index)
+
+
+@dataclass(frozen=True)
+class Extras:
+    """What SDPA cannot do, so attention runs eagerly: logit soft-capping, sink logits."""
+
+    softcap: float | None
+    sinks: Tensor | None  # [H_q]
+
+    def attend(
+        self,
+        query: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        mask: Tensor | None,
+        scale: float,
+        max_q: int,
+    ) -> Tensor:
+        """SDPA's contract on the folded layout: query [B, H_kv, G * max_q, D] (rows in
+        (group member, position) order), keys/values [B, H_kv, Lk, D], an additive mask
+        broadcast over heads → [B, H_kv, G * max_q, D]. Scores and softmax in float32."""
+        scores = torch.matmul(query, keys.transpose(-1, -2)).float() * scale
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        if mask is not None:
+            scores = scores + mask
+        if self.sinks is None:
+            probs = scores.softmax(-1)
+        else:
+            # Query head kv * G + g owns rows g * max_q ... (g + 1) * max_q - 1 of kv head kv.
+            sink = self.sinks.float().view(keys.shape[1], -1).repeat_interleave(max_q, dim=1)
+            sink = sink[None, :, :, None].expand(*scores.shape[:-1], 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+        return torch.matmul(probs.to(values.dtype), values)
 
 
 def _gather(

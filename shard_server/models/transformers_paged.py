@@ -5,8 +5,8 @@ transformers 5 sends every attention call through its `AttentionInterface`. Load
 model with `attn_implementation=IMPLEMENTATION` routes each layer's queries, keys and
 values (after the model's own RoPE, norms and scaling) to `paged_attention`: the keys
 and values go into textgate's paged cache at the step's slot mapping, and textgate's
-attention backend attends over the cached blocks, with the layer's sliding window.
-Everything else in the step (embeddings, norms, MLPs or experts, the head and its
+attention backend attends over the cached blocks, with the layer's sliding window (and
+its logit soft-capping or sink logits, which only the torch backend does). Everything else in the step (embeddings, norms, MLPs or experts, the head and its
 soft-capping) is the model's own code, so a model with no native class still gets the
 scheduler, prefix caching, chunked prefill, KV dtypes, grammars and logprobs.
 
@@ -22,20 +22,23 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from textgate.kernels.attention import AttentionBackend, AttentionMetadata
+from textgate.kernels.attention import AttentionBackend, AttentionMetadata, SdpaAttentionBackend
 from textgate.shard_server.models.paged_cache import PagedCacheOwner
 from textgate.shard_server.step.kv_cache import KVCache
 
 IMPLEMENTATION = "textgate_paged"
 """The attention implementation name registered with transformers."""
+
+log = logging.getLogger("textgate.shard")
 
 _ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 
@@ -52,9 +55,11 @@ class PagedStep:
 
 @dataclass
 class KVShapes:
-    """A dry run's record: each attention layer's (kv heads, head size), by layer index."""
+    """A dry run's record: each attention layer's (kv heads, head size), by layer index,
+    and what its attention needs beyond masking (`soft-capping`, `sinks`)."""
 
     seen: dict[int, tuple[int, int]]
+    needs: set[str] = field(default_factory=set)
 
     def uniform(self) -> tuple[int, int, int]:
         """(layers, kv heads, head size), the same for every layer as one cache needs."""
@@ -97,12 +102,14 @@ def paged_attention(
     step = _STEP.get()
     if step is None:
         raise RuntimeError(f"{IMPLEMENTATION} attention ran outside a textgate paged step")
-    if kwargs.get("softcap") is not None or getattr(module, "sinks", None) is not None:
-        raise NotImplementedError("attention logit soft-capping and attention sinks")
+    # Gemma 2 soft-caps its scores; gpt-oss passes its sink logits as s_aux.
+    extras = {"softcap": kwargs.get("softcap"), "sinks": kwargs.get("s_aux")}
+    extras = {name: value for name, value in extras.items() if value is not None}
     layer = module.layer_idx
     query, key, value = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
     if isinstance(step, KVShapes):
         step.seen[layer] = (key.shape[1], key.shape[2])
+        step.needs |= extras.keys()
         return torch.zeros_like(query)[None], None
     step.kv_cache.store(layer, key, value, step.metadata.slot_mapping)
     key_cache, value_cache = step.kv_cache.layer(layer)
@@ -117,6 +124,7 @@ def paged_attention(
         sliding_window=window or None,
         key_scales=key_scales,
         value_scales=value_scales,
+        **extras,
     )  # [T, H_q, D]
     return out[None], None
 
@@ -151,12 +159,11 @@ def unsupported_reason(config: Mapping[str, Any]) -> str | None:
         return f"{architecture} does not run its attention through transformers' AttentionInterface"
     hf_config = AutoConfig.for_model(**dict(config))
     layer_types = set(getattr(hf_config, "layer_types", None) or ())
+    if getattr(hf_config, "attention_chunk_size", None) or "chunked_attention" in layer_types:
+        return f"{architecture} uses chunked attention, which textgate's attention backends lack"
     if layer_types - _ATTENTION_LAYER_TYPES:
         other = ", ".join(sorted(layer_types - _ATTENTION_LAYER_TYPES))
         return f"{architecture} has layers that are not attention ({other})"
-    for name in ("attn_logit_softcapping", "attention_chunk_size"):
-        if getattr(hf_config, name, None):
-            return f"{architecture} uses {name}, which textgate's attention backends lack"
     return None
 
 
@@ -183,7 +190,16 @@ class TransformersPagedModel(PagedCacheOwner, nn.Module):
         self.device = next(model.parameters()).device
         # What the cache must hold, from the model itself: configs name their heads in
         # too many ways (n_head, num_key_value_heads, multi_query, ...).
-        self.num_layers, self.num_kv_heads, self.head_dim = self._kv_shapes()
+        shapes = self._dry_run()
+        self.num_layers, self.num_kv_heads, self.head_dim = shapes.uniform()
+        if shapes.needs and not attention_backend.supports_softcap_and_sinks:
+            # Only the reference backend soft-caps and sinks; it serves the whole model.
+            log.info(
+                "%s's attention needs %s: the torch attention backend serves it",
+                type(model).__name__,
+                " and ".join(sorted(shapes.needs)),
+            )
+            self.attention_backend = SdpaAttentionBackend()
         self.vocab_size = config.vocab_size
         self.kv_cache_dtype = self.dtype
 
@@ -192,15 +208,15 @@ class TransformersPagedModel(PagedCacheOwner, nn.Module):
         """How this model runs, for /info."""
         return f"transformers {type(self.hf).__name__} on the paged engine (no native class)"
 
-    def _kv_shapes(self) -> tuple[int, int, int]:
-        """(attention layers, kv heads, head size), seen in a one-token dry run."""
+    def _dry_run(self) -> KVShapes:
+        """What the cache must hold and the attention must do, seen in a one-token run."""
         shapes = KVShapes({})
         token = torch.zeros(1, 1, dtype=torch.long, device=self.device)
         with paged_step(shapes), torch.inference_mode():
             self.hf(input_ids=token, position_ids=token, use_cache=False, logits_to_keep=1)
         if not shapes.seen:
             raise ValueError(f"{type(self.hf).__name__} ran no attention through {IMPLEMENTATION}")
-        return shapes.uniform()
+        return shapes
 
     @classmethod
     def load(
