@@ -95,10 +95,8 @@ class ServiceDiscoveryResponse(_message.Message):
     def __init__(self, urls: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ClearCacheRequest(_message.Message):
-    __slots__ = ("id",)
-    ID_FIELD_NUMBER: _ClassVar[int]
-    id: int
-    def __init__(self, id: _Optional[int] = ...) -> None: ...
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class ClearCacheResponse(_message.Message):
     __slots__ = ()
@@ -185,30 +183,6 @@ class Grammar(_message.Message):
     value: str
     def __init__(self, type: _Optional[_Union[GrammarType, str]] = ..., value: _Optional[str] = ...) -> None: ...
 
-class Batch(_message.Message):
-    __slots__ = ("id", "requests", "size", "max_tokens")
-    ID_FIELD_NUMBER: _ClassVar[int]
-    REQUESTS_FIELD_NUMBER: _ClassVar[int]
-    SIZE_FIELD_NUMBER: _ClassVar[int]
-    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    id: int
-    requests: _containers.RepeatedCompositeFieldContainer[Request]
-    size: int
-    max_tokens: int
-    def __init__(self, id: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[Request, _Mapping]]] = ..., size: _Optional[int] = ..., max_tokens: _Optional[int] = ...) -> None: ...
-
-class CachedBatch(_message.Message):
-    __slots__ = ("id", "request_ids", "size", "max_tokens")
-    ID_FIELD_NUMBER: _ClassVar[int]
-    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
-    SIZE_FIELD_NUMBER: _ClassVar[int]
-    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    id: int
-    request_ids: _containers.RepeatedScalarFieldContainer[int]
-    size: int
-    max_tokens: int
-    def __init__(self, id: _Optional[int] = ..., request_ids: _Optional[_Iterable[int]] = ..., size: _Optional[int] = ..., max_tokens: _Optional[int] = ...) -> None: ...
-
 class Tokens(_message.Message):
     __slots__ = ("ids", "logprobs", "texts", "is_special")
     IDS_FIELD_NUMBER: _ClassVar[int]
@@ -251,33 +225,17 @@ class Generation(_message.Message):
     prefill_top_tokens: _containers.RepeatedCompositeFieldContainer[Tokens]
     def __init__(self, request_id: _Optional[int] = ..., prefill_tokens: _Optional[_Union[Tokens, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., generated_text: _Optional[_Union[GeneratedText, _Mapping]] = ..., top_tokens: _Optional[_Iterable[_Union[Tokens, _Mapping]]] = ..., error: _Optional[str] = ..., prefill_top_tokens: _Optional[_Iterable[_Union[Tokens, _Mapping]]] = ...) -> None: ...
 
-class FilterBatchRequest(_message.Message):
-    __slots__ = ("batch_id", "request_ids")
-    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
-    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
-    batch_id: int
-    request_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, batch_id: _Optional[int] = ..., request_ids: _Optional[_Iterable[int]] = ...) -> None: ...
-
-class FilterBatchResponse(_message.Message):
-    __slots__ = ("batch",)
-    BATCH_FIELD_NUMBER: _ClassVar[int]
-    batch: CachedBatch
-    def __init__(self, batch: _Optional[_Union[CachedBatch, _Mapping]] = ...) -> None: ...
-
 class WarmupRequest(_message.Message):
-    __slots__ = ("batch", "max_input_tokens", "max_prefill_tokens", "max_total_tokens", "max_batch_size")
-    BATCH_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("max_input_tokens", "max_prefill_tokens", "max_total_tokens", "max_batch_size")
     MAX_INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
-    batch: Batch
     max_input_tokens: int
     max_prefill_tokens: int
     max_total_tokens: int
     max_batch_size: int
-    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., max_input_tokens: _Optional[int] = ..., max_prefill_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ...) -> None: ...
+    def __init__(self, max_input_tokens: _Optional[int] = ..., max_prefill_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ...) -> None: ...
 
 class WarmupResponse(_message.Message):
     __slots__ = ("max_supported_total_tokens", "num_blocks", "decode_timings", "prefill_tokens_per_s", "prefill_chunk_tokens", "measure_ms", "device_name", "num_threads", "dtype", "dtype_source", "dtype_trials")
@@ -326,48 +284,6 @@ class DtypeTrial(_message.Message):
     prefill_chunk_tokens: int
     score_ms: float
     def __init__(self, dtype: _Optional[str] = ..., decode_timings: _Optional[_Iterable[_Union[DecodeTiming, _Mapping]]] = ..., prefill_chunk_ms: _Optional[float] = ..., prefill_chunk_tokens: _Optional[int] = ..., score_ms: _Optional[float] = ...) -> None: ...
-
-class PrefillRequest(_message.Message):
-    __slots__ = ("batch",)
-    BATCH_FIELD_NUMBER: _ClassVar[int]
-    batch: Batch
-    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ...) -> None: ...
-
-class PrefillResponse(_message.Message):
-    __slots__ = ("generations", "batch", "forward_ns", "decode_ns", "total_ns")
-    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
-    BATCH_FIELD_NUMBER: _ClassVar[int]
-    FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
-    DECODE_NS_FIELD_NUMBER: _ClassVar[int]
-    TOTAL_NS_FIELD_NUMBER: _ClassVar[int]
-    generations: _containers.RepeatedCompositeFieldContainer[Generation]
-    batch: CachedBatch
-    forward_ns: int
-    decode_ns: int
-    total_ns: int
-    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., forward_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ..., total_ns: _Optional[int] = ...) -> None: ...
-
-class DecodeRequest(_message.Message):
-    __slots__ = ("batches",)
-    BATCHES_FIELD_NUMBER: _ClassVar[int]
-    batches: _containers.RepeatedCompositeFieldContainer[CachedBatch]
-    def __init__(self, batches: _Optional[_Iterable[_Union[CachedBatch, _Mapping]]] = ...) -> None: ...
-
-class DecodeResponse(_message.Message):
-    __slots__ = ("generations", "batch", "forward_ns", "decode_ns", "total_ns", "concat_ns")
-    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
-    BATCH_FIELD_NUMBER: _ClassVar[int]
-    FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
-    DECODE_NS_FIELD_NUMBER: _ClassVar[int]
-    TOTAL_NS_FIELD_NUMBER: _ClassVar[int]
-    CONCAT_NS_FIELD_NUMBER: _ClassVar[int]
-    generations: _containers.RepeatedCompositeFieldContainer[Generation]
-    batch: CachedBatch
-    forward_ns: int
-    decode_ns: int
-    total_ns: int
-    concat_ns: int
-    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., forward_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., concat_ns: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("requests", "plan")

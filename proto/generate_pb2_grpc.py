@@ -54,25 +54,10 @@ class TextGenerationServiceStub:
                 request_serializer=generate__pb2.ClearCacheRequest.SerializeToString,
                 response_deserializer=generate__pb2.ClearCacheResponse.FromString,
                 _registered_method=True)
-        self.FilterBatch = channel.unary_unary(
-                '/textgate.generate.v1.TextGenerationService/FilterBatch',
-                request_serializer=generate__pb2.FilterBatchRequest.SerializeToString,
-                response_deserializer=generate__pb2.FilterBatchResponse.FromString,
-                _registered_method=True)
         self.Warmup = channel.unary_unary(
                 '/textgate.generate.v1.TextGenerationService/Warmup',
                 request_serializer=generate__pb2.WarmupRequest.SerializeToString,
                 response_deserializer=generate__pb2.WarmupResponse.FromString,
-                _registered_method=True)
-        self.Prefill = channel.unary_unary(
-                '/textgate.generate.v1.TextGenerationService/Prefill',
-                request_serializer=generate__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=generate__pb2.PrefillResponse.FromString,
-                _registered_method=True)
-        self.Decode = channel.unary_unary(
-                '/textgate.generate.v1.TextGenerationService/Decode',
-                request_serializer=generate__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=generate__pb2.DecodeResponse.FromString,
                 _registered_method=True)
         self.Step = channel.unary_unary(
                 '/textgate.generate.v1.TextGenerationService/Step',
@@ -106,43 +91,21 @@ class TextGenerationServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ClearCache(self, request, context):
-        """Drop one cached batch (or everything the shard holds when id is unset).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def FilterBatch(self, request, context):
-        """Padded shards: keep only the listed requests of a cached batch; the others are freed.
+        """Forget every request's state (the KV cache stays allocated).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Warmup(self, request, context):
-        """Run the largest batch the limits allow once, size the KV cache, report capacity.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Prefill(self, request, context):
-        """Padded shards: compute the prompts of a new batch and generate its first token.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Decode(self, request, context):
-        """Padded shards: generate one token for every request of the given cached batches
-        (merged into one).
+        """Run the largest step the limits allow once, size the KV cache, report capacity.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Step(self, request, context):
-        """Paged shards: run one step the router planned (prefill chunks and decodes alike).
+        """Run one step the router planned (prefill chunks and decodes alike).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -171,25 +134,10 @@ def add_TextGenerationServiceServicer_to_server(servicer, server):
                     request_deserializer=generate__pb2.ClearCacheRequest.FromString,
                     response_serializer=generate__pb2.ClearCacheResponse.SerializeToString,
             ),
-            'FilterBatch': grpc.unary_unary_rpc_method_handler(
-                    servicer.FilterBatch,
-                    request_deserializer=generate__pb2.FilterBatchRequest.FromString,
-                    response_serializer=generate__pb2.FilterBatchResponse.SerializeToString,
-            ),
             'Warmup': grpc.unary_unary_rpc_method_handler(
                     servicer.Warmup,
                     request_deserializer=generate__pb2.WarmupRequest.FromString,
                     response_serializer=generate__pb2.WarmupResponse.SerializeToString,
-            ),
-            'Prefill': grpc.unary_unary_rpc_method_handler(
-                    servicer.Prefill,
-                    request_deserializer=generate__pb2.PrefillRequest.FromString,
-                    response_serializer=generate__pb2.PrefillResponse.SerializeToString,
-            ),
-            'Decode': grpc.unary_unary_rpc_method_handler(
-                    servicer.Decode,
-                    request_deserializer=generate__pb2.DecodeRequest.FromString,
-                    response_serializer=generate__pb2.DecodeResponse.SerializeToString,
             ),
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
@@ -316,33 +264,6 @@ class TextGenerationService:
             _registered_method=True)
 
     @staticmethod
-    def FilterBatch(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/textgate.generate.v1.TextGenerationService/FilterBatch',
-            generate__pb2.FilterBatchRequest.SerializeToString,
-            generate__pb2.FilterBatchResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
     def Warmup(request,
             target,
             options=(),
@@ -359,60 +280,6 @@ class TextGenerationService:
             '/textgate.generate.v1.TextGenerationService/Warmup',
             generate__pb2.WarmupRequest.SerializeToString,
             generate__pb2.WarmupResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Prefill(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/textgate.generate.v1.TextGenerationService/Prefill',
-            generate__pb2.PrefillRequest.SerializeToString,
-            generate__pb2.PrefillResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Decode(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/textgate.generate.v1.TextGenerationService/Decode',
-            generate__pb2.DecodeRequest.SerializeToString,
-            generate__pb2.DecodeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -18,7 +18,7 @@ from textgate.logs import setup_logging
 from textgate.shard_server import tracing
 from textgate.shard_server.flag_types import cuda_graph_sizes, lora_adapters
 from textgate.shard_server.loading.shard_loader import load_model
-from textgate.shard_server.protocols.shard_model import ShardModel
+from textgate.shard_server.protocols.paged_model import PagedModel
 from textgate.shard_server.server import model_thread, serve
 from textgate.shard_server.startup.cache_config import CacheConfig
 from textgate.telemetry import start_tracing, stop_tracing
@@ -65,7 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="attention backend: auto, flash, triton, torch or cpu (docs/kernels.md)",
     )
     parser.add_argument(
-        "--no-native", action="store_true", help="serve through transformers even if native"
+        "--no-native",
+        action="store_true",
+        help="run transformers' modules on the paged engine even where a native class exists",
     )
     parser.add_argument(
         "--lora-adapters",
@@ -122,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 async def _serve_until_signal(
-    model: ShardModel, uds_path: str, rank: int, world_size: int, executor: ThreadPoolExecutor
+    model: PagedModel, uds_path: str, rank: int, world_size: int, executor: ThreadPoolExecutor
 ) -> None:
     task = asyncio.ensure_future(serve(model, uds_path, rank, world_size, executor))
     loop = asyncio.get_running_loop()

@@ -1,9 +1,7 @@
-"""The shard's async gRPC server: generate.proto over one `ShardModel`.
+"""The shard's async gRPC server: generate.proto over one `PagedModel`.
 
 The servicer holds no model state: it runs each call in the model thread (one at a
-time), times the step calls, and maps the model's exceptions to gRPC statuses:
-`UnsupportedCall` / `InvalidCall` -> INVALID_ARGUMENT, `BatchNotFound` -> NOT_FOUND,
-anything else -> INTERNAL with the exception's message.
+time), times the steps, and answers a model's exception INTERNAL with its message.
 """
 
 from __future__ import annotations
@@ -13,7 +11,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import torch
@@ -21,24 +19,19 @@ import torch
 from textgate.proto import generate_pb2 as pb
 from textgate.proto import generate_pb2_grpc as pb_grpc
 from textgate.shard_server import tracing
-from textgate.shard_server.protocols.shard_model import BatchNotFound, InvalidCall, ShardModel
+from textgate.shard_server.protocols.paged_model import PagedModel
 
 log = logging.getLogger("textgate.shard")
 
 
-class _Timed(Protocol):
-    total_ns: int
-
-
 T = TypeVar("T")
-R = TypeVar("R", bound=_Timed)
 
 
 class ShardServicer(pb_grpc.TextGenerationServiceServicer):
     """Implements generate.proto by forwarding every call to `model`."""
 
     def __init__(
-        self, model: ShardModel, urls: list[str], executor: ThreadPoolExecutor | None = None
+        self, model: PagedModel, urls: list[str], executor: ThreadPoolExecutor | None = None
     ) -> None:
         self.model = model
         self.urls = urls
@@ -62,34 +55,18 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
     async def ClearCache(
         self, request: pb.ClearCacheRequest, context: Any
     ) -> pb.ClearCacheResponse:
-        batch_id = request.id if request.HasField("id") else None
-        await self._call(context, self.model.clear, batch_id)
+        await self._call(context, self.model.clear)
         return pb.ClearCacheResponse()
-
-    async def FilterBatch(
-        self, request: pb.FilterBatchRequest, context: Any
-    ) -> pb.FilterBatchResponse:
-        ids = list(request.request_ids)
-        batch = await self._call(context, self.model.filter, request.batch_id, ids)
-        return pb.FilterBatchResponse(batch=batch)
 
     async def Warmup(self, request: pb.WarmupRequest, context: Any) -> pb.WarmupResponse:
         return await self._call(context, self.model.warmup, request)
 
-    async def Prefill(self, request: pb.PrefillRequest, context: Any) -> pb.PrefillResponse:
-        return await self._timed(context, self.model.prefill, request.batch)
-
-    async def Decode(self, request: pb.DecodeRequest, context: Any) -> pb.DecodeResponse:
-        return await self._timed(context, self.model.decode, list(request.batches))
-
     async def Step(self, request: pb.StepRequest, context: Any) -> pb.StepResponse:
-        return await self._timed(context, self.model.step, list(request.requests), request.plan)
-
-    async def _timed(self, context: Any, call: Callable[..., R], *args: Any) -> R:
-        """`_call`, with the call's whole time in the shard (lock wait included) as total_ns."""
+        """The step, with its whole time in the shard (lock wait included) as total_ns."""
         start = time.perf_counter_ns()
-        with tracing.rpc_span(context, call.__name__) as span:  # None unless --otlp-endpoint
-            response = await self._call(context, call, *args)
+        with tracing.rpc_span(context, "step") as span:  # None unless --otlp-endpoint
+            step = self.model.step
+            response = await self._call(context, step, list(request.requests), request.plan)
             response.total_ns = time.perf_counter_ns() - start
             tracing.record_phases(span, response, len(response.generations))
         return response
@@ -99,10 +76,6 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         try:
             async with self._lock:
                 return await asyncio.get_running_loop().run_in_executor(self._executor, call, *args)
-        except InvalidCall as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except BatchNotFound as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         except Exception as exc:
             log.exception("model call failed")
             await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
@@ -125,7 +98,7 @@ def model_thread() -> ThreadPoolExecutor:
 
 
 async def serve(
-    model: ShardModel,
+    model: PagedModel,
     uds_path: str,
     rank: int,
     world_size: int,

@@ -1,7 +1,7 @@
-"""The shard's spans: one per step RPC (Step, Prefill, Decode), a child of the router's
-step span, whose W3C `traceparent` arrives in the call's gRPC metadata::
+"""The shard's spans: one per Step RPC, a child of the router's step span, whose W3C
+`traceparent` arrives in the call's gRPC metadata::
 
-    shard Step                       SERVER span: the whole call, model-lock wait included
+    shard step                       SERVER span: the whole call, model-lock wait included
     ├── forward                      the forward pass, sampling included (`forward_ns`)
     └── decode                       tokens to Generations: detokenizing, stopping (`decode_ns`)
 

@@ -27,8 +27,8 @@ SHARD = "shard_server"
 SHARD_LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"step", "layers"}),  # what one step does; the native models' building blocks
     frozenset({"models", "startup"}),  # native models; sizing and measurement at warmup
-    frozenset({"protocols"}),  # ShardModel and the paged and padded step protocols
-    frozenset({"loading"}),  # from a model id to the ShardModel a shard serves
+    frozenset({"protocols"}),  # PagedModel: the step protocol over the paged KV cache
+    frozenset({"loading"}),  # from a model id to the PagedModel a shard serves
     frozenset({"server", "tracing", "flag_types", "__main__", "__init__"}),
 )
 

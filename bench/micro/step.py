@@ -6,7 +6,8 @@ tokens, then `--steps` decode steps of all B. Prints the prefill step's time and
 decode steps' median, the way `textgate-bench` numbers decompose: what the model costs
 per step, before serving adds its share. `--quantize` times a quantized model (int8,
 bitsandbytes, ...); `--transformers` the same checkpoint through transformers-on-paged
-(`shard_server.models.transformers_paged`), for the ratio to its native class. `TEXTGATE_CPU_KERNELS=0` runs the PyTorch references instead of the C
+(`shard_server.models.transformers_paged`, the shard's `--no-native`), for the ratio to
+its native class. `TEXTGATE_CPU_KERNELS=0` runs the PyTorch references instead of the C
 kernels, for an A/B of the same code.
 """
 
@@ -28,12 +29,8 @@ from textgate.kernels import int4_linear
 from textgate.proto import generate_pb2 as pb
 from textgate.shard_server.loading.shard_loader import (
     load_model,
-    load_paged,
-    resolve_dtype,
-    transformers_paged_builder,
 )
 from textgate.shard_server.protocols.paged_model import CacheConfig, PagedModel
-from textgate.shard_server.protocols.shard_model import ShardModel
 from textgate.shard_server.startup.step_timing import probe_request
 
 BLOCK_SIZE = 16
@@ -105,19 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--transformers",
         action="store_true",
         help="run the model's transformers modules on the paged engine even where a native "
-        "class exists (the A/B of the two paths; CPU only)",
+        "class exists (the A/B of the two paths: the shard's --no-native)",
     )
     return parser
-
-
-def load_transformers_paged(model_dir: Path, dtype: str, cache_config: CacheConfig) -> PagedModel:
-    """The model through transformers-on-paged even where a native class exists: the A/B
-    of the two paths on one checkpoint."""
-    device = torch.device("cpu")
-    build = transformers_paged_builder(
-        model_dir, model_dir.name, device, cache_config, "auto", False
-    )
-    return load_paged(build, dtype, resolve_dtype(dtype, device), device)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -131,15 +118,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     blocks = (args.prompt_len + args.steps + BLOCK_SIZE) // BLOCK_SIZE + 1
     cache_bytes = 1 << 30
     cache_config = CacheConfig(BLOCK_SIZE, cache_bytes)
-    if args.transformers:
-        model: ShardModel = load_transformers_paged(model_dir, args.dtype, cache_config)
-    else:
-        model = load_model(
-            model_dir, model_dir.name, args.dtype, cache_config=cache_config, quantize=args.quantize
-        )
-    if not isinstance(model, PagedModel):
-        print(f"{model_dir} has no native implementation: nothing to time", file=sys.stderr)
-        return 1
+    model = load_model(
+        model_dir,
+        model_dir.name,
+        args.dtype,
+        cache_config=cache_config,
+        native=not args.transformers,
+        quantize=args.quantize,
+    )
     warmup = model.warmup(pb.WarmupRequest(max_prefill_tokens=args.prompt_len))
     if warmup.num_blocks < max(batches) * blocks:
         print(f"a 1 GiB cache holds {warmup.num_blocks} blocks, too few", file=sys.stderr)

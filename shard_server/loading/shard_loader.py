@@ -1,10 +1,10 @@
 """Pick and load the implementation that serves a model folder.
 
-Architectures with a native implementation run paged (continuous batching over the
-paged KV cache, tensor parallel). Other decoders run transformers' own modules on the
-paged engine (`models.transformers_paged`, one shard); what cannot (recurrent layers,
-encoder-decoders, attention soft-capping; `unsupported_reason` says) runs through the
-padded transformers fallback on one shard.
+Every model runs on the paged engine (continuous batching over the paged KV cache).
+Architectures with a native class (`models/`) run it: fused kernels, quantization,
+tensor parallel, LoRA. Other decoders run transformers' own modules
+(`models.transformers_paged`, one shard); what cannot (recurrent layers,
+encoder-decoders, chunked attention; `unsupported_reason` says) is refused at startup.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import torch
 from textgate.kernels import get_attention_backend, select_attention_backend
 from textgate.shard_server.layers.tensor_parallel import distributed_backend, rank_device
 from textgate.shard_server.protocols.paged_model import PagedModel
-from textgate.shard_server.protocols.shard_model import ShardModel
 from textgate.shard_server.startup.cache_config import CacheConfig
 from textgate.shard_server.startup.dtype_choice import DtypeChoice, pick_dtype
 from textgate.shard_server.startup.hardware import report_line
@@ -35,8 +34,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """The dtype `name` names; `auto` without a measurement: bfloat16 on GPU (float16 where
-    the GPU has no bf16), float32 on CPU (the transformers fallback; native models on CPU
-    measure instead, see `load_model`)."""
+    the GPU has no bf16), float32 on CPU (where `load_model` measures instead)."""
     if name == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
@@ -64,15 +62,17 @@ def load_model(
     quantize: str | None = None,
     attention: str = "auto",
     lora_adapters: Sequence[tuple[str, str]] = (),
-) -> ShardModel:
-    """Load `model_path` for this rank: native and paged when the architecture allows.
+) -> PagedModel:
+    """Load `model_path` for this rank on the paged engine: its native class where one
+    exists (unless `native` is False, `--no-native`), else transformers' own modules.
 
     `quantize` names the weight quantization method (None: the checkpoint's own, if any).
-    `attention` is `--attention` (kernels.select_attention_backend; native models only).
+    `attention` is `--attention` (kernels.select_attention_backend).
     `lora_adapters` are (id, PEFT folder) pairs, attached to a native model on one shard.
 
-    `dtype` "auto" on CPU builds a native model in each candidate dtype and keeps the one
-    whose own step measured fastest (`dtype_choice.pick_dtype`).
+    `dtype` "auto" on CPU builds the model in each candidate dtype and keeps the one whose
+    own step measured fastest (`dtype_choice.pick_dtype`). A model that cannot run paged
+    (recurrent layers, an encoder-decoder, ...) is a ValueError saying why.
     """
     device = shard_device(rank, world_size)
     if device.type == "cpu" and rank == 0:
@@ -86,35 +86,33 @@ def load_model(
         build = paged_builder(
             model_path, model_id, device, group, world_size, cache_config, quantize, attention
         )
-        from textgate.shard_server.models.loader import quantized_cpu_dtype
-
-        auto_on_cpu = dtype == "auto" and device.type == "cpu"
-        method_dtype = quantized_cpu_dtype(model_path, quantize) if auto_on_cpu else None
-        paged = load_paged(build, dtype, torch_dtype, device, method_dtype)
+        paged = load_native(build, model_path, dtype, torch_dtype, device, quantize)
         attach_adapters(paged, lora_adapters)
         return paged
-    if lora_adapters:
-        raise ValueError(
-            f"--lora-adapters needs a native implementation; model type {model_type!r} has none"
-        )
-    reason = transformers_paged_reason(model_path) if native else "--no-native"
-    if reason is None:
-        check_transformers_paged_flags(model_type, world_size, quantize)
-        log.info(
-            "model type %r has no native class: transformers' modules on the paged engine",
-            model_type,
-        )
-        build = transformers_paged_builder(
-            model_path, model_id, device, cache_config, attention, trust_remote_code
-        )
-        return load_paged(build, dtype, torch_dtype, device)
-    log.info("model type %r: the padded transformers fallback (%s)", model_type, reason)
-    check_fallback_flags(model_type, world_size, cache_config, quantize)
-    from textgate.shard_server.protocols.transformers_model import TransformersModel
-
-    return TransformersModel(
-        model_path, torch_dtype, device, model_id, trust_remote_code, why_padded=reason
+    check_transformers_paged(model_path, model_type, world_size, quantize, lora_adapters)
+    why = "--no-native" if model_type in supported_model_types() else "no native class"
+    log.info("model type %r: transformers' modules on the paged engine (%s)", model_type, why)
+    build = transformers_paged_builder(
+        model_path, model_id, device, cache_config, attention, trust_remote_code
     )
+    return load_paged(build, dtype, torch_dtype, device)
+
+
+def load_native(
+    build: Callable[[torch.dtype], PagedModel],
+    model_path: Path,
+    dtype: str,
+    torch_dtype: torch.dtype,
+    device: torch.device,
+    quantize: str | None,
+) -> PagedModel:
+    """`load_paged` for a native class: "auto" on CPU takes the dtype of the quantization
+    method's kernel where it has one."""
+    from textgate.shard_server.models.loader import quantized_cpu_dtype
+
+    auto_on_cpu = dtype == "auto" and device.type == "cpu"
+    method_dtype = quantized_cpu_dtype(model_path, quantize) if auto_on_cpu else None
+    return load_paged(build, dtype, torch_dtype, device, method_dtype)
 
 
 def attach_adapters(paged: PagedModel, adapters: Sequence[tuple[str, str]]) -> None:
@@ -177,24 +175,29 @@ def paged_builder(
     return build
 
 
-def transformers_paged_reason(model_path: Path) -> str | None:
-    """Why transformers' modules cannot run this model on the paged engine, or None."""
+def check_transformers_paged(
+    model_path: Path,
+    model_type: str | None,
+    world_size: int,
+    quantize: str | None,
+    lora_adapters: Sequence[tuple[str, str]],
+) -> None:
+    """Refuse, naming the model type and why, a model transformers' modules cannot run
+    on the paged engine, and flags that path cannot honour."""
     from textgate.shard_server.models.transformers_paged import unsupported_reason
 
-    return unsupported_reason(json.loads((model_path / "config.json").read_text()))
-
-
-def check_transformers_paged_flags(
-    model_type: str | None, world_size: int, quantize: str | None
-) -> None:
-    """Refuse flags transformers-on-paged cannot honour, naming the model type."""
-    where = f"model type {model_type!r} has no native class and runs transformers' modules"
+    reason = unsupported_reason(json.loads((model_path / "config.json").read_text()))
+    if reason is not None:
+        raise ValueError(f"model type {model_type!r} cannot be served: {reason}")
+    where = f"model type {model_type!r} runs transformers' modules (no native class)"
     if quantize is not None:
-        raise ValueError(f"--quantize needs a native implementation; {where} unquantized")
+        raise ValueError(f"--quantize needs a native implementation; {where}, unquantized")
     if world_size > 1:
         raise ValueError(
             f"tensor parallel (--num-shard > 1) needs a native implementation; {where} on one shard"
         )
+    if lora_adapters:
+        raise ValueError(f"--lora-adapters needs a native implementation; {where}")
 
 
 def transformers_paged_builder(
@@ -245,31 +248,6 @@ def load_paged(
     paged = build(torch_dtype)
     paged.dtype_choice = DtypeChoice(torch_dtype, "default" if dtype == "auto" else "flag")
     return paged
-
-
-def check_fallback_flags(
-    model_type: str | None,
-    world_size: int,
-    cache_config: CacheConfig | None,
-    quantize: str | None,
-) -> None:
-    """Refuse flags the transformers fallback cannot honour, naming the model type."""
-    if quantize is not None:
-        raise ValueError(
-            f"--quantize needs a native implementation; model type {model_type!r} is served "
-            "by the transformers fallback, which loads unquantized weights"
-        )
-    if cache_config is not None and cache_config.kv_cache_dtype != "auto":
-        raise ValueError(
-            f"--kv-cache-dtype {cache_config.kv_cache_dtype} needs a native implementation; "
-            f"model type {model_type!r} is served by the transformers fallback, whose KV "
-            "cache is transformers' own"
-        )
-    if world_size > 1:
-        raise ValueError(
-            f"tensor parallel (--num-shard > 1) needs a native implementation; model type "
-            f"{model_type!r} is served by the transformers fallback, which runs one shard"
-        )
 
 
 def load_tokenizer(model_path: Path) -> TokenizerInfo:

@@ -1,4 +1,4 @@
-"""Serve a native model over the paged KV cache, one router-planned step at a time.
+"""Serve a model over the paged KV cache, one router-planned step at a time.
 
 The shard keeps one running set of sequences (prompt, generated tokens, stop rules,
 generator). The router's scheduler decides every step: which tokens of which
@@ -6,8 +6,8 @@ sequences to compute and in which KV blocks (a `StepPlan`). Prefill, chunked pre
 prefix-cache hits, decode and recompute after preemption are all the same thing here:
 compute `token_ids` at their positions, and sample where the plan says so.
 
-`PagedModel` serves the Step call of generate.proto; the padded protocol's Prefill /
-Decode / FilterBatch are answered with `UnsupportedCall`. Its parts live beside it:
+`PagedModel` is what the shard's servicer calls for each call of generate.proto. Its
+parts live beside it:
 `step_inputs` (the plan as a flat batch), `prompt_logprobs`, `paged_warmup` (graph
 capture choice, shapes-only passes) and `cache_config`.
 """
@@ -26,7 +26,6 @@ from textgate.kernels.kv_quant import kv_dtype_name, resolve_kv_cache_dtype
 from textgate.proto import generate_pb2 as pb
 from textgate.quantization.resident import resident_bytes
 from textgate.shard_server.layers.lora import LoraRows, lora_rows
-from textgate.shard_server.protocols.shard_model import PAGED_ONLY, ShardModel, UnsupportedCall
 from textgate.shard_server.startup.cache_config import CacheConfig
 from textgate.shard_server.startup.dtype_choice import DtypeChoice
 from textgate.shard_server.startup.hardware import cpu_kernel_report
@@ -59,8 +58,10 @@ __all__ = ["CacheConfig", "PagedModel", "StepInputs"]
 log = logging.getLogger("textgate.shard")
 
 
-class PagedModel(ShardModel):
-    """A native model, its KV cache and the running sequences of one shard."""
+class PagedModel:
+    """A model (native, or transformers' modules), its KV cache and the running sequences
+    of one shard: what the servicer calls, one call at a time, from the model thread.
+    Responses leave `total_ns` to the servicer, which times the whole call."""
 
     def __init__(
         self,
@@ -98,6 +99,7 @@ class PagedModel(ShardModel):
         """LoRA adapters attached to the model (layers.lora.attach): id -> slot."""
 
     def describe(self) -> pb.InfoResponse:
+        """Info: the model facts the router validates and tokenizes with."""
         config = self.model.config
         return pb.InfoResponse(
             requires_padding=False,
@@ -153,7 +155,7 @@ class PagedModel(ShardModel):
         left free (memory.py); on CPU it takes `kv_cache_memory`. With decode graphs one
         extra block, the last, is the padding rows' scratch block: the router never sees it.
         """
-        self.clear(None)
+        self.clear()
         self.kv_cache = None
         self.graphs = None
         capture = self._graph_capture()
@@ -236,25 +238,12 @@ class PagedModel(ShardModel):
             self.model, self.kv_cache, query_lens, self.cache_config.block_size, self.device
         )
 
-    # -- ClearCache, and the padded protocol's calls (unsupported) -------------------------
+    # -- ClearCache ----------------------------------------------------------------------
 
-    def clear(self, batch_id: int | None) -> None:
-        """Forget every sequence when `batch_id` is None (the KV cache stays allocated).
-
-        A paged shard holds no batches, so a batch id names nothing to drop.
-        """
-        if batch_id is None:
-            self.sequences.clear()
-            self.prompt_logprobs.clear()
-
-    def filter(self, batch_id: int, request_ids: Seq[int]) -> pb.CachedBatch:
-        raise UnsupportedCall(PAGED_ONLY.format(call="FilterBatch"))
-
-    def prefill(self, batch: pb.Batch) -> pb.PrefillResponse:
-        raise UnsupportedCall(PAGED_ONLY.format(call="Prefill"))
-
-    def decode(self, batches: Seq[pb.CachedBatch]) -> pb.DecodeResponse:
-        raise UnsupportedCall(PAGED_ONLY.format(call="Decode"))
+    def clear(self) -> None:
+        """Forget every sequence (the KV cache stays allocated)."""
+        self.sequences.clear()
+        self.prompt_logprobs.clear()
 
     # -- one step -----------------------------------------------------------------------
 

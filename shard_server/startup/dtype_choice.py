@@ -160,5 +160,5 @@ def trial_timings(model: MeasuredModel, plan: ProbePlan) -> StepTimings:
     try:
         return measure_steps(model, plan)
     finally:
-        model.clear(None)
+        model.clear()
         model.kv_cache = None

@@ -435,7 +435,7 @@ def warmup_measurements(model: MeasuredModel, request: pb.WarmupRequest) -> pb.W
         max_positions=max_positions,
     )
     measured = measure_steps(model, plan)
-    model.clear(None)
+    model.clear()
     timings = StepTimings(
         dict(sorted({**known, **measured.decode_ms}.items())),
         measured.prefill_tokens,

@@ -1,6 +1,6 @@
 """A model with no native class served over HTTP on the paged engine: transformers'
-olmo2 modules with textgate's attention, concurrent requests, a grammar (which the
-padded fallback refuses), /info naming how it runs."""
+olmo2 modules with textgate's attention, concurrent requests, a grammar, /info naming
+how it runs; and a model the paged engine cannot run, refused at startup saying why."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from textgate.shard_server.models import supported_model_types
 from textgate.tests.conftest import build_tiny_model
@@ -53,3 +55,19 @@ def test_olmo2_serves_paged_with_concurrency_and_a_grammar(
     finally:
         assert server.stop() == 0
     assert "transformers' modules on the paged engine" in server.log_path.read_text()
+
+
+def test_a_model_the_paged_engine_cannot_run_stops_the_launcher_naming_why(
+    launch_server: Any, tmp_path: Path
+) -> None:
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("mamba", vocab_size=101, hidden_size=32, num_hidden_layers=2)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "mamba")
+    server = launch_server(tmp_path, "--model-id", str(tmp_path / "mamba"))
+    with pytest.raises(RuntimeError, match="launcher exited early"):
+        server.wait_ready(timeout=120)
+    assert server.stop() != 0
+    assert (
+        "model type 'mamba' cannot be served: MambaForCausalLM does not run its attention "
+        "through transformers' AttentionInterface"
+    ) in server.log_path.read_text()

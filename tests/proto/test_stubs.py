@@ -33,19 +33,18 @@ def test_every_rpc_and_message_field_is_documented() -> None:
     assert not undocumented, f"fields without a comment: {undocumented}"
 
 
-def test_the_contract_has_both_step_protocols() -> None:
+def test_the_contract_has_one_step_protocol() -> None:
     service = pb.DESCRIPTOR.services_by_name["TextGenerationService"]
     assert set(service.methods_by_name) == {
         "Info",
         "Health",
         "ServiceDiscovery",
         "ClearCache",
-        "FilterBatch",
         "Warmup",
-        "Prefill",
-        "Decode",
         "Step",
     }
-    assert "plan" not in pb.PrefillRequest.DESCRIPTOR.fields_by_name
-    assert "plan" not in pb.DecodeRequest.DESCRIPTOR.fields_by_name
+    # The padded protocol's messages are gone; their numbers stay reserved where they were.
+    assert not {"Batch", "CachedBatch", "PrefillRequest"} & set(pb.DESCRIPTOR.message_types_by_name)
+    assert not pb.ClearCacheRequest.DESCRIPTOR.fields
+    assert "batch" not in pb.WarmupRequest.DESCRIPTOR.fields_by_name
     assert [f.name for f in pb.StepRequest.DESCRIPTOR.fields] == ["requests", "plan"]

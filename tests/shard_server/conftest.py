@@ -36,15 +36,6 @@ def make_request(
     )
 
 
-def make_batch(batch_id: int, *requests: pb.Request) -> pb.Batch:
-    return pb.Batch(id=batch_id, requests=requests, size=len(requests))
-
-
 @pytest.fixture
 def request_factory() -> Callable[..., pb.Request]:
     return make_request
-
-
-@pytest.fixture
-def batch_factory() -> Callable[..., pb.Batch]:
-    return make_batch

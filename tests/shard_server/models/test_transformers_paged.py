@@ -1,11 +1,10 @@
 """Models with no native class on the paged engine: transformers' modules, textgate's
 attention and cache, against transformers itself (olmo2 and granite stay unregistered;
-gemma3_text for alternating sliding-window layers, gpt2 for a config that names its heads
-its own way)."""
+gemma3_text for alternating sliding-window layers, gemma2 for logit soft-capping, gpt_oss
+for sink logits, gpt2 for a config that names its heads its own way)."""
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,6 @@ from textgate.shard_server.models.transformers_paged import (
     TransformersPagedModel,
     unsupported_reason,
 )
-from textgate.shard_server.protocols.padded_model import PaddedModel
 from textgate.shard_server.protocols.paged_model import PagedModel
 from textgate.tests.conftest import build_tiny_model
 from textgate.tests.shard_server.models.conftest import (
@@ -42,6 +40,14 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "logits_scaling": 1.5,
     },
     "gemma3_text": {"head_dim": 16, "sliding_window": 4},
+    # Soft-capping small enough that tanh bends the scores; the final soft-cap is its own code.
+    "gemma2": {"head_dim": 16, "sliding_window": 4, "attn_logit_softcapping": 2.0},
+    "gpt_oss": {  # sink logits, alternating sliding layers, its own experts
+        "head_dim": 16,
+        "sliding_window": 4,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+    },
     "gpt2": {"n_embd": 48, "n_head": 4, "n_layer": 2},
 }
 
@@ -89,7 +95,7 @@ def test_chunked_prefill_and_decode_match_transformers(tmp_path, kind) -> None:
     torch.testing.assert_close(torch.cat(logits), expected, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["olmo2", "granite"])
+@pytest.mark.parametrize("kind", ["olmo2", "granite", "gemma2", "gpt_oss"])
 def test_a_concurrent_batch_with_shared_prefixes_equals_transformers_generate(
     tmp_path, kind
 ) -> None:
@@ -113,7 +119,7 @@ def test_the_cache_shape_comes_from_the_model_not_its_config_names(tmp_path) -> 
 @pytest.mark.parametrize(
     ("kind", "overrides", "why"),
     [
-        ("gemma2", {"head_dim": 16}, "uses attn_logit_softcapping"),
+        ("llama4_text", {"attention_chunk_size": 8}, "uses chunked attention"),
         ("mamba", {}, "does not run its attention through transformers' AttentionInterface"),
         ("t5", {}, "is an encoder-decoder model"),
         ("vit", {}, "transformers has no causal LM for model type 'vit'"),
@@ -135,7 +141,7 @@ def test_the_shard_serves_it_paged_and_says_so(tmp_path, caplog) -> None:
     with caplog.at_level(logging.INFO, logger="textgate.shard"):
         model = load_shard_model(path, "tiny-olmo2", "float32")
     assert isinstance(model, PagedModel) and isinstance(model.model, TransformersPagedModel)
-    assert "'olmo2' has no native class: transformers' modules on the paged engine" in caplog.text
+    assert "'olmo2': transformers' modules on the paged engine (no native class)" in caplog.text
     info = model.describe()
     assert info.model_type == "olmo2"
     assert info.model_implementation == (
@@ -147,20 +153,33 @@ def test_the_shard_serves_it_paged_and_says_so(tmp_path, caplog) -> None:
         load_shard_model(path, "tiny-olmo2", "float32", quantize="int8")
 
 
-def test_what_cannot_run_paged_falls_back_to_padded_and_says_why(tmp_path, caplog) -> None:
-    build(tmp_path, "gemma2", head_dim=16)
-    (tmp_path / "config.json").write_text(
-        json.dumps({**json.loads((tmp_path / "config.json").read_text()), "vocab_size": 101})
+def test_what_cannot_run_paged_is_refused_at_startup_naming_why(tmp_path) -> None:
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("mamba", vocab_size=101, hidden_size=32, num_hidden_layers=2)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError) as error:
+        load_shard_model(tmp_path, "tiny-mamba", "float32")
+    assert str(error.value) == (
+        "model type 'mamba' cannot be served: MambaForCausalLM does not run its attention "
+        "through transformers' AttentionInterface"
     )
-    build_tiny_model(tmp_path / "tok", "llama")  # a tokenizer for the folder
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (tmp_path / name).write_bytes((tmp_path / "tok" / name).read_bytes())
+
+
+def test_no_native_serves_a_native_family_through_transformers(tiny_model_dir, caplog) -> None:
     with caplog.at_level(logging.INFO, logger="textgate.shard"):
-        model = load_shard_model(tmp_path, "tiny-gemma2", "float32")
-    assert isinstance(model, PaddedModel)
-    assert model.describe().model_implementation.startswith(
-        "transformers Gemma2ForCausalLM, padded (Gemma2ForCausalLM uses attn_logit_softcapping"
+        model = load_shard_model(tiny_model_dir, "tiny", "float32", native=False)
+    assert isinstance(model.model, TransformersPagedModel)
+    assert "'llama': transformers' modules on the paged engine (--no-native)" in caplog.text
+    assert model.describe().model_implementation == (
+        "transformers LlamaForCausalLM on the paged engine (no native class)"
     )
-    assert "padded transformers fallback (Gemma2ForCausalLM uses attn_logit_softcapping" in (
+
+
+def test_soft_capping_runs_on_the_torch_backend_whatever_was_asked(tmp_path, caplog) -> None:
+    build(tmp_path, "gemma2")
+    with caplog.at_level(logging.INFO, logger="textgate.shard"):
+        model = paged_runner(tmp_path, backend="cpu").model
+    assert type(model.attention_backend).__name__ == "SdpaAttentionBackend"
+    assert "Gemma2ForCausalLM's attention needs softcap: the torch attention backend" in (
         caplog.text
     )

@@ -11,7 +11,6 @@ import torch
 from textgate.proto import generate_pb2 as pb
 from textgate.shard_server.loading.shard_loader import load_model
 from textgate.shard_server.protocols.paged_model import CacheConfig, PagedModel
-from textgate.shard_server.protocols.shard_model import UnsupportedCall
 
 BLOCK = 4
 
@@ -166,20 +165,12 @@ def test_unknown_request_is_an_error(paged: PagedModel) -> None:
         paged.step([], plan)
 
 
-def test_padded_calls_are_unsupported_and_clear_forgets_every_sequence(
+def test_clear_forgets_every_sequence(
     paged: PagedModel, request_factory: Callable[..., pb.Request]
 ) -> None:
-    for name, call in [
-        ("Prefill", lambda: paged.prefill(pb.Batch())),
-        ("Decode", lambda: paged.decode([pb.CachedBatch(id=1)])),
-        ("FilterBatch", lambda: paged.filter(1, [])),
-    ]:
-        with pytest.raises(UnsupportedCall, match=f"send Step, not {name}"):
-            call()
     paged.step([request_factory(50, [5, 6], 3)], pb.StepPlan())
-    paged.clear(50)  # a paged shard holds no batches: nothing to drop
     assert 50 in paged.sequences
-    paged.clear(None)
+    paged.clear()
     assert not paged.sequences
 
 

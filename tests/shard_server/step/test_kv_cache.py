@@ -222,15 +222,12 @@ def test_the_shard_allocates_and_serves_a_quantized_cache(tiny_model_dir):
     assert fp8.model.kv_cache_dtype == torch.float8_e4m3fn
 
 
-def test_the_transformers_fallback_refuses_a_quantized_cache(tiny_model_dir):
-    with pytest.raises(ValueError, match="--kv-cache-dtype int8 needs a native implementation"):
-        load_shard_model(
-            tiny_model_dir,
-            "tiny",
-            "float32",
-            cache_config=CacheConfig(kv_cache_dtype="int8"),
-            native=False,
-        )
+def test_transformers_modules_on_the_paged_engine_get_a_quantized_cache(tiny_model_dir):
+    config = CacheConfig(block_size=4, kv_cache_memory=1 << 20, kv_cache_dtype="int8")
+    model = load_shard_model(tiny_model_dir, "tiny", "float32", cache_config=config, native=False)
+    assert type(model.model).__name__ == "TransformersPagedModel"
+    model.warmup(pb.WarmupRequest(max_prefill_tokens=16))
+    assert model.kv_cache is not None and model.kv_cache.dtype == torch.int8
 
 
 def test_info_reports_the_kv_dtype_and_bytes_per_token(tiny_model_dir):
