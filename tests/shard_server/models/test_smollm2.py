@@ -33,5 +33,7 @@ def test_smollm2_logits_match_transformers(default_model_dir: Path) -> None:
             )
             rows = torch.arange(stop - start)
             logits.append(model(prompt[start:stop], metadata.positions(), cache, metadata, rows))
-    torch.testing.assert_close(torch.cat(logits), expected, atol=1e-4, rtol=0)
+    # 30 float32 layers: the two sum in different orders, so the bound grows with the logit
+    # (a Sapphire Rapids Xeon differed by 1.0e-4 on a logit of 15.8, 6e-6 of it).
+    torch.testing.assert_close(torch.cat(logits), expected, atol=1e-4, rtol=2e-5)
     assert torch.equal(torch.cat(logits).argmax(-1), expected.argmax(-1))
