@@ -15,10 +15,9 @@ one update per part, folded into one pair whose B is block-diagonal over the par
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import json
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from textgate.shard_server.layers.moe import GROUPED_MM, grouped_mm_runs
+from textgate.shard_server.layers.step_local import StepLocal
 
 # PEFT's target names -> (the native layer that holds them, the part's index in it).
 TARGETS: dict[str, tuple[str, int]] = {
@@ -77,19 +77,12 @@ class LoraRows:
         return cls(groups, tensor(order), tensor(ends, torch.int32))
 
 
-_ROWS: contextvars.ContextVar[LoraRows | None] = contextvars.ContextVar(
-    "textgate_lora_rows", default=None
-)
+_ROWS: StepLocal[LoraRows] = StepLocal("textgate_lora_rows")
 
 
-@contextlib.contextmanager
-def lora_rows(rows: LoraRows | None) -> Iterator[None]:
+def lora_rows(rows: LoraRows | None) -> contextlib.AbstractContextManager[None]:
     """Run a forward pass whose LoRA layers read `rows`."""
-    token = _ROWS.set(rows)
-    try:
-        yield
-    finally:
-        _ROWS.reset(token)
+    return _ROWS.bound(rows)
 
 
 @dataclass

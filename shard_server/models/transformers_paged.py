@@ -21,9 +21,8 @@ model's modules are not split.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from textgate.kernels.attention import AttentionBackend, AttentionMetadata, SdpaAttentionBackend
+from textgate.shard_server.layers.step_local import StepLocal
 from textgate.shard_server.models.paged_cache import PagedCacheOwner
 from textgate.shard_server.step.kv_cache import KVCache
 
@@ -70,19 +70,12 @@ class KVShapes:
         return len(self.seen), heads, dim
 
 
-_STEP: contextvars.ContextVar[PagedStep | KVShapes | None] = contextvars.ContextVar(
-    "textgate_paged_step", default=None
-)
+_STEP: StepLocal[PagedStep | KVShapes] = StepLocal("textgate_paged_step")
 
 
-@contextlib.contextmanager
-def paged_step(step: PagedStep | KVShapes) -> Iterator[None]:
+def paged_step(step: PagedStep | KVShapes) -> contextlib.AbstractContextManager[None]:
     """Run a forward pass whose attention calls read and write `step`."""
-    token = _STEP.set(step)
-    try:
-        yield
-    finally:
-        _STEP.reset(token)
+    return _STEP.bound(step)
 
 
 def paged_attention(
