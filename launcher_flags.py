@@ -218,7 +218,7 @@ class LauncherConfig:
     )
     shard_step_timeout: float = flag(
         600.0,
-        "Seconds a shard may take for one call (step, filter, clear) before it counts as hung",
+        "Seconds a shard may take for one call (a step, a ClearCache) before it counts as hung",
         float,
     )
     header_timeout: float = flag(

@@ -74,11 +74,9 @@ def build_app(
     `shard_info` (rank 0's Info) and `autoconfig` (the startup report) fill /info. The app
     closes the engine on shutdown.
     """
-    # Padded shards (block_size 0: the transformers fallback) cannot enforce grammars.
     validator = Validator(
         config,
         tokenizer,
-        grammars=shard_info is None or shard_info.block_size > 0,
         adapters=list(shard_info.lora_adapters) if shard_info is not None else (),
     )
     state = RouterState(

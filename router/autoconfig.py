@@ -87,8 +87,7 @@ class Measurements:
 
     @classmethod
     def from_warmup(cls, warmup: pb.WarmupResponse) -> Measurements | None:
-        """The measurements in `warmup`, or None where the shards measured nothing
-        (padded shards)."""
+        """The measurements in `warmup`, or None where the shards measured nothing."""
         if not warmup.decode_timings:
             return None
         return cls(

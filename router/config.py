@@ -107,7 +107,7 @@ class RouterConfig:
     graceful_termination_timeout: float = 90.0
     """Seconds in-flight requests get to finish after SIGTERM (router/http/drain.py)."""
     shard_step_timeout: float = 600.0
-    """Seconds one shard call (a step, FilterBatch, ClearCache) may take; a shard that takes
+    """Seconds one shard call (a step, a ClearCache) may take; a shard that takes
     longer is reported as hung and the step's requests fail (a generation error) instead of
     waiting forever."""
     header_timeout: float = 30.0
@@ -206,13 +206,12 @@ class RouterConfig:
         except TypeError as exc:
             raise ValueError(f"router config: {exc}") from exc
 
-    def with_prefill_default(self, *, paged: bool, device_type: str) -> RouterConfig:
+    def with_prefill_default(self, *, device_type: str) -> RouterConfig:
         """This config with max_batch_prefill_tokens filled in when unset: CPU_STEP_TOKENS
-        for paged shards on the CPU, else TGI's max_input_tokens + 50."""
+        on the CPU, else TGI's max_input_tokens + 50."""
         if self.max_batch_prefill_tokens is not None:
             return self
-        paged_cpu = paged and device_type == "cpu"
-        budget = CPU_STEP_TOKENS if paged_cpu else self.max_input_tokens + 50
+        budget = CPU_STEP_TOKENS if device_type == "cpu" else self.max_input_tokens + 50
         return dataclasses.replace(self, max_batch_prefill_tokens=budget)
 
     @property

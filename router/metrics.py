@@ -24,7 +24,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from textgate.proto import generate_pb2 as pb
 from textgate.router.request_record import current_request
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -36,7 +35,7 @@ PREFILL, DECODE = "prefill", "decode"
 
 
 class ShardTimes(Protocol):
-    """What the answer of every step RPC (Prefill, Decode, Step) reports of its time."""
+    """What a Step's answer reports of its time."""
 
     @property
     def forward_ns(self) -> int: ...
@@ -180,8 +179,6 @@ class Metrics:
         self._batch_inference_duration.labels(method=method).observe(duration_s)
         self._forward_duration.labels(method=method).observe(response.forward_ns / 1e9)
         self._decode_duration.labels(method=method).observe(response.decode_ns / 1e9)
-        if isinstance(response, pb.DecodeResponse) and response.HasField("concat_ns"):
-            self._concat_duration.labels(method=method).observe(response.concat_ns / 1e9)
 
     def batch_filtered(self, method: str, duration_s: float) -> None:
         """Routing a step's tokens to their requests (and dropping finished ones) took this long."""
@@ -284,6 +281,7 @@ class Metrics:
             r,
             ["method"],
         )
+        # TGI's dashboards read it; a paged step concatenates no batches, so it stays empty.
         self._concat_duration = _seconds(
             "tgi_batch_concat_duration", "Time spent concatenating batches", r, ["method"]
         )

@@ -28,7 +28,6 @@ from textgate.router.app import build_app
 from textgate.router.autoconfig import Measurements
 from textgate.router.config import RouterConfig
 from textgate.router.engine.factory import make_engine
-from textgate.router.engine.request import SamplingParams, StoppingParams
 from textgate.router.generation.validation import Tokenizer
 from textgate.router.http.drain import DrainingServer
 from textgate.router.http.guarded_h11 import guarded_h11
@@ -39,9 +38,6 @@ from textgate.telemetry import start_tracing, stop_tracing
 log = logging.getLogger("textgate.router")
 
 CONNECT_TIMEOUT_S = 120.0
-WARMUP_BATCH_ID = 2**64 - 1
-# Any id every vocabulary has; warmup only needs the shapes.
-WARMUP_TOKEN_ID = 0
 DRAIN_EXIT_TIMEOUT_S = 5
 
 
@@ -72,7 +68,7 @@ async def build_router(
     await shards.health()
     log.info("Warming up the model")
     # Until the shards have measured their step, the static default budget sizes warmup.
-    probe = config.with_prefill_default(paged=info.block_size > 0, device_type=info.device_type)
+    probe = config.with_prefill_default(device_type=info.device_type)
     warmup = await shards.warmup(warmup_request(probe))
     supported = (
         warmup.max_supported_total_tokens if warmup.HasField("max_supported_total_tokens") else None
@@ -103,8 +99,6 @@ def limits_line(config: RouterConfig, info: pb.InfoResponse, warmup: pb.WarmupRe
     kv = (
         f"{warmup.num_blocks} blocks x {info.block_size} tokens "
         f"({info.kv_cache_dtype}, {info.kv_cache_bytes_per_token} bytes/token)"
-        if info.block_size
-        else "padded batches"
     )
     return (
         f"Limits in force: max_input_tokens={config.max_input_tokens} "
@@ -126,34 +120,8 @@ def load_tokenizer(path: str) -> Tokenizer:
 
 
 def warmup_request(config: RouterConfig) -> pb.WarmupRequest:
-    """A batch of max_input_tokens-long prompts filling max_batch_prefill_tokens."""
-    requests: list[pb.Request] = []
-    remaining = config.prefill_tokens
-    while remaining > 0 and (
-        config.max_batch_size is None or len(requests) < config.max_batch_size
-    ):
-        length = min(config.max_input_tokens, remaining)
-        stopping = StoppingParams(max_new_tokens=config.max_total_tokens - length)
-        requests.append(
-            pb.Request(
-                id=len(requests),
-                inputs="",
-                input_ids=[WARMUP_TOKEN_ID] * length,
-                parameters=SamplingParams().to_pb(),
-                stopping_parameters=stopping.to_pb(),
-                prefill_logprobs=True,
-                top_n_tokens=config.max_top_n_tokens,
-            )
-        )
-        remaining -= length
-    batch = pb.Batch(
-        id=WARMUP_BATCH_ID,
-        requests=requests,
-        size=len(requests),
-        max_tokens=len(requests) * config.max_total_tokens,
-    )
+    """The limits the shards warm up for: their largest prefill step, their KV cache."""
     return pb.WarmupRequest(
-        batch=batch,
         max_input_tokens=config.max_input_tokens,
         max_prefill_tokens=config.prefill_tokens,
         max_total_tokens=config.max_total_tokens,
@@ -175,7 +143,7 @@ def resolve_config(
     """
     if measured is not None:
         config = autoconfig.apply_measurements(config, measured, info.block_size)
-    config = config.with_prefill_default(paged=info.block_size > 0, device_type=info.device_type)
+    config = config.with_prefill_default(device_type=info.device_type)
     total = config.batch_total_tokens
     if supported_total_tokens is not None:
         if supported_total_tokens < config.max_total_tokens:

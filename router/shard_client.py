@@ -2,8 +2,7 @@
 
 Every shard gets the same call (tensor-parallel ranks step together) and rank 0's
 answer is the one used. Failures surface as `ShardError` carrying the shard's message.
-Padded shards step with `prefill` / `decode` / `filter_batch`, paged shards with `step`
-(see proto/generate.proto); a call of the other protocol fails. While tracing is on,
+Shards step with `step` (see proto/generate.proto). While tracing is on,
 every call carries the current span's W3C `traceparent` in its gRPC metadata, so the
 shards' spans join the router's step (router/tracing.py).
 """
@@ -65,28 +64,15 @@ class ShardClient:
         response = await self._call(self._stub.ServiceDiscovery, pb.ServiceDiscoveryRequest())
         return list(response.urls)
 
-    async def clear_cache(self, batch_id: int | None = None) -> None:
-        await self._call(self._stub.ClearCache, pb.ClearCacheRequest(id=batch_id))
-
-    async def filter_batch(self, batch_id: int, request_ids: Sequence[int]) -> pb.CachedBatch:
-        request = pb.FilterBatchRequest(batch_id=batch_id, request_ids=list(request_ids))
-        response = await self._call(self._stub.FilterBatch, request)
-        return response.batch
+    async def clear_cache(self) -> None:
+        await self._call(self._stub.ClearCache, pb.ClearCacheRequest())
 
     async def warmup(self, request: pb.WarmupRequest) -> pb.WarmupResponse:
-        """Run the warmup batch; the answer carries the KV capacity (tokens, blocks)."""
+        """Run the warmup step; the answer carries the KV capacity (tokens, blocks)."""
         return await self._call(self._stub.Warmup, request)
 
-    async def prefill(self, batch: pb.Batch) -> pb.PrefillResponse:
-        """Padded shards: prefill a new batch, which the shard then caches by id."""
-        return await self._call(self._stub.Prefill, pb.PrefillRequest(batch=batch))
-
-    async def decode(self, batches: Sequence[pb.CachedBatch]) -> pb.DecodeResponse:
-        """Padded shards: merge cached batches and generate one token for each request."""
-        return await self._call(self._stub.Decode, pb.DecodeRequest(batches=list(batches)))
-
     async def step(self, requests: Sequence[pb.Request], plan: pb.StepPlan) -> pb.StepResponse:
-        """Paged shards: run one planned step; `requests` are those it schedules first."""
+        """Run one planned step; `requests` are those it schedules first."""
         request = pb.StepRequest(requests=list(requests), plan=plan)
         return await self._call(self._stub.Step, request)
 
@@ -133,20 +119,11 @@ class ShardedClient:
     async def health(self, timeout_s: float | None = None) -> None:
         await self._all(lambda c: c.health(timeout_s))
 
-    async def clear_cache(self, batch_id: int | None = None) -> None:
-        await self._all(lambda c: c.clear_cache(batch_id))
-
-    async def filter_batch(self, batch_id: int, request_ids: Sequence[int]) -> pb.CachedBatch:
-        return await self._all(lambda c: c.filter_batch(batch_id, request_ids))
+    async def clear_cache(self) -> None:
+        await self._all(lambda c: c.clear_cache())
 
     async def warmup(self, request: pb.WarmupRequest) -> pb.WarmupResponse:
         return await self._all(lambda c: c.warmup(request))
-
-    async def prefill(self, batch: pb.Batch) -> pb.PrefillResponse:
-        return await self._all(lambda c: c.prefill(batch))
-
-    async def decode(self, batches: Sequence[pb.CachedBatch]) -> pb.DecodeResponse:
-        return await self._all(lambda c: c.decode(batches))
 
     async def step(self, requests: Sequence[pb.Request], plan: pb.StepPlan) -> pb.StepResponse:
         return await self._all(lambda c: c.step(requests, plan))

@@ -1,9 +1,7 @@
-"""The one place that picks the engine for the shards and sizes it from the router's config.
+"""The one place that builds the engine for the shards and sizes it from the router's config.
 
-Paged shards (Info.block_size > 0, every native model) get a `PagedEngine` over a
-scheduler with exactly the KV blocks their Warmup reported, its batch controller seeded
-with the steps they timed there; padded shards (the transformers fallback) get a
-`PaddedEngine` under TGI's batch budgets.
+The shards get a `PagedEngine` over a scheduler with exactly the KV blocks their Warmup
+reported, its batch controller seeded with the steps they timed there.
 """
 
 from __future__ import annotations
@@ -16,8 +14,6 @@ from textgate.proto import generate_pb2 as pb
 from textgate.router.config import RouterConfig
 from textgate.router.engine.batch_controller import BatchController, StartupSteps
 from textgate.router.engine.channel import Channel
-from textgate.router.engine.padded_engine import PaddedEngine
-from textgate.router.engine.padded_queue import BatchLimits
 from textgate.router.engine.paged_engine import PagedEngine
 from textgate.router.engine.request import ValidRequest
 from textgate.router.engine.scheduler import Scheduler, SchedulerConfig
@@ -29,7 +25,7 @@ log = logging.getLogger("textgate.router")
 
 
 class Engine(Protocol):
-    """What the handlers and the server need from an engine (PagedEngine, PaddedEngine)."""
+    """What the handlers and the server need from an engine (`PagedEngine`; tests' fakes)."""
 
     shard_calls: ShardCalls
     """Its calls to the shards (their deadline is `shard_calls.timeout_s`)."""
@@ -54,17 +50,15 @@ def make_engine(
     *,
     metrics: Metrics | None = None,
 ) -> Engine:
-    """A PagedEngine for paged shards (block_size > 0), else a PaddedEngine.
+    """The PagedEngine for the shards Info and Warmup described.
 
     `config` is resolved (`server.resolve_config`); `metrics` (the app's) gets the
     engine's step metrics.
     """
     if info.block_size == 0:
-        return PaddedEngine(
-            shards,
-            batch_limits(config, info),
-            config.max_concurrent_requests,
-            metrics=metrics,
+        raise RuntimeError(
+            "the shards reported no KV-cache block size: a shard of a textgate older than "
+            "its router (the padded protocol is gone); restart them from one install"
         )
     if warmup.num_blocks == 0:
         raise RuntimeError("the paged shards reported no KV-cache blocks at warmup")
@@ -120,22 +114,4 @@ def describe_controller(config: SchedulerConfig, start_target_s: float | None = 
         f"adaptive, inter-token latency target {target}, prefill share "
         f"{config.controller_config().min_prefill_tokens}-{config.max_num_batched_tokens} "
         f"tokens, batch limit up to {config.max_num_seqs}"
-    )
-
-
-def batch_limits(config: RouterConfig, info: pb.InfoResponse) -> BatchLimits:
-    """The padded engine's budgets; its prefills take whole prompts (no chunking)."""
-    if config.prefill_tokens < config.max_input_tokens:
-        raise ValueError(
-            f"max_batch_prefill_tokens ({config.prefill_tokens}) must be >= "
-            f"max_input_tokens ({config.max_input_tokens}) for a model served without "
-            "a native implementation (no chunked prefill)"
-        )
-    return BatchLimits(
-        max_batch_prefill_tokens=config.prefill_tokens,
-        max_batch_total_tokens=config.batch_total_tokens,
-        max_batch_size=config.max_batch_size,
-        waiting_served_ratio=config.waiting_served_ratio,
-        max_waiting_tokens=config.max_waiting_tokens,
-        requires_padding=info.requires_padding,
     )

@@ -7,11 +7,9 @@ One step, `PagedEngine.step`, reads::
     routed = admitted.route(response)       # every token to its request's channel
     scheduler.update(routed)                # record tokens, finish, free blocks
 
-It serves shards that report a block size (native models over the paged KV cache);
-`padded_engine.PaddedEngine` serves the padded transformers fallback. Both have the same
-face to the HTTP handlers (`submit` -> channels, `num_active`, `close`) and are made of
-the same parts: an `admission.Admitted` table, `shard_calls.ShardCalls` and a
-`step_task.StepTask`.
+It is the router's one engine; its face to the HTTP handlers is `submit` -> channels,
+`num_active`, `close`, and it is made of an `admission.Admitted` table,
+`shard_calls.ShardCalls` and a `step_task.StepTask`.
 """
 
 from __future__ import annotations
@@ -110,7 +108,7 @@ class PagedEngine:
             self._busy.record(call_started, time.monotonic())
             # The scheduler's plan is unrun: everything in flight fails with it.
             self._forget(self._admitted.fail(self._admitted, str(exc)))
-            await self.shard_calls.clear_cache(None)
+            await self.shard_calls.clear_cache()
             self.scheduler.update(ModelStepResult())
             self._report_step()
             return
@@ -194,7 +192,7 @@ class PagedEngine:
         self._fail_all(f"Request failed during generation: {exc}")
         self.scheduler = Scheduler(self.scheduler.config, self.scheduler.controller)
         self._went_idle()
-        await self.shard_calls.clear_cache(None)
+        await self.shard_calls.clear_cache()
 
     async def _drop_finished_in_shards(self) -> None:
         """An empty step that only drops what the shards hold for requests that left."""

@@ -1,7 +1,7 @@
 """The calls an engine makes to the shards: bounded by a deadline, timed, traced.
 
-Every call (a step, a FilterBatch, the empty step that only drops finished requests, a
-ClearCache) goes through `ShardCalls`: one the shards do not answer within `timeout_s`
+Every call (a step, the empty step that only drops finished requests, a ClearCache)
+goes through `ShardCalls`: one the shards do not answer within `timeout_s`
 (`--shard-step-timeout`) raises `ShardTimeoutError`, so a hung shard is reported and
 never waited on forever. `ShardCalls.run` is a step's call: it records TGI's
 per-method metrics and the step's span, and turns any failure into `StepFailed`.
@@ -13,10 +13,10 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Iterable, Sequence
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 from textgate.proto import generate_pb2 as pb
-from textgate.router.metrics import Metrics, ShardTimes
+from textgate.router.metrics import Metrics
 from textgate.router.shard_client import ShardedClient
 from textgate.router.tracing import RequestTrace, step_span
 
@@ -40,16 +40,6 @@ class StepFailed(Exception):
     """A step's call to the shards failed; the message is what its requests are told."""
 
 
-class ShardResponse(ShardTimes, Protocol):
-    """What every step RPC answers (Prefill, Decode, Step)."""
-
-    @property
-    def generations(self) -> Sequence[pb.Generation]: ...
-
-
-R = TypeVar("R", bound=ShardResponse)
-
-
 class ShardCalls:
     """The shard calls an engine makes, each bounded by `timeout_s` (ShardTimeoutError
     past it; the call itself is cancelled)."""
@@ -70,8 +60,11 @@ class ShardCalls:
         self._timeout_s = seconds
 
     async def run(
-        self, method: str, answer: Awaitable[R], traces: Iterable[RequestTrace | None] = ()
-    ) -> R:
+        self,
+        method: str,
+        answer: Awaitable[pb.StepResponse],
+        traces: Iterable[RequestTrace | None] = (),
+    ) -> pb.StepResponse:
         """Await one step RPC (TGI's `method` label: prefill or decode) within its span and
         metrics; StepFailed, with the message for its requests, when it fails."""
         started = time.monotonic()
@@ -87,25 +80,15 @@ class ShardCalls:
         self.metrics.batch_inference(method, time.monotonic() - started, response)
         return response
 
-    async def prefill(self, batch: pb.Batch) -> pb.PrefillResponse:
-        return await self._within_deadline("a Prefill", self.shards.prefill(batch))
-
-    async def decode(self, batches: Sequence[pb.CachedBatch]) -> pb.DecodeResponse:
-        return await self._within_deadline("a Decode", self.shards.decode(batches))
-
     async def step(self, requests: Sequence[pb.Request], plan: pb.StepPlan) -> pb.StepResponse:
         return await self._within_deadline("a Step", self.shards.step(requests, plan))
 
-    async def filter_batch(self, batch_id: int, request_ids: Sequence[int]) -> pb.CachedBatch:
-        call = self.shards.filter_batch(batch_id, request_ids)
-        return await self._within_deadline("a FilterBatch", call)
-
-    async def clear_cache(self, batch_id: int | None = None) -> None:
-        """Drop one batch (or, with None, everything) from the shards; failures are logged."""
+    async def clear_cache(self) -> None:
+        """Drop every request's state from the shards; failures are logged."""
         try:
-            await self._within_deadline("a ClearCache", self.shards.clear_cache(batch_id))
+            await self._within_deadline("a ClearCache", self.shards.clear_cache())
         except Exception as exc:
-            log.error("ClearCache(%s) failed: %s", batch_id, exc)
+            log.error("ClearCache failed: %s", exc)
 
     async def _within_deadline(self, call: str, answer: Awaitable[T]) -> T:
         try:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 from textgate.router.config import RouterConfig
-from textgate.router.engine.request import GrammarSpec, ValidRequest
+from textgate.router.engine.request import ValidRequest
 from textgate.router.generation.parameters import (
     MAX_CHARS_PER_TOKEN,
     check_best_of,
@@ -30,7 +30,7 @@ from textgate.router.generation.parameters import (
 # Re-exported: the routes catch and raise ValidationError under this module's name.
 from textgate.router.generation.parameters import MAX_SEED as MAX_SEED
 from textgate.router.generation.parameters import ValidationError as ValidationError
-from textgate.router.generation.schemas import GenerateParameters, GenerateRequest, SimpleToken
+from textgate.router.generation.schemas import GenerateRequest, SimpleToken
 
 
 @dataclass(frozen=True)
@@ -61,16 +61,11 @@ class Validator:
         config: RouterConfig,
         tokenizer: Tokenizer,
         *,
-        grammars: bool = True,
         adapters: Sequence[str] = (),
     ) -> None:
         self._config = config
         self.adapters = tuple(adapters)
         """The LoRA adapters the shards loaded (`adapter_id` must name one)."""
-        # Grammars are enforced by the paged shards' sampler; the transformers fallback
-        # (padded shards) has none, so a grammar there is refused here rather than failing
-        # the batch it would join.
-        self._grammars = grammars
         self._tokenizer = tokenizer
         # transformers' tokenizers know their size; logit_bias ids are checked against it.
         self._vocab_size: int | None = len(tokenizer) if isinstance(tokenizer, Sized) else None
@@ -120,7 +115,7 @@ class Validator:
             top_n_tokens=params.top_n_tokens or 0,
             decoder_input_details=params.decoder_input_details,
             best_of=best_of,
-            grammar=self.grammar_spec(params),
+            grammar=grammar_spec(params),
             adapter_id=self._check_adapter(params.adapter_id),
         )
 
@@ -131,15 +126,6 @@ class Validator:
         raise ValidationError(
             f"`adapter_id` {adapter_id!r} is not a loaded adapter; loaded: {loaded}"
         )
-
-    def grammar_spec(self, params: GenerateParameters) -> GrammarSpec | None:
-        grammar = grammar_spec(params)
-        if grammar is not None and not self._grammars:
-            raise ValidationError(
-                "`grammar` needs a natively supported model: this one is served by the "
-                "transformers fallback, which cannot constrain its output"
-            )
-        return grammar
 
     async def tokenize(self, request: GenerateRequest) -> list[SimpleToken]:
         """The prompt's tokens with their character spans (TGI's /tokenize).

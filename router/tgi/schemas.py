@@ -140,7 +140,7 @@ class Info(_Response):
     kv_cache_dtype: str | None = None
     kv_cache_bytes_per_token: int | None = None
     #: textgate's: the attention backend the shards run (`--attention` resolved: flash,
-    #: triton, torch or cpu); None for the transformers fallback.
+    #: triton, torch or cpu); None when the shards did not say.
     attention_backend: str | None = None
     #: textgate's: how the shards run the model and why ("native LlamaForCausalLM",
     #: "transformers Olmo2ForCausalLM on the paged engine (no native class)", ...).
@@ -152,5 +152,5 @@ class Info(_Response):
     cpu_kernels: dict[str, str] | None = None
     #: textgate's: the startup report (the machine, the dtype and the budgets derived from
     #: the shards' measured step, with their sources; docs/autoconfig.md); None when the
-    #: shards measured nothing (the transformers fallback).
+    #: shards measured nothing.
     autoconfig: dict[str, Any] | None = None

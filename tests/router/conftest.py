@@ -30,24 +30,10 @@ def uds_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(tmp_path_factory.mktemp("uds") / "s")
 
 
-ENGINE_KINDS = ("padded", "paged")
-# Tests of these folders drive the router over HTTP: they run against both engines.
-HTTP_LEVEL_DIRS = ("http", "tgi", "openai", "anthropic")
-
-
-def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """HTTP-level tests get `engine_kind` padded and paged; the others padded only."""
-    if "engine_kind" not in metafunc.fixturenames:
-        return
-    http_level = metafunc.definition.path.parent.name in HTTP_LEVEL_DIRS
-    metafunc.parametrize("engine_kind", ENGINE_KINDS if http_level else ("padded",))
-
-
 @pytest.fixture
-async def fake(uds_path: str, engine_kind: str) -> AsyncIterator[FakeShard]:
-    """Rank 0 of a one-shard fake model, serving the step protocol of `engine_kind`
-    (so `build_router` picks that engine)."""
-    async with fake_shards(uds_path, paged=engine_kind == "paged") as shards:
+async def fake(uds_path: str) -> AsyncIterator[FakeShard]:
+    """Rank 0 of a one-shard fake model."""
+    async with fake_shards(uds_path) as shards:
         yield shards[0]
 
 

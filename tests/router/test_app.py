@@ -142,24 +142,19 @@ async def test_stream_details_are_null_unless_asked_for(router: httpx.AsyncClien
 async def test_a_shard_error_ends_the_stream_with_an_error_event(
     router: httpx.AsyncClient, fake: FakeShard
 ) -> None:
-    method = fake.step_method()
-    fake.fail[method] = 1
-    if fake.paged:
-        fake.fail[method] = 0  # the first step (prompt + first token) succeeds
 
-        async def fail_second_step() -> None:
-            while len(fake.calls_to(method)) < 1:
-                await asyncio.sleep(0.001)
-            fake.fail[method] = 1
+    async def fail_second_step() -> None:  # the first step (prompt + first token) succeeds
+        while len(fake.calls_to("Step")) < 1:
+            await asyncio.sleep(0.001)
+        fake.fail["Step"] = 1
 
-        fake.step_delay_s = 0.01
-        failing = asyncio.create_task(fail_second_step())
+    fake.step_delay_s = 0.01
+    failing = asyncio.create_task(fail_second_step())
     events = await stream_events(router, {"inputs": "w5", "parameters": {"max_new_tokens": 5}})
-    if fake.paged:
-        await failing
+    await failing
     assert events[0]["token"]["id"] == 6
     assert events[-1] == {
-        "error": f"Request failed during generation: Server error: fake {method} failure",
+        "error": "Request failed during generation: Server error: fake Step failure",
         "error_type": "generation",
     }
     after = await router.post("/generate", json={"inputs": "w5"})
@@ -167,7 +162,7 @@ async def test_a_shard_error_ends_the_stream_with_an_error_event(
 
 
 async def test_a_shard_error_on_generate_is_424(router: httpx.AsyncClient, fake: FakeShard) -> None:
-    fake.fail[fake.step_method(prefill=True)] = 1
+    fake.fail["Step"] = 1
     response = await router.post("/generate", json={"inputs": "w5"})
     assert response.status_code == 424
     assert response.json()["error_type"] == "generation"
@@ -189,10 +184,7 @@ async def test_eight_concurrent_streams_finish_with_their_own_lengths(
         first = 10 * (i + 1) + 1
         assert [e["token"]["id"] for e in events] == list(range(first, first + n))
         assert events[-1]["generated_text"] == "".join(f" t{t}" for t in range(first, first + n))
-    if fake.paged:
-        assert max(len(s.plan.scheduled) for s in fake.calls_to("Step")) > 1
-    else:
-        assert max(len(d.batches[0].request_ids) for d in fake.calls_to("Decode")) > 1
+    assert max(len(s.plan.scheduled) for s in fake.calls_to("Step")) > 1
 
 
 async def test_a_disconnecting_stream_is_filtered_out(
@@ -214,19 +206,7 @@ async def test_a_disconnecting_stream_is_filtered_out(
     assert len(events) == 40
     assert events[-1]["generated_text"] is not None
     leaving_id = next(r.id for r in fake.received_requests() if list(r.input_ids) == [100])
-    if fake.paged:
-        _assert_dropped_from_steps(fake, leaving_id)
-        return
-    filters = fake.calls_to("FilterBatch")
-    assert filters, "the router filtered the cancelled request out of the batch"
-    assert all(leaving_id not in f.request_ids for f in filters)
-    decodes_after = fake.calls[fake.calls.index(("FilterBatch", filters[0])) :]
-    assert all(
-        leaving_id not in b.request_ids
-        for name, d in decodes_after
-        if name == "Decode"
-        for b in d.batches
-    )
+    _assert_dropped_from_steps(fake, leaving_id)
 
 
 async def test_a_client_leaving_generate_cancels_its_request(
@@ -243,7 +223,7 @@ async def test_a_client_leaving_generate_cancels_its_request(
             break
         await asyncio.sleep(0.01)
     assert not fake.held_request_ids(), "the abandoned request was dropped from the shards"
-    assert len(fake.calls_to(fake.step_method())) < 99
+    assert len(fake.calls_to("Step")) < 99
 
 
 async def test_over_max_concurrent_requests_is_429(
@@ -282,9 +262,8 @@ async def test_info_describes_model_and_limits(router: httpx.AsyncClient, fake: 
     assert info["max_concurrent_requests"] == 128
     assert info["max_best_of"] == 2
     assert info["max_stop_sequences"] == 4
-    # Paged shards hold what their KV cache holds; padded ones get TGI's fallback.
-    expected = fake.num_blocks * fake.block_size if fake.paged else 16_000
-    assert info["max_batch_total_tokens"] == expected
+    # The shards hold what their KV cache holds.
+    assert info["max_batch_total_tokens"] == fake.num_blocks * fake.block_size
     assert info["max_batch_size"] is None
     assert info["model_sha"] is None
     assert {"model_dtype", "model_device_type", "version", "router", "sha"} <= set(info)

@@ -210,7 +210,6 @@ WARMUP_MEASUREMENTS = pb.WarmupResponse(
 async def test_info_shows_the_autoconfig_report(
     fake: FakeShard, start_router: Callable[..., Awaitable[str]]
 ) -> None:
-    fake.paged = True
     fake.warmup_measurements = WARMUP_MEASUREMENTS
     url = await start_router(
         max_batch_prefill_tokens=None, max_input_tokens=1000, max_total_tokens=4096

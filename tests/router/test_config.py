@@ -69,26 +69,23 @@ def test_inconsistent_limits_are_refused(overrides: dict[str, object], message: 
 
 
 @pytest.mark.parametrize(
-    ("paged", "device_type", "expected"),
+    ("device_type", "expected"),
     [
-        (True, "cpu", CPU_STEP_TOKENS),  # one step of the paged engine on a CPU
-        (True, "cuda", 4095 + 50),  # TGI's default: max_input_tokens + 50
-        (False, "cpu", 4095 + 50),  # padded shards prefill whole prompts: no chunks
+        ("cpu", CPU_STEP_TOKENS),  # one step of the paged engine on a CPU
+        ("cuda", 4095 + 50),  # TGI's default: max_input_tokens + 50
     ],
 )
-def test_unset_prefill_budget_defaults_by_shard_kind(
-    paged: bool, device_type: str, expected: int
-) -> None:
+def test_unset_prefill_budget_defaults_by_device(device_type: str, expected: int) -> None:
     config = RouterConfig(**REQUIRED)
     with pytest.raises(RuntimeError, match="unset"):
         _ = config.prefill_tokens
-    resolved = config.with_prefill_default(paged=paged, device_type=device_type)
+    resolved = config.with_prefill_default(device_type=device_type)
     assert resolved.prefill_tokens == resolved.max_batch_prefill_tokens == expected
 
 
 def test_a_given_prefill_budget_is_kept() -> None:
     config = RouterConfig(**REQUIRED, max_batch_prefill_tokens=512)
-    assert config.with_prefill_default(paged=True, device_type="cpu").prefill_tokens == 512
+    assert config.with_prefill_default(device_type="cpu").prefill_tokens == 512
 
 
 def test_prefill_budget_must_be_positive() -> None:

@@ -1,4 +1,4 @@
-"""The fake shard's paged mode: Info / Warmup say paged, Step runs plans, tokens as padded."""
+"""The fake shard: Info / Warmup describe a paged cache, Step runs plans, checks them."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from textgate.tests.router.fake_shard import EOS_TOKEN_ID, FakeShard, fake_shard
 
 @pytest.fixture
 async def paged(uds_path: str) -> AsyncIterator[tuple[FakeShard, ShardedClient]]:
-    async with fake_shards(uds_path, paged=True) as shards:
+    async with fake_shards(uds_path) as shards:
         client = await ShardedClient.connect(uds_path, timeout_s=5)
         yield shards[0], client
         await client.close()
@@ -84,19 +84,6 @@ async def run_paged(client: ShardedClient) -> dict[int, list[bytes]]:
         rest = []
 
 
-async def run_padded(client: ShardedClient) -> dict[int, list[bytes]]:
-    out: dict[int, list[bytes]] = {r.id: [] for r in REQUESTS}
-    response: pb.PrefillResponse | pb.DecodeResponse = await client.prefill(
-        pb.Batch(id=1, requests=REQUESTS, size=len(REQUESTS))
-    )
-    while True:
-        for g in response.generations:
-            out[g.request_id].append(g.SerializeToString(deterministic=True))
-        if not response.HasField("batch"):
-            return out
-        response = await client.decode([response.batch])
-
-
 async def test_info_and_warmup_describe_a_paged_cache(
     paged: tuple[FakeShard, ShardedClient],
 ) -> None:
@@ -108,18 +95,19 @@ async def test_info_and_warmup_describe_a_paged_cache(
     assert warmup.num_blocks == 10 and warmup.max_supported_total_tokens == 160
 
 
-async def test_step_emits_what_prefill_and_decode_emit(
+async def test_step_runs_chunked_prompts_and_decodes_to_each_finish(
     paged: tuple[FakeShard, ShardedClient],
 ) -> None:
     fake, client = paged
-    for shard_eos in (None, 2):
-        fake.eos_after = shard_eos
-        paged_out = await run_paged(client)
-        fake.paged = False
-        assert await run_padded(client) == paged_out
-        fake.paged = True
+    paged_out = await run_paged(client)
+    tokens = {
+        i: [pb.Generation.FromString(g).tokens.ids[0] for g in out] for i, out in paged_out.items()
+    }
+    assert tokens == {1: [13, 14, 15, 16], 2: [21, 22, 23], 3: [32, 33, 34]}
+    fake.eos_after = 2
+    paged_out = await run_paged(client)
     assert not fake.held_request_ids(), "finished requests are dropped"
-    assert [r.id for r in fake.received_requests()] == [1, 2, 3] * 4
+    assert [r.id for r in fake.received_requests()] == [1, 2, 3] * 2
     last = pb.Generation.FromString(paged_out[1][-1])
     assert last.tokens.ids[0] == EOS_TOKEN_ID
     first = pb.Generation.FromString(paged_out[1][0])
@@ -167,6 +155,3 @@ async def test_failures_delays_and_calls_cover_step(
     await asyncio.gather(client.step([], pb.StepPlan()), client.health())
     assert time.monotonic() - started >= 0.05
     assert len(fake.calls_to("Step")) == 2
-    for call in (client.decode([pb.CachedBatch(id=1)]), client.filter_batch(1, [])):
-        with pytest.raises(ShardError, match="this shard is paged"):
-            await call

@@ -17,7 +17,6 @@ import pytest
 from textgate.proto import generate_pb2 as pb
 from textgate.router.config import RouterConfig
 from textgate.router.engine.factory import make_engine
-from textgate.router.engine.padded_engine import PaddedEngine
 from textgate.router.engine.paged_engine import PagedEngine
 from textgate.router.server import resolve_config, warmup_request
 from textgate.router.shard_client import ShardedClient
@@ -26,25 +25,17 @@ from textgate.tests.router.fake_shard import FakeShard
 INFO = pb.InfoResponse(dtype="bfloat16", device_type="cuda")
 
 
-def test_warmup_fills_the_prefill_budget_with_max_length_prompts(
-    make_config: Callable[..., RouterConfig],
-) -> None:
-    request = warmup_request(make_config(max_input_tokens=100, max_batch_prefill_tokens=250))
-    lengths = [len(r.input_ids) for r in request.batch.requests]
-    assert lengths == [100, 100, 50]
-    assert [r.stopping_parameters.max_new_tokens for r in request.batch.requests] == [28, 28, 78]
-    assert request.batch.size == 3
-    assert len({r.id for r in request.batch.requests}) == 3
+def test_warmup_asks_for_the_routers_limits(make_config: Callable[..., RouterConfig]) -> None:
+    request = warmup_request(
+        make_config(max_input_tokens=100, max_batch_prefill_tokens=250, max_batch_size=6)
+    )
     assert (request.max_input_tokens, request.max_prefill_tokens, request.max_total_tokens) == (
         100,
         250,
         128,
     )
-
-
-def test_warmup_respects_max_batch_size(make_config: Callable[..., RouterConfig]) -> None:
-    request = warmup_request(make_config(max_input_tokens=10, max_batch_size=2))
-    assert request.batch.size == 2
+    assert request.max_batch_size == 6
+    assert warmup_request(make_config()).max_batch_size == 0  # unset: the shard's default
 
 
 def test_budget_defaults_when_the_shard_reports_no_capacity(
@@ -74,12 +65,12 @@ def test_a_cache_smaller_than_one_request_is_refused(
         resolve_config(make_config(), INFO, 100)
 
 
-async def test_the_engine_follows_the_shard_kind(
+async def test_the_engine_takes_the_shards_blocks(
     sharded: ShardedClient, make_config: Callable[..., RouterConfig]
 ) -> None:
     config = make_config(max_batch_total_tokens=1000)
-    padded = make_engine(config, sharded, pb.InfoResponse(), pb.WarmupResponse())
-    assert isinstance(padded, PaddedEngine)
+    with pytest.raises(RuntimeError, match="no KV-cache block size"):
+        make_engine(config, sharded, pb.InfoResponse(), pb.WarmupResponse())
     paged = make_engine(
         config, sharded, pb.InfoResponse(block_size=16), pb.WarmupResponse(num_blocks=64)
     )
@@ -91,7 +82,7 @@ async def test_the_engine_follows_the_shard_kind(
         make_engine(config, sharded, pb.InfoResponse(block_size=16), pb.WarmupResponse())
 
 
-async def test_prompts_longer_than_the_prefill_budget_need_a_paged_shard(
+async def test_prompts_longer_than_the_prefill_budget_are_chunked(
     sharded: ShardedClient, make_config: Callable[..., RouterConfig]
 ) -> None:
     config = make_config(max_batch_prefill_tokens=16)
@@ -100,8 +91,7 @@ async def test_prompts_longer_than_the_prefill_budget_need_a_paged_shard(
         config, sharded, pb.InfoResponse(block_size=16), pb.WarmupResponse(num_blocks=64)
     )
     assert isinstance(chunked, PagedEngine)
-    with pytest.raises(ValueError, match="no chunked prefill"):
-        make_engine(config, sharded, pb.InfoResponse(), pb.WarmupResponse())
+    assert chunked.scheduler.config.max_num_batched_tokens == 16
 
 
 def free_port() -> int:

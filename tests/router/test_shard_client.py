@@ -19,9 +19,9 @@ async def two(uds_path: str) -> AsyncIterator[tuple[list[FakeShard], ShardedClie
         await client.close()
 
 
-def batch(batch_id: int, *prompts: int) -> pb.Batch:
+def requests(*prompts: int) -> list[pb.Request]:
     """Greedy requests 0, 1, ... of one prompt token each and 3 new tokens."""
-    requests = [
+    return [
         pb.Request(
             id=i,
             input_ids=[p],
@@ -30,8 +30,15 @@ def batch(batch_id: int, *prompts: int) -> pb.Batch:
         )
         for i, p in enumerate(prompts)
     ]
-    return pb.Batch(
-        id=batch_id, requests=requests, size=len(requests), max_tokens=4 * len(requests)
+
+
+def first_step(*prompts: int) -> pb.StepPlan:
+    """Each request's prompt token in a block of its own, sampling its first token."""
+    return pb.StepPlan(
+        scheduled=[
+            pb.ScheduledRequest(request_id=i, token_ids=[p], block_table=[i], produces_token=True)
+            for i, p in enumerate(prompts)
+        ]
     )
 
 
@@ -49,37 +56,27 @@ async def test_every_call_reaches_every_shard(two: tuple[list[FakeShard], Sharde
     info = await client.info()
     assert info.world_size == 2
     await client.health()
-    prefill = await client.prefill(batch(7, 10, 20))
-    assert [g.tokens.ids[0] for g in prefill.generations] == [11, 21]
-    assert list(prefill.batch.request_ids) == [0, 1]
-    kept = await client.filter_batch(7, [1])
-    assert list(kept.request_ids) == [1]
-    decode = await client.decode([kept])
-    assert [g.request_id for g in decode.generations] == [1]
-    await client.clear_cache(7)
+    warmup = await client.warmup(pb.WarmupRequest(max_prefill_tokens=16))
+    assert warmup.num_blocks == shards[0].num_blocks
+    assert warmup.max_supported_total_tokens == shards[0].num_blocks * shards[0].block_size
+    step = await client.step(requests(10, 20), first_step(10, 20))
+    assert [g.tokens.ids[0] for g in step.generations] == [11, 21]
+    await client.clear_cache()
     for shard in shards:
         names = [name for name, _ in shard.calls if name != "ServiceDiscovery"]
-        assert names == ["Info", "Health", "Prefill", "FilterBatch", "Decode", "ClearCache"]
-        assert not shard.cache
-
-
-async def test_warmup_reports_capacity_or_none(two: tuple[list[FakeShard], ShardedClient]) -> None:
-    shards, client = two
-    response = await client.warmup(pb.WarmupRequest(batch=batch(1, 5)))
-    assert not response.HasField("max_supported_total_tokens")
-    for shard in shards:
-        shard.max_supported_total_tokens = 5000
-    response = await client.warmup(pb.WarmupRequest(batch=batch(1, 5)))
-    assert response.max_supported_total_tokens == 5000
+        assert names == ["Info", "Health", "Warmup", "Step", "ClearCache"]
+        (call,) = shard.calls_to("Step")
+        assert list(call.requests) == requests(10, 20) and call.plan == first_step(10, 20)
+        assert not shard.held_request_ids()
 
 
 async def test_a_failing_shard_raises_shard_error_with_its_message(
     two: tuple[list[FakeShard], ShardedClient],
 ) -> None:
     shards, client = two
-    shards[1].fail["Prefill"] = 1
-    with pytest.raises(ShardError, match="Server error: fake Prefill failure"):
-        await client.prefill(batch(3, 5))
+    shards[1].fail["Step"] = 1
+    with pytest.raises(ShardError, match="Server error: fake Step failure"):
+        await client.step(requests(5), first_step(5))
     shards[0].healthy = False
     with pytest.raises(ShardError, match="unhealthy"):
         await client.health()
@@ -91,27 +88,3 @@ async def test_connect_gives_up_when_no_shard_listens(
     path = str(tmp_path_factory.mktemp("none") / "s")
     with pytest.raises(ShardError, match="not reachable"):
         await ShardedClient.connect(path, timeout_s=0.2)
-
-
-async def test_step_reaches_every_paged_shard_and_padded_ones_refuse_it(uds_path: str) -> None:
-    request = batch(0, 10).requests[0]
-    plan = pb.StepPlan(
-        scheduled=[
-            pb.ScheduledRequest(request_id=0, token_ids=[10], block_table=[0], produces_token=True)
-        ]
-    )
-    async with fake_shards(uds_path, world_size=2, paged=True) as shards:
-        client = await ShardedClient.connect(uds_path, timeout_s=5)
-        response = await client.step([request], plan)
-        assert isinstance(response, pb.StepResponse)
-        assert [g.tokens.ids[0] for g in response.generations] == [11]
-        for shard in shards:
-            (call,) = shard.calls_to("Step")
-            assert list(call.requests) == [request] and call.plan == plan
-        with pytest.raises(ShardError, match=r"this shard is paged.*send Step, not Prefill"):
-            await client.prefill(batch(1, 5))
-        for shard in shards:
-            shard.paged = False
-        with pytest.raises(ShardError, match=r"this shard is padded.*not Step"):
-            await client.step([], pb.StepPlan())
-        await client.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import httpx
@@ -15,18 +15,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from textgate.router import tracing
-from textgate.tests.router.fake_shard import FakeShard, fake_shards
+from textgate.tests.router.fake_shard import FakeShard
 
 CALLER_TRACE_ID = 0x0AF7651916CD43DD8448EB211C80319C
 CALLER_SPAN_ID = 0xB7AD6B7169203331
 TRACEPARENT = f"00-{CALLER_TRACE_ID:032x}-{CALLER_SPAN_ID:016x}-01"
-
-
-@pytest.fixture
-async def fake(uds_path: str) -> AsyncIterator[FakeShard]:
-    """A paged fake shard (the engine native models get), overriding conftest's padded one."""
-    async with fake_shards(uds_path, paged=True) as shards:
-        yield shards[0]
 
 
 @pytest.fixture

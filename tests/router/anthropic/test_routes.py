@@ -133,7 +133,7 @@ async def test_the_stream_is_anthropics_event_sequence(client: httpx.AsyncClient
 async def test_a_shard_error_ends_the_stream_with_an_error_event(
     client: httpx.AsyncClient, fake: FakeShard
 ) -> None:
-    fake.fail[fake.step_method()] = 1
+    fake.fail["Step"] = 1
     pairs = await events(client, message(stream=True))
     name, data = pairs[-1]
     assert name == "error"
@@ -143,7 +143,7 @@ async def test_a_shard_error_ends_the_stream_with_an_error_event(
 async def test_a_shard_error_without_stream_is_api_error(
     client: httpx.AsyncClient, fake: FakeShard
 ) -> None:
-    fake.fail[fake.step_method()] = 1
+    fake.fail["Step"] = 1
     response = await client.post("/v1/messages", json=message())
     assert response.status_code == 500
     assert response.json()["error"]["type"] == "api_error"

@@ -23,7 +23,7 @@ STEP_TOKENS = 128
 
 @pytest.fixture
 async def engine(uds_path: str) -> AsyncIterator[tuple[PagedEngine, Metrics]]:
-    async with fake_shards(uds_path, paged=True) as shards:
+    async with fake_shards(uds_path) as shards:
         shards[0].step_delay_s = 0.002
         client = await ShardedClient.connect(uds_path, timeout_s=5)
         config = SchedulerConfig(

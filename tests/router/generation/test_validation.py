@@ -292,18 +292,14 @@ async def test_token_ids_of_a_tokenizer_without_a_size_need_only_be_non_negative
         validator.close()
 
 
-async def test_a_grammar_is_refused_when_the_shards_cannot_enforce_it(
+async def test_a_grammar_is_the_requests_constraint(
     make_config: Callable[..., RouterConfig],
 ) -> None:
     grammar = {"type": "regex", "value": "[ab]+"}
-    request = generate_request("w5 w6", grammar=grammar)
-    paged = Validator(make_config(), FakeTokenizer())
-    padded = Validator(make_config(), FakeTokenizer(), grammars=False)
+    validator = Validator(make_config(), FakeTokenizer())
     try:
-        assert (await paged.validate(request)).grammar is not None
-        with pytest.raises(ValidationError, match="transformers fallback"):
-            await padded.validate(request)
-        assert (await padded.validate(generate_request("w5 w6"))).grammar is None
+        constrained = await validator.validate(generate_request("w5 w6", grammar=grammar))
+        assert constrained.grammar is not None and constrained.grammar.value == "[ab]+"
+        assert (await validator.validate(generate_request("w5 w6"))).grammar is None
     finally:
-        paged.close()
-        padded.close()
+        validator.close()

@@ -85,7 +85,7 @@ def scripted_model(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 async def fake(uds_path: str, scripted_model: None) -> AsyncIterator[FakeShard]:
     """One paged fake shard (the engine real models use); overrides the both-engines one."""
-    async with fake_shards(uds_path, paged=True) as shards:
+    async with fake_shards(uds_path) as shards:
         shards[0].step_delay_s = 0.02
         yield shards[0]
 

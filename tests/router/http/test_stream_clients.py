@@ -86,7 +86,7 @@ async def serve(
     async def start(step_delay_s: float = STEP_DELAY_S, **overrides: Any) -> AsyncIterator[Served]:
         """The router over a paged fake shard taking `step_delay_s` per step; `overrides`
         are RouterConfig fields."""
-        async with fake_shards(uds_path, paged=True) as (shard, *_):
+        async with fake_shards(uds_path) as (shard, *_):
             shard.step_delay_s = step_delay_s
             shards = await ShardedClient.connect(uds_path, timeout_s=5)
             config = make_config(**{**STREAM_LIMITS, **overrides})

@@ -71,7 +71,7 @@ def threaded_router(
     servers: list[uvicorn.Server] = []
 
     async def serve() -> None:
-        async with fake_shards(uds_path, paged=True) as (shard, *_):
+        async with fake_shards(uds_path) as (shard, *_):
             shard.step_delay_s = step_delay_s
             shards = await ShardedClient.connect(uds_path, timeout_s=5)
             app = await build_router(config, shards, tokenizer or FakeTokenizer())

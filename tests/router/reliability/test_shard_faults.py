@@ -1,6 +1,6 @@
 """Shard faults: a request the model chokes on fails its step cleanly (424, or an error
-event) and the next request is served; a shard that hangs in any call (a step, a
-FilterBatch, the empty step that drops finished requests, a ClearCache) is detected by
+event) and the next request is served; a shard that hangs in any call (a step, the
+empty step that drops finished requests, a ClearCache) is detected by
 --shard-step-timeout and reported, not waited on forever. (A shard killed mid-stream is
 tested end to end in tests/e2e.)"""
 
@@ -18,8 +18,6 @@ import pytest
 
 from textgate.router.engine.channel import Channel, ErrorEvent, Event, StepEvent
 from textgate.router.engine.factory import Engine
-from textgate.router.engine.padded_engine import PaddedEngine
-from textgate.router.engine.padded_queue import BatchLimits
 from textgate.router.engine.paged_engine import PagedEngine
 from textgate.router.engine.request import SamplingParams, StoppingParams, ValidRequest
 from textgate.router.engine.scheduler import Scheduler, SchedulerConfig
@@ -154,25 +152,8 @@ async def assert_engine_serves(engine: Engine) -> None:
 
 
 @pytest.fixture
-async def padded(uds_path: str) -> AsyncIterator[tuple[FakeShard, PaddedEngine]]:
-    async with fake_shards(uds_path) as (shard, *_):
-        shards = await ShardedClient.connect(uds_path, timeout_s=5)
-        limits = BatchLimits(
-            max_batch_prefill_tokens=256,
-            max_batch_total_tokens=4096,
-            waiting_served_ratio=0.0,
-            max_waiting_tokens=20,
-        )
-        engine = PaddedEngine(shards, limits, max_concurrent_requests=8)
-        engine.shard_calls.timeout_s = CALL_TIMEOUT_S
-        yield shard, engine
-        await engine.close()
-        await shards.close()
-
-
-@pytest.fixture
 async def paged(uds_path: str) -> AsyncIterator[tuple[FakeShard, PagedEngine]]:
-    async with fake_shards(uds_path, paged=True) as (shard, *_):
+    async with fake_shards(uds_path) as (shard, *_):
         shards = await ShardedClient.connect(uds_path, timeout_s=5)
         config = SchedulerConfig(
             num_blocks=64,
@@ -186,30 +167,6 @@ async def paged(uds_path: str) -> AsyncIterator[tuple[FakeShard, PagedEngine]]:
         yield shard, engine
         await engine.close()
         await shards.close()
-
-
-async def test_a_shard_hung_in_filter_batch_fails_that_batch_and_is_reported(
-    padded: tuple[FakeShard, PaddedEngine],
-) -> None:
-    shard, engine = padded
-    shard.step_delay_s = 0.01
-    keep, leave = engine.submit([valid_request(40), valid_request(40)])
-    await anext(aiter(leave))
-    # Leaving makes the next step filter the running batch, and FilterBatch hangs.
-    shard.hang["FilterBatch"] = 1
-    leave.cancel()
-    started = time.monotonic()
-    events = await asyncio.wait_for(events_of(keep), PATIENCE_S)
-    waited = time.monotonic() - started
-    assert shard.calls_to("FilterBatch"), "the hang was not in FilterBatch"
-    assert isinstance(events[-1], ErrorEvent), events[-1]
-    assert events[-1].message == (
-        "Request failed during generation: the shards did not answer a FilterBatch "
-        f"within {CALL_TIMEOUT_S:g} s (--shard-step-timeout)"
-    )
-    print(f"FilterBatch hang reported after {waited:.3f} s")
-    assert CALL_TIMEOUT_S <= waited < CALL_TIMEOUT_S + 2
-    await asyncio.wait_for(assert_engine_serves(engine), PATIENCE_S)
 
 
 async def test_a_shard_hung_while_dropping_finished_requests_is_reported(
@@ -243,15 +200,15 @@ async def test_a_shard_hung_while_dropping_finished_requests_is_reported(
 
 
 async def test_a_shard_hung_in_clear_cache_after_a_failed_step_is_reported(
-    padded: tuple[FakeShard, PaddedEngine], caplog: pytest.LogCaptureFixture
+    paged: tuple[FakeShard, PagedEngine], caplog: pytest.LogCaptureFixture
 ) -> None:
-    shard, engine = padded
-    shard.fail["Decode"] = 1
+    shard, engine = paged
+    shard.fail["Step"] = 1
     shard.hang["ClearCache"] = 1
     (channel,) = engine.submit([valid_request(10)])
     with caplog.at_level(logging.ERROR, logger="textgate.router"):
         events = await asyncio.wait_for(events_of(channel), PATIENCE_S)
-        assert isinstance(events[-1], ErrorEvent) and "fake Decode failure" in events[-1].message
+        assert isinstance(events[-1], ErrorEvent) and "fake Step failure" in events[-1].message
         await asyncio.wait_for(assert_engine_serves(engine), PATIENCE_S)
     assert shard.calls_to("ClearCache"), "the hang was not in ClearCache"
     assert f"the shards did not answer a ClearCache within {CALL_TIMEOUT_S:g} s" in caplog.text
