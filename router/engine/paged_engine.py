@@ -108,9 +108,10 @@ class PagedEngine:
             self._busy.record(call_started, time.monotonic())
             # The scheduler's plan is unrun: everything in flight fails with it.
             self._forget(self._admitted.fail(self._admitted, str(exc)))
-            await self.shard_calls.clear_cache()
             self.scheduler.update(ModelStepResult())
+            # The gauges turn before the shards are cleared: their requests were answered.
             self._report_step()
+            await self.shard_calls.clear_cache()
             return
         answered = time.monotonic()
         routed = self._admitted.route(response.generations, expected_ids=producing)
