@@ -115,7 +115,12 @@ class LauncherConfig:
     max_batch_size: int | None = flag(
         None, "Most requests in one batch; native models: derived from the measured step", int
     )
-    waiting_served_ratio: float = flag(0.3, "Waiting/running ratio that triggers a prefill", float)
+    waiting_served_ratio: float = flag(
+        0.3,
+        "TGI's padded-batch admission ratio: accepted and shown in /info; the paged scheduler "
+        "admits by its step budget instead",
+        float,
+    )
     max_waiting_tokens: int = flag(20, "Decode steps before waiting requests are forced in", int)
     max_client_batch_size: int = flag(4, "Most inputs in one client request", int)
     block_size: int = flag(16, "Tokens per KV-cache block (native models)", int)

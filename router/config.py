@@ -64,7 +64,8 @@ class RouterConfig:
     max_batch_size: int | None = None
     """Most requests in the running batch; None = unlimited."""
     waiting_served_ratio: float = 0.3
-    """A prefill joins a running batch when waiting >= ratio * running requests."""
+    """TGI's padded-batch admission ratio, kept for its flag and /info; the paged
+    scheduler admits by its step budget and ignores it."""
     max_waiting_tokens: int = 20
     """Decode steps after which waiting requests join regardless of the ratio."""
     max_client_batch_size: int = 4
