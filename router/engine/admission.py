@@ -142,7 +142,7 @@ class Admitted:
                 # request's own fault, as a 422 would have been.
                 routed.failed += self.fail([entry], generation.error, "validation")
                 continue
-            event = StepEvent.from_pb(generation)
+            event = StepEvent.from_pb(generation, entry.request.skip_special_tokens)
             entry.channel.push(event)
             routed.sampled[entry.id] = list(generation.tokens.ids)
             if event.finished is not None:

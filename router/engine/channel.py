@@ -9,6 +9,7 @@ looked) and cancels the channel when its client goes away.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import time
 from collections import deque
@@ -63,7 +64,9 @@ class StepEvent:
     finished: Finished | None = None
 
     @classmethod
-    def from_pb(cls, generation: pb.Generation) -> StepEvent:
+    def from_pb(cls, generation: pb.Generation, skip_special_tokens: bool = True) -> StepEvent:
+        """The event of one Generation; without `skip_special_tokens` every token counts as
+        text (its `special` flag off), so the special ones' text shows where text is built."""
         finished = None
         if generation.HasField("generated_text"):
             done = generation.generated_text
@@ -73,8 +76,11 @@ class StepEvent:
                 finish_reason=FINISH_REASONS.get(done.finish_reason, "length"),
                 seed=done.seed if done.HasField("seed") else None,
             )
+        tokens = tokens_from_pb(generation.tokens)
+        if not skip_special_tokens:
+            tokens = [dataclasses.replace(t, special=False) for t in tokens]
         return cls(
-            tokens=tokens_from_pb(generation.tokens),
+            tokens=tokens,
             top_tokens=[tokens_from_pb(t) for t in generation.top_tokens],
             prefill=tokens_from_pb(generation.prefill_tokens),
             prefill_top=[tokens_from_pb(t) for t in generation.prefill_top_tokens],

@@ -92,6 +92,8 @@ class ValidRequest:
     """The text must match this grammar; None: unconstrained."""
     adapter_id: str | None = None
     """The LoRA adapter it runs with; None: the base model."""
+    skip_special_tokens: bool = True
+    """Special tokens add nothing to the text (False: their text is kept)."""
 
     @property
     def input_length(self) -> int:

@@ -69,6 +69,10 @@ class GenerateParameters(BaseModel):
     stop_token_ids: list[int] | None = None
     """More end-of-sequence tokens for this request, even with `ignore_eos` (vLLM's; not
     in TGI)."""
+    skip_special_tokens: bool = True
+    """Leave special tokens (end of sequence, chat-template markers) out of the text; false
+    keeps their text in it, and the tokens then all show `special: false` (vLLM's; not in
+    TGI)."""
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -117,6 +117,7 @@ class Validator:
             best_of=best_of,
             grammar=grammar_spec(params),
             adapter_id=self._check_adapter(params.adapter_id),
+            skip_special_tokens=params.skip_special_tokens,
         )
 
     def _check_adapter(self, adapter_id: str | None) -> str | None:

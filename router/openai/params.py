@@ -198,6 +198,7 @@ def _parameters(
         min_new_tokens=body.min_tokens,
         stop_token_ids=body.stop_token_ids,
         truncate=body.truncate_prompt_tokens,
+        skip_special_tokens=body.skip_special_tokens,
     )
 
 

@@ -86,6 +86,9 @@ class SamplingRequest(NullMeansUnset):
     `ignore_eos`; the token's text stays unless it is special."""
     include_stop_str_in_output: bool = False
     """vLLM extra: keep the matched stop sequence at the end of the text."""
+    skip_special_tokens: bool = True
+    """vLLM extra: false keeps special tokens' text (end of sequence, chat-template
+    markers) in the answer."""
     truncate_prompt_tokens: int | None = None
     """vLLM extra (TGI's `truncate`): keep only the prompt's last this many tokens."""
     prompt_logprobs: int | None = None

@@ -99,6 +99,28 @@ async def test_eos_finishes_with_stop(client: httpx.AsyncClient, fake: FakeShard
     assert answer["usage"]["completion_tokens"] == 3
 
 
+async def test_skip_special_tokens_false_keeps_the_eos_text(
+    client: httpx.AsyncClient, fake: FakeShard
+) -> None:
+    fake.eos_after = 2
+    body = chat(max_tokens=10, skip_special_tokens=False)
+    answer = (await client.post("/v1/chat/completions", json=body)).json()
+    assert answer["choices"][0]["message"]["content"] == " t10 t11</s>"
+    assert answer["choices"][0]["finish_reason"] == "stop"
+    chunks = await sse(client, "/v1/chat/completions", {**body, "stream": True})
+    streamed = "".join(
+        c["choices"][0]["delta"].get("content") or ""
+        for c in chunks
+        if c != "[DONE]" and c["choices"]
+    )
+    assert streamed == " t10 t11</s>"
+    completion = {"model": "fake-model", "prompt": "w9", "max_tokens": 10}
+    kept = await client.post("/v1/completions", json={**completion, "skip_special_tokens": False})
+    assert kept.json()["choices"][0]["text"] == " t10 t11</s>"
+    skipped = await client.post("/v1/completions", json=completion)
+    assert skipped.json()["choices"][0]["text"] == " t10 t11"
+
+
 async def test_n_gives_independent_choices(client: httpx.AsyncClient, fake: FakeShard) -> None:
     answer = (
         await client.post("/v1/chat/completions", json=chat(max_tokens=2, n=2, seed=5))

@@ -226,3 +226,20 @@ async def test_a_request_without_a_length_generates_the_default(start_router: St
             "/generate", json={"inputs": "w5", "parameters": {"max_new_tokens": 7, "details": True}}
         )
         assert given.json()["details"]["generated_tokens"] == 7
+
+
+async def test_skip_special_tokens_false_keeps_the_eos_text_in_generated_text(
+    router: httpx.AsyncClient, fake: FakeShard
+) -> None:
+    fake.eos_after = 2
+    body: dict[str, Any] = {"inputs": "w5", "parameters": {"max_new_tokens": 10, "details": True}}
+    default = (await router.post("/generate", json=body)).json()
+    assert default["generated_text"] == " t6 t7"
+    assert default["details"]["tokens"][-1]["special"] is True
+    body["parameters"]["skip_special_tokens"] = False
+    kept = (await router.post("/generate", json=body)).json()
+    assert kept["generated_text"] == " t6 t7</s>"
+    assert kept["details"]["tokens"][-1] == {
+        **default["details"]["tokens"][-1],
+        "special": False,
+    }
