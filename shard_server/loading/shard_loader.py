@@ -93,7 +93,7 @@ def load_model(
     why = "--no-native" if model_type in supported_model_types() else "no native class"
     log.info("model type %r: transformers' modules on the paged engine (%s)", model_type, why)
     build = transformers_paged_builder(
-        model_path, model_id, device, cache_config, attention, trust_remote_code
+        model_path, model_id, device, cache_config, attention, trust_remote_code, why
     )
     return load_paged(build, dtype, torch_dtype, device)
 
@@ -207,8 +207,10 @@ def transformers_paged_builder(
     cache_config: CacheConfig | None,
     attention: str,
     trust_remote_code: bool,
+    why: str = "no native class",
 ) -> Callable[[torch.dtype], PagedModel]:
-    """`paged_builder`'s counterpart for a model with no native class."""
+    """`paged_builder`'s counterpart for transformers' modules (`why`: no native class, or
+    --no-native)."""
     from textgate.shard_server.models.transformers_paged import TransformersPagedModel
 
     tokenizer = load_tokenizer(model_path)
@@ -219,7 +221,7 @@ def transformers_paged_builder(
             attention, device, dtype, config.block_size, config.kv_cache_dtype != "auto"
         )
         model = TransformersPagedModel.load(
-            model_path, dtype, device, get_attention_backend(backend), trust_remote_code
+            model_path, dtype, device, get_attention_backend(backend), trust_remote_code, why
         )
         return PagedModel(model, tokenizer, model_id, config, 1, None)
 

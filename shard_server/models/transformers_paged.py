@@ -174,9 +174,16 @@ class TransformersPagedModel(PagedCacheOwner, nn.Module):
 
     quantize: str | None = None
 
-    def __init__(self, model: nn.Module, attention_backend: AttentionBackend[Any]) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        attention_backend: AttentionBackend[Any],
+        why: str = "no native class",
+    ) -> None:
         super().__init__()
         self.hf = model.eval()
+        self.why = why
+        """Why transformers' modules serve it: no native class, or --no-native."""
         self.config = config = model.config
         self.attention_backend = attention_backend
         self.dtype = next(model.parameters()).dtype
@@ -199,7 +206,7 @@ class TransformersPagedModel(PagedCacheOwner, nn.Module):
     @property
     def implementation(self) -> str:
         """How this model runs, for /info."""
-        return f"transformers {type(self.hf).__name__} on the paged engine (no native class)"
+        return f"transformers {type(self.hf).__name__} on the paged engine ({self.why})"
 
     def _dry_run(self) -> KVShapes:
         """What the cache must hold and the attention must do, seen in a one-token run."""
@@ -219,6 +226,7 @@ class TransformersPagedModel(PagedCacheOwner, nn.Module):
         device: torch.device | str,
         attention_backend: AttentionBackend[Any],
         trust_remote_code: bool = False,
+        why: str = "no native class",
     ) -> TransformersPagedModel:
         from transformers import AutoModelForCausalLM
 
@@ -229,7 +237,7 @@ class TransformersPagedModel(PagedCacheOwner, nn.Module):
             attn_implementation=IMPLEMENTATION,
             trust_remote_code=trust_remote_code,
         ).to(device)
-        return cls(model, attention_backend)
+        return cls(model, attention_backend, why)
 
     def forward(
         self,

@@ -171,7 +171,7 @@ def test_no_native_serves_a_native_family_through_transformers(tiny_model_dir, c
     assert isinstance(model.model, TransformersPagedModel)
     assert "'llama': transformers' modules on the paged engine (--no-native)" in caplog.text
     assert model.describe().model_implementation == (
-        "transformers LlamaForCausalLM on the paged engine (no native class)"
+        "transformers LlamaForCausalLM on the paged engine (--no-native)"
     )
 
 
