@@ -205,9 +205,14 @@ def test_two_ranks_match_one_on_the_gguf_codes(default_model_dir, tmp_path):
                 scale = reference.abs().max().item()
                 torch.testing.assert_close(logits, reference, atol=1e-4 * scale, rtol=0)
             else:  # bf16 rounds each rank's partial sums, through 30 layers: the unquantized
-                # bf16 model's own two ranks stray 2.5% from one (argmax agreeing on 87%)
+                # bf16 model's own two ranks stray 2.5% from one, and flip near-ties
                 assert (logits - reference).norm() / reference.norm() < 0.05
-                assert (logits.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.8
+                # Where the argmax differs it is a near-tie in one shard's logits: on a
+                # Sapphire Rapids Xeon 2 of 19 rows flipped, 0.125 (one bf16 step) below
+                # the top, against a spread (std) of ~3 over the vocabulary.
+                picked = reference.gather(-1, logits.argmax(-1, keepdim=True)).squeeze(-1)
+                margin = reference.max(-1).values - picked
+                assert (margin <= 0.1 * reference.std(-1)).all(), margin
 
 
 def test_a_fused_layer_of_mixed_types_is_fused_in_float(gguf_file, default_model_dir, monkeypatch):
