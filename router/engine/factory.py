@@ -25,7 +25,7 @@ log = logging.getLogger("textgate.router")
 
 
 class Engine(Protocol):
-    """What the handlers and the server need from an engine (`PagedEngine`; tests' fakes)."""
+    """What the handlers and the server need from the engine (`PagedEngine` implements it)."""
 
     shard_calls: ShardCalls
     """Its calls to the shards (their deadline is `shard_calls.timeout_s`)."""
