@@ -64,6 +64,16 @@ class TextGenerationServiceStub:
                 request_serializer=generate__pb2.StepRequest.SerializeToString,
                 response_deserializer=generate__pb2.StepResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/textgate.generate.v1.TextGenerationService/LoadAdapter',
+                request_serializer=generate__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=generate__pb2.LoadAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/textgate.generate.v1.TextGenerationService/UnloadAdapter',
+                request_serializer=generate__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=generate__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class TextGenerationServiceServicer:
@@ -111,6 +121,22 @@ class TextGenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """Read a LoRA adapter (a PEFT folder), check it against the base and attach it between
+        two steps; INVALID_ARGUMENT, saying why, when it cannot be served.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Detach a LoRA adapter between two steps; requests naming it are refused from then on.
+        INVALID_ARGUMENT when none of that id is loaded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TextGenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -143,6 +169,16 @@ def add_TextGenerationServiceServicer_to_server(servicer, server):
                     servicer.Step,
                     request_deserializer=generate__pb2.StepRequest.FromString,
                     response_serializer=generate__pb2.StepResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=generate__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=generate__pb2.LoadAdapterResponse.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=generate__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=generate__pb2.UnloadAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -307,6 +343,60 @@ class TextGenerationService:
             '/textgate.generate.v1.TextGenerationService/Step',
             generate__pb2.StepRequest.SerializeToString,
             generate__pb2.StepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/textgate.generate.v1.TextGenerationService/LoadAdapter',
+            generate__pb2.LoadAdapterRequest.SerializeToString,
+            generate__pb2.LoadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/textgate.generate.v1.TextGenerationService/UnloadAdapter',
+            generate__pb2.UnloadAdapterRequest.SerializeToString,
+            generate__pb2.UnloadAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -42,6 +42,8 @@ def test_the_contract_has_one_step_protocol() -> None:
         "ClearCache",
         "Warmup",
         "Step",
+        "LoadAdapter",
+        "UnloadAdapter",
     }
     # The padded protocol's messages are gone; their numbers stay reserved where they were.
     assert not {"Batch", "CachedBatch", "PrefillRequest"} & set(pb.DESCRIPTOR.message_types_by_name)
