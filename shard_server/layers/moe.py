@@ -5,7 +5,8 @@ of its tokens (one gate-up and one down matmul), never once per token. Plain exp
 stacked into 3D tensors and the groups run as one grouped matmul (`F.grouped_mm`)
 where this torch runs it for the weights' dtype and device and the step has at least as
 many (token, expert) pairs as experts, and as one matmul per active expert otherwise; quantized experts (GPTQ, AWQ, int8, ...) keep their
-loader's linear layers, one call per active expert.
+loader's linear layers, one call per active expert. On CUDA, stacked experts run as
+Triton's fused MoE kernel instead (`kernels/triton/fused_moe.py`).
 
 Tensor parallel: each expert's intermediate features are split over the ranks (gate/up
 column-parallel, down row-parallel, as in a dense MLP); the partial sums of the routed
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from textgate.kernels.triton.fused_moe import fused_moe
 from textgate.quantization.base import Weight
 from textgate.quantization.unquantized import UnquantizedWeight
 from textgate.quantization.weights import Weights
@@ -230,14 +232,25 @@ class SparseMoE(nn.Module):
         """hidden [T, H] → the weighted sum of each token's experts (and the shared one)."""
         logits = hidden @ self.router.T  # [T, E]
         routing = Routing.top_k(logits, self.top_k, self.normalize_top_k, hidden.dtype)
-        rows = hidden.index_select(0, routing.tokens)  # [T * k, H], grouped by expert
-        outputs = self.experts(rows, routing.counts) * routing.weights[:, None]
-        out = torch.zeros_like(hidden).index_add_(0, routing.tokens, outputs)
+        out = self._routed(hidden, routing)
         if self.shared_expert is not None and self.shared_gate is not None:
             # The gate scales every rank's partial sum alike: one all-reduce covers both.
             scale = torch.sigmoid(hidden @ self.shared_gate.T)  # [T, 1]
             out = out + scale * self.shared_expert(hidden)
         return all_reduce(out, self.process_group)
+
+    def _routed(self, hidden: Tensor, routing: Routing) -> Tensor:
+        """The routed experts' weighted sums [T, H]: the fused kernel where it runs (None
+        off CUDA), else the rows grouped by expert through `self.experts`."""
+        experts = self.experts
+        if isinstance(experts, StackedExperts):
+            pairs = (routing.tokens, routing.weights, routing.counts)
+            fused = fused_moe(hidden, experts.gate_up, experts.down, *pairs)
+            if fused is not None:
+                return fused
+        rows = hidden.index_select(0, routing.tokens)  # [T * k, H], grouped by expert
+        outputs = self.experts(rows, routing.counts) * routing.weights[:, None]
+        return torch.zeros_like(hidden).index_add_(0, routing.tokens, outputs)
 
 
 def load_experts(weights: Weights, prefix: str, num_experts: int, names: ExpertNames) -> Experts:
