@@ -30,13 +30,30 @@ def silu_and_mul(gate_up: Tensor) -> Tensor:
 class GatedMLP(nn.Module):
     """SwiGLU with gate and up fused into one column linear (this rank's intermediate
     features); `reduce=False` leaves the down projection's partial sum for the caller to
-    all-reduce together with others (the MoE block does, once per layer)."""
+    all-reduce together with others (the MoE block does, once per layer).
 
-    def __init__(self, weights: Weights, prefix: str, *, bias: bool, reduce: bool = True) -> None:
+    `fused_size`, where given, is the intermediate size of a checkpoint that stores gate
+    and up as one `gate_up_proj` (Phi-3): each half is split over the ranks on its own.
+    """
+
+    def __init__(
+        self,
+        weights: Weights,
+        prefix: str,
+        *,
+        bias: bool,
+        reduce: bool = True,
+        fused_size: int | None = None,
+    ) -> None:
         super().__init__()
-        self.gate_up_proj = TensorParallelColumnLinear.load_multi(
-            weights, [f"{prefix}.gate_proj", f"{prefix}.up_proj"], bias=bias
-        )
+        if fused_size is None:
+            self.gate_up_proj = TensorParallelColumnLinear.load_multi(
+                weights, [f"{prefix}.gate_proj", f"{prefix}.up_proj"], bias=bias
+            )
+        else:
+            self.gate_up_proj = TensorParallelColumnLinear.load_fused(
+                weights, f"{prefix}.gate_up_proj", bias=bias, sizes=[fused_size, fused_size]
+            )
         self.down_proj = TensorParallelRowLinear.load(
             weights, f"{prefix}.down_proj", bias=bias, reduce=reduce
         )

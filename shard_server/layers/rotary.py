@@ -1,8 +1,8 @@
 """Rotary position embeddings (RoPE) and the scaling variants Llama-family checkpoints use.
 
-Supported `rope_type`s: default, linear, dynamic (NTK), llama3 and yarn. Parameters are
-read from `config.rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling`
-(older checkpoints); both spell the same thing.
+Supported `rope_type`s: default, linear, dynamic (NTK), llama3, yarn and longrope (Phi-3;
+"su" is its older name). Parameters are read from `config.rope_parameters` (transformers
+5) or `rope_theta` + `rope_scaling` (older checkpoints); both spell the same thing.
 """
 
 from __future__ import annotations
@@ -16,6 +16,10 @@ import torch
 from torch import Tensor, nn
 
 DEFAULT_THETA = 10000.0
+# Types whose frequencies depend on each sequence's length, not only on the position.
+_LENGTH_DEPENDENT = frozenset({"dynamic", "longrope"})
+_ORIGINAL_CONTEXT = frozenset({"llama3", "yarn", "longrope"})
+_ALIASES = {"su": "longrope"}
 
 
 @dataclass(frozen=True)
@@ -40,12 +44,15 @@ class RopeConfig:
             raise ValueError(f"partial_rotary_factor={partial} is not supported (only 1.0)")
         max_positions = int(config.get("max_position_embeddings", 2048))
         rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+        rope_type = _ALIASES.get(rope_type, rope_type)
         theta = float(rope.pop("rope_theta", config.get("rope_theta", DEFAULT_THETA)))
-        if rope_type in ("llama3", "yarn"):
-            rope.setdefault(
-                "original_max_position_embeddings",
-                config.get("original_max_position_embeddings", max_positions),
-            )
+        if rope_type in _ORIGINAL_CONTEXT:
+            # transformers prefers a top-level original_max_position_embeddings (Phi-3
+            # keeps the pretrained length there) over the one in the rope parameters.
+            original = config.get("original_max_position_embeddings")
+            if original is not None:
+                rope["original_max_position_embeddings"] = original
+            rope.setdefault("original_max_position_embeddings", max_positions)
         if rope_type not in _INV_FREQ:
             raise ValueError(
                 f"rope_type {rope_type!r} is not supported; supported: {', '.join(sorted(_INV_FREQ))}"
@@ -128,6 +135,35 @@ def _yarn(cfg: RopeConfig, dim: int) -> tuple[Tensor, float]:
     return inv_freq, float(scaling)
 
 
+@_rope_type("longrope")
+def _longrope(cfg: RopeConfig, dim: int) -> tuple[Tensor, float]:
+    # The short factors: what a sequence within the original context uses (the long ones
+    # are RotaryEmbedding.long_inv_freq, chosen per sequence in cos_sin).
+    return longrope_inv_freq(cfg, dim, "short_factor"), _longrope_scaling(cfg)
+
+
+def longrope_inv_freq(cfg: RopeConfig, dim: int, which: str) -> Tensor:
+    """LongRoPE's frequencies: the base ones, each divided by its `which` factor."""
+    if which not in cfg.params:
+        raise ValueError(f"longrope RoPE needs {which} in its rope parameters")
+    factors = torch.tensor(cfg.params[which], dtype=torch.float32)
+    if factors.shape != (dim // 2,):
+        raise ValueError(f"longrope {which} has {len(factors)} entries, not head_dim/2={dim // 2}")
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (factors * cfg.theta**exponents)
+
+
+def _longrope_scaling(cfg: RopeConfig) -> float:
+    """cos/sin scale: the configured attention_factor, else the paper's, from how far the
+    context was extended (`factor`, else max_position_embeddings / original)."""
+    params = cfg.params
+    original = params["original_max_position_embeddings"]
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor = params.get("factor") or cfg.max_position_embeddings / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
 def _yarn_mscale(scale: float, mscale: float) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
@@ -160,11 +196,18 @@ class RotaryEmbedding(nn.Module):
         inv_freq, self.attention_scaling = _INV_FREQ[cfg.rope_type](cfg, head_dim)
         self.inv_freq: Tensor
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+        long_inv_freq = None
+        if cfg.rope_type == "longrope":
+            long_inv_freq = longrope_inv_freq(cfg, head_dim, "long_factor").to(device)
+        self.long_inv_freq: Tensor | None
+        """LongRoPE's frequencies for sequences past the original context; None otherwise."""
+        self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)
 
     @property
     def needs_seq_lens(self) -> bool:
-        """Dynamic NTK rescales by each sequence's length, so `cos_sin` needs it."""
-        return self.cfg.rope_type == "dynamic"
+        """Dynamic NTK rescales by each sequence's length and LongRoPE picks its factors by
+        it, so `cos_sin` needs it."""
+        return self.cfg.rope_type in _LENGTH_DEPENDENT
 
     def cos_sin(
         self, positions: Tensor, dtype: torch.dtype, seq_lens: Tensor | None = None
@@ -172,24 +215,34 @@ class RotaryEmbedding(nn.Module):
         """cos and sin [T, head_dim] for token positions [T].
 
         `seq_lens` [T] is the total length of each token's sequence; dynamic NTK needs
-        it and uses the base a sequence of that length would use.
+        it and uses the base a sequence of that length would use; LongRoPE uses its long
+        factors for a sequence longer than the original context, as transformers does
+        for the whole forward call (its max position + 1).
         """
         inv_freq = self.inv_freq[None, :]  # [1, head_dim/2]
         if self.needs_seq_lens:
             if seq_lens is None:
-                raise ValueError("dynamic RoPE needs each token's sequence length")
-            inv_freq = self._dynamic_inv_freq(seq_lens)  # [T, head_dim/2]
+                raise ValueError(f"{self.cfg.rope_type} RoPE needs each token's sequence length")
+            seq_lens = seq_lens.to(self.inv_freq.device)
+            if self.long_inv_freq is not None:
+                inv_freq = self._longrope_inv_freq(seq_lens, self.long_inv_freq)
+            else:
+                inv_freq = self._dynamic_inv_freq(seq_lens)  # [T, head_dim/2]
         freqs = positions.float()[:, None] * inv_freq  # [T, head_dim/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
         cos = emb.cos() * self.attention_scaling
         sin = emb.sin() * self.attention_scaling
         return cos.to(dtype), sin.to(dtype)
 
+    def _longrope_inv_freq(self, seq_lens: Tensor, long_inv_freq: Tensor) -> Tensor:
+        longer = seq_lens > self.cfg.params["original_max_position_embeddings"]  # [T]
+        return torch.where(longer[:, None], long_inv_freq, self.inv_freq)  # [T, head_dim/2]
+
     def _dynamic_inv_freq(self, seq_lens: Tensor) -> Tensor:
         dim, factor = self.head_dim, self.cfg.params["factor"]
         max_positions = self.cfg.max_position_embeddings
         # Sequences within the trained context keep the original base.
-        lengths = torch.clamp(seq_lens.to(self.inv_freq.device), min=max_positions)
+        lengths = torch.clamp(seq_lens, min=max_positions)
         base = self.cfg.theta * ((factor * lengths / max_positions) - (factor - 1)) ** (
             dim / (dim - 2)
         )

@@ -8,6 +8,7 @@ the partial outputs over the process group. With one rank every collective is sk
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import torch
@@ -96,6 +97,28 @@ class TensorParallelColumnLinear(nn.Module):
                 ]
             )
         return cls(weight.get_linear(bias_tensor))
+
+    @classmethod
+    def load_fused(
+        cls,
+        weights: Weights,
+        prefix: str,
+        *,
+        bias: bool,
+        sizes: Sequence[int],
+        shards: Sequence[Shard] | None = None,
+    ) -> TensorParallelColumnLinear:
+        """`load_multi` over parts stored back to back in one tensor (Phi-3's qkv_proj and
+        gate_up_proj): part i holds `sizes[i]` rows, of which this rank takes `shards[i]`
+        (an even split by default), so the result is laid out as `load_multi`'s."""
+        per_part = shards if shards is not None else [weights.even_shard(n) for n in sizes]
+        if len(per_part) != len(sizes):
+            raise ValueError(f"{len(sizes)} parts but {len(per_part)} shards")
+        rows = [
+            Shard(offset + shard.start, offset + shard.stop)
+            for offset, shard in zip(accumulate(sizes[:-1], initial=0), per_part, strict=True)
+        ]
+        return cls.load_multi(weights, [prefix] * len(rows), bias=bias, shards=rows)
 
     def forward(self, x: Tensor) -> Tensor:
         out = self.linear(x)

@@ -1,6 +1,6 @@
 """The Llama-family model config: what the native models read from config.json.
 
-The family covers dense decoders (Llama, Mistral, Qwen2, Qwen3) and sparse
+The family covers dense decoders (Llama, Mistral, Qwen2, Qwen3, Phi-3) and sparse
 mixture-of-experts ones built on the same attention (Mixtral, Qwen2-MoE, Qwen3-MoE);
 `MoEConfig` holds what the latter add.
 """
@@ -21,6 +21,8 @@ _QK_NORM = frozenset({"qwen3", "qwen3_moe"})
 # gate_proj / up_proj / down_proj under `mlp`, as a dense MLP does.
 _MIXTRAL_NAMING = frozenset({"mixtral"})
 _MOE_TYPES = frozenset({"mixtral", "qwen2_moe", "qwen3_moe"})
+# Families whose checkpoints store q/k/v as one qkv_proj and gate/up as one gate_up_proj.
+_FUSED_PROJECTIONS = frozenset({"phi3"})
 _SUPPORTED_ACTIVATIONS = frozenset({"silu", "swish"})
 _LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 
@@ -95,6 +97,9 @@ class ModelConfig:
     qk_norm: bool = False
     #: The sparse MLP of a mixture-of-experts model; None for a dense one.
     moe: MoEConfig | None = None
+    #: The checkpoint stores q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`
+    #: (Phi-3); the loader splits each per rank.
+    fused_projections: bool = False
 
     @classmethod
     def parse(cls, config: ModelConfig | Mapping[str, Any] | Any) -> ModelConfig:
@@ -136,6 +141,7 @@ class ModelConfig:
             sliding_windows=_sliding_windows(d, num_layers),
             qk_norm=model_type in _QK_NORM,
             moe=MoEConfig.from_dict(d, num_layers) if model_type in _MOE_TYPES else None,
+            fused_projections=model_type in _FUSED_PROJECTIONS,
         )
 
 

@@ -1,10 +1,12 @@
-"""The Llama family (Llama 1-3, SmolLM, Mistral, Qwen2, Qwen3, and the mixture-of-experts
-Mixtral, Qwen2-MoE and Qwen3-MoE), tensor parallel, over a paged KV cache.
+"""The Llama family (Llama 1-3, SmolLM, Mistral, Qwen2, Qwen3, Phi-3, and the
+mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE), tensor parallel, over a paged KV
+cache.
 
 One forward step takes a flat varlen batch (all sequences' new tokens concatenated)
 and returns logits only for the rows the caller asks for. Differences within the family
 are config switches: GQA, q/k/v bias (Qwen2), per-head q/k RMSNorm (Qwen3), sliding
-windows (Mistral, Qwen2), tied embeddings, RoPE scaling, and a sparse MoE MLP in place
+windows (Mistral, Qwen2), tied embeddings, RoPE scaling (Phi-3's LongRoPE), fused
+q/k/v and gate/up tensors in the checkpoint (Phi-3), and a sparse MoE MLP in place
 of the dense one (`layers.moe`, on the layers the config makes sparse).
 """
 
@@ -20,7 +22,7 @@ from torch import Tensor, nn
 from textgate.kernels import cpu_attention, cpu_layers, get_attention_backend
 from textgate.kernels.attention import AttentionBackend, AttentionMetadata
 from textgate.kernels.triton import layers as gpu_layers
-from textgate.quantization.weights import Weights
+from textgate.quantization.weights import Shard, Weights
 from textgate.shard_server.layers.heads import HeadPartition
 from textgate.shard_server.layers.mlp import GatedMLP
 from textgate.shard_server.layers.moe import SparseMoE
@@ -62,12 +64,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         q_rows = HeadPartition.rows(heads.q, config.head_dim)
         kv_rows = HeadPartition.rows(heads.kv, config.head_dim)
-        self.qkv_proj = TensorParallelColumnLinear.load_multi(
-            weights,
-            [f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"],
-            bias=config.qkv_bias,
-            shards=[q_rows, kv_rows, kv_rows],
-        )
+        self.qkv_proj = _qkv_proj(config, weights, prefix, [q_rows, kv_rows, kv_rows])
         self.o_proj = TensorParallelRowLinear.load(
             weights, f"{prefix}.o_proj", bias=config.o_bias, shard=q_rows
         )
@@ -156,6 +153,27 @@ class LlamaAttention(nn.Module):
         return query
 
 
+def _qkv_proj(
+    config: ModelConfig, weights: Weights, prefix: str, shards: list[Shard]
+) -> TensorParallelColumnLinear:
+    """This rank's q, k and v heads in one column linear, from three tensors or from the
+    one fused `qkv_proj` of the checkpoint (Phi-3)."""
+    if not config.fused_projections:
+        names = [f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"]
+        return TensorParallelColumnLinear.load_multi(
+            weights, names, bias=config.qkv_bias, shards=shards
+        )
+    q_size = config.num_heads * config.head_dim
+    kv_size = config.num_kv_heads * config.head_dim
+    return TensorParallelColumnLinear.load_fused(
+        weights,
+        f"{prefix}.qkv_proj",
+        bias=config.qkv_bias,
+        sizes=[q_size, kv_size, kv_size],
+        shards=shards,
+    )
+
+
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks around one residual stream."""
 
@@ -182,7 +200,8 @@ def _mlp(config: ModelConfig, weights: Weights, prefix: str, layer_idx: int) -> 
     """Layer `layer_idx`'s MLP: dense SwiGLU, or the sparse MoE block where the config has one."""
     moe = config.moe
     if moe is None or not moe.sparse_layers[layer_idx]:
-        return GatedMLP(weights, f"{prefix}.mlp", bias=config.mlp_bias)
+        fused_size = config.intermediate_size if config.fused_projections else None
+        return GatedMLP(weights, f"{prefix}.mlp", bias=config.mlp_bias, fused_size=fused_size)
     block = "block_sparse_moe" if moe.naming == "mixtral" else "mlp"
     return SparseMoE.load(
         weights,
@@ -202,7 +221,7 @@ def add_rms_norm(norm: RMSNorm, x: Tensor, residual: Tensor | None) -> tuple[Ten
     return fused if fused is not None else norm(x, residual)
 
 
-@register("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+@register("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "phi3")
 class LlamaForCausalLM(PagedCacheOwner, nn.Module):
     """A Llama-family causal LM for one tensor-parallel rank.
 

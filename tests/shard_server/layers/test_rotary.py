@@ -1,9 +1,12 @@
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
-from transformers import LlamaConfig
+from transformers import LlamaConfig, Phi3Config
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
 from textgate.shard_server.layers.rotary import (
     RopeConfig,
@@ -64,6 +67,70 @@ def test_dynamic_rescales_each_sequence_by_its_own_length():
         ours.cos_sin(positions, torch.float32)
 
 
+def _phi3_longrope(**rope: object) -> Phi3Config:
+    half = HEAD_DIM // 2
+    return Phi3Config(
+        hidden_size=64,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+        original_max_position_embeddings=32,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 1000.0,
+            "short_factor": [1.0 + 0.2 * i for i in range(half)],
+            "long_factor": [1.0 + 2.0 * i for i in range(half)],
+            **rope,
+        },
+    )
+
+
+@pytest.mark.parametrize("rope", [{}, {"factor": 2.0}, {"attention_factor": 0.9}])
+@pytest.mark.parametrize("length", [20, 32, 33, 50])
+def test_longrope_matches_transformers_on_either_side_of_the_original_context(rope, length):
+    hf_config = _phi3_longrope(**rope)
+    reference = Phi3RotaryEmbedding(hf_config)
+    ours = RotaryEmbedding(RopeConfig.from_config(hf_config.to_dict()), HEAD_DIM)
+    positions = torch.arange(length)
+    cos_ref, sin_ref = reference(torch.zeros(1, length, HEAD_DIM), positions[None])
+    cos, sin = ours.cos_sin(positions, torch.float32, torch.full((length,), length))
+    torch.testing.assert_close(cos, cos_ref[0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(sin, sin_ref[0], atol=1e-6, rtol=0)
+
+
+def test_longrope_picks_factors_per_sequence():
+    ours = RotaryEmbedding(RopeConfig.from_config(_phi3_longrope().to_dict()), HEAD_DIM)
+    assert ours.needs_seq_lens
+    positions = torch.tensor([10, 10])
+    cos, _ = ours.cos_sin(positions, torch.float32, torch.tensor([32, 33]))
+    short, _ = ours.cos_sin(positions[:1], torch.float32, torch.tensor([12]))
+    long, _ = ours.cos_sin(positions[1:], torch.float32, torch.tensor([40]))
+    torch.testing.assert_close(cos, torch.cat([short, long]), atol=0, rtol=0)
+    assert not torch.equal(short, long)
+    with pytest.raises(ValueError, match="sequence length"):
+        ours.cos_sin(positions, torch.float32)
+
+
+def test_longrope_reads_phi3_configs():
+    config = {
+        "max_position_embeddings": 131072,
+        "original_max_position_embeddings": 4096,  # wins over the rope parameters' own
+        "rope_scaling": {
+            "type": "su",  # longrope's older name
+            "original_max_position_embeddings": 2048,
+            "short_factor": [1.0] * 8,
+            "long_factor": [2.0] * 8,
+        },
+    }
+    cfg = RopeConfig.from_config(config)
+    assert (cfg.rope_type, cfg.params["original_max_position_embeddings"]) == ("longrope", 4096)
+    # Phi-3-mini-128k's scale: from 4096 to 131072 positions.
+    expected = (1 + math.log(32) / math.log(4096)) ** 0.5
+    assert RotaryEmbedding(cfg, HEAD_DIM).attention_scaling == pytest.approx(expected)
+    del config["rope_scaling"]["long_factor"]
+    with pytest.raises(ValueError, match="long_factor"):
+        RotaryEmbedding(RopeConfig.from_config(config), HEAD_DIM)
+
+
 def test_apply_rotary_matches_transformers():
     torch.manual_seed(0)
     q, k = torch.randn(7, 4, HEAD_DIM), torch.randn(7, 2, HEAD_DIM)
@@ -106,7 +173,7 @@ def test_defaults_without_rope_settings():
 @pytest.mark.parametrize(
     ("config", "match"),
     [
-        ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "not supported"),
+        ({"rope_scaling": {"rope_type": "proportional", "factor": 2.0}}, "not supported"),
         ({"rope_parameters": {"rope_type": "default"}, "partial_rotary_factor": 0.5}, "partial"),
         ({"rope_parameters": {"full_attention": {"rope_type": "default"}}}, "per-layer"),
     ],

@@ -14,6 +14,7 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
+    Phi3Config,
     PreTrainedModel,
     Qwen2Config,
     Qwen2MoeConfig,
@@ -32,6 +33,7 @@ _CONFIGS = {
     "mixtral": MixtralConfig,
     "qwen2_moe": Qwen2MoeConfig,
     "qwen3_moe": Qwen3MoeConfig,
+    "phi3": Phi3Config,
 }
 
 TINY = {
@@ -46,7 +48,8 @@ TINY = {
 }
 
 # What each family adds to TINY: Qwen3's own head_dim (its default is 128), four experts
-# of which each token runs two, Qwen2-MoE's shared expert.
+# of which each token runs two, Qwen2-MoE's shared expert, a Phi-3 pad id inside the
+# tiny vocabulary (its default, 32000, is not).
 FAMILY = {
     "qwen3": {"head_dim": 16},
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
@@ -62,7 +65,23 @@ FAMILY = {
         "moe_intermediate_size": 24,
         "head_dim": 16,
     },
+    "phi3": {"pad_token_id": 0},
 }
+
+
+def longrope(original: int, head_dim: int = 12) -> dict[str, Any]:
+    """Phi-3 overrides for LongRoPE over a pretrained context of `original` positions:
+    distinct short and long factors (head_dim / 2 each), so which one runs shows."""
+    half = head_dim // 2
+    return {
+        "original_max_position_embeddings": original,
+        "rope_parameters": {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": [1.0 + 0.1 * i for i in range(half)],
+            "long_factor": [1.0 + 3.0 * i for i in range(half)],
+        },
+    }
 
 
 def build_tiny(directory: Path, kind: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:

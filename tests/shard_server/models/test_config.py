@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import pytest
-from transformers import LlamaConfig, MistralConfig, Qwen2Config
+from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
 
 from textgate.shard_server.models import ModelConfig
 
@@ -55,6 +55,12 @@ def test_mistral_slides_on_every_layer_when_set():
         None,
         None,
     )
+
+
+def test_phi3_stores_fused_projections_and_slides_on_every_layer():
+    config = ModelConfig.parse(Phi3Config(**BASE, sliding_window=5, pad_token_id=0))
+    assert config.fused_projections and config.sliding_windows == (5, 5, 5)
+    assert not ModelConfig.parse(LlamaConfig(**BASE)).fused_projections
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from textgate.shard_server.models import load_model
+from textgate.tests.shard_server.models.conftest import longrope
 from textgate.tests.tp_ranks import WORLD_SIZE, rank_outputs, spawn_ranks, step_logits
 
 # Heads, kv heads, intermediate and vocab sizes that split evenly, unevenly (SmolLM2's
@@ -26,6 +27,13 @@ CASES = {
     "mixtral": ("mixtral", {"intermediate_size": 37}),
     "qwen2-moe-shared": ("qwen2_moe", {"mlp_only_layers": [1]}),
     "qwen3-moe": ("qwen3_moe", {"norm_topk_prob": True}),
+    # Phi-3's fused qkv_proj and gate_up_proj, each part split on its own: unevenly, and
+    # with the kv heads replicated; LongRoPE's long factors on the sequence past 8.
+    "phi3-uneven": (
+        "phi3",
+        {"num_attention_heads": 6, "num_key_value_heads": 3, "intermediate_size": 37},
+    ),
+    "phi3-mqa-longrope": ("phi3", {"num_key_value_heads": 1, **longrope(8)}),
 }
 
 
