@@ -11,6 +11,11 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from textgate.shard_server.flag_types import cuda_graph_sizes, lora_adapters
+from textgate.shard_server.layers.lora_limits import (
+    DEFAULT_MAX_LORA_RANK,
+    DEFAULT_MAX_LORAS,
+    LoraLimits,
+)
 
 # TGI's spellings, plus int8 (W8A8 quantized at load) and gguf (a GGUF's 4-bit layers kept
 # quantized). The shards' loader registry
@@ -155,6 +160,18 @@ class LauncherConfig:
         "with adapter_id (TGI) or model (OpenAI); native models on one shard",
         lora_adapters,
     )
+    max_loras: int = flag(
+        DEFAULT_MAX_LORAS,
+        "Most LoRA adapters resident at once, --lora-adapters and the ones loaded later by "
+        "POST /v1/load_lora_adapter; a load past it is refused (unload one first)",
+        int,
+    )
+    max_lora_rank: int = flag(
+        DEFAULT_MAX_LORA_RANK,
+        "Highest rank (PEFT's r) a LoRA adapter may have; a larger one is refused at startup "
+        "and at load (vLLM's default is 16)",
+        int,
+    )
     max_logit_bias: float = flag(
         100.0,
         "Largest logit_bias magnitude a request may set (OpenAI's 100; lower it to stop "
@@ -163,9 +180,10 @@ class LauncherConfig:
     )
     reasoning_parser: str | None = flag(
         None,
-        "Chat answers of a reasoning model: the text between <think> and </think> goes to "
-        "`reasoning_content`, the rest to `content` (deepseek_r1: the prompt opens the "
-        "thinking; qwen3: the answer opens it); unset = all of it is content",
+        "Answers of a reasoning model: the text between <think> and </think> is the "
+        "thinking (chat's `reasoning_content`, a Responses `reasoning` item, an Anthropic "
+        "`thinking` block), the rest the answer (deepseek_r1: the prompt opens the "
+        "thinking; qwen3: the answer opens it); unset = all of it is the answer",
         str,
         REASONING_PARSERS,
     )
@@ -266,6 +284,12 @@ class LauncherConfig:
             raise ValueError("--target-itl-ms must be >= 0 (0 = fixed budgets)")
         if not 0 < self.max_logit_bias <= 100:
             raise ValueError(f"--max-logit-bias must be > 0 and <= 100, got {self.max_logit_bias}")
+        LoraLimits(self.max_loras, self.max_lora_rank)  # ValueError naming the flag
+        if len(self.lora_adapters) > self.max_loras:
+            raise ValueError(
+                f"--lora-adapters names {len(self.lora_adapters)} adapters, over --max-loras "
+                f"{self.max_loras}"
+            )
         if self.target_ttft_ms is not None and not self.target_ttft_ms > 0:
             raise ValueError("--target-ttft-ms must be > 0")
         if self.no_adaptive and self.target_itl_ms:

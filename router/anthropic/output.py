@@ -1,9 +1,11 @@
 """What a finished answer looks like in Anthropic's bodies: content blocks, stop reason, ids.
 
-The answer's text is read as every chat API reads it (router/generation/answer.py): with
-tools it is a call object, answered as one `tool_use` block (or, for the `no_tool` call,
-as text); otherwise one `text` block, empty when nothing was generated. The text ends
-before the stop sequence that matched, which `stop_sequence` names.
+The answer's text is read as every chat API reads it: with --reasoning-parser its
+thinking first (router/generation/reasoning.py), a `thinking` block; then the answer
+(router/generation/answer.py): with tools a call object, answered as one `tool_use` block
+(or, for the `no_tool` call, as text); otherwise one `text` block, empty only when there
+is no other block. The text ends before the stop sequence that matched, which
+`stop_sequence` names.
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ from textgate.router.anthropic.schemas import (
     StopDelta,
     StopReason,
     TextBlock,
+    ThinkingBlock,
     ToolUseBlock,
     Usage,
 )
 from textgate.router.engine.channel import Finished
 from textgate.router.generation.answer import read_answer
+from textgate.router.generation.reasoning import ReasoningParser, read_reasoning
 from textgate.router.generation.result import Generated
 from textgate.router.generation.stop_text import TextOptions, answer_text, matched_stop
 
@@ -64,15 +68,21 @@ def message_response(
     options: TextOptions,
     *,
     tools: bool,
+    reasoning: ReasoningParser | None = None,
 ) -> MessageResponse:
     """The non-streamed answer of one finished request."""
-    answer = read_answer(answer_text(generated.finished, options), ended=True, tools=tools)
-    content: list[OutputBlock] = [
+    text = answer_text(generated.finished, options)
+    reasoned = read_reasoning(text, ended=True, parser=reasoning)
+    content: list[OutputBlock] = []
+    if reasoned.reasoning is not None:
+        content.append(ThinkingBlock(thinking=reasoned.reasoning))
+    answer = read_answer(reasoned.rest, ended=True, tools=tools)
+    content += [
         ToolUseBlock(id=new_id("toolu"), name=call.name, input=call_input(call.arguments))
         for call in answer.calls
     ]
-    if not content:
-        content = [TextBlock(text=answer.content or "")]
+    if not answer.calls and (answer.content or not content):
+        content.append(TextBlock(text=answer.content or ""))
     stop = stop_delta(generated.finished, options, called=bool(answer.calls))
     return MessageResponse(
         id=message_id,

@@ -24,6 +24,7 @@ from textgate.router.anthropic.params import WORDING, generate_parameters
 from textgate.router.anthropic.prompt import continues_last_turn, template_messages, tool_plan
 from textgate.router.anthropic.schemas import CountTokensRequest, MessagesRequest, TokenCount
 from textgate.router.anthropic.stream import MessageEvents
+from textgate.router.generation.reasoning import reasoning_parser
 from textgate.router.generation.schemas import GenerateRequest
 from textgate.router.generation.stop_text import TextOptions
 from textgate.router.generation.tools import ToolPlan
@@ -52,6 +53,7 @@ class _MessagesHandlers:
         self._config = state.config
         self._metrics = state.metrics
         self._serving = Serving(state)
+        self._reasoning = reasoning_parser(state.config.reasoning_parser)
 
     async def messages(self, request: Request) -> Response:
         """POST /v1/messages: Anthropic's Messages API (the turns through the chat template)."""
@@ -84,13 +86,25 @@ class _MessagesHandlers:
         options = TextOptions(stop=tuple(params.stop))
         if body.stream:
             events = MessageEvents(
-                message_id, model, valid.input_length, options, tools=tools is not None
+                message_id,
+                model,
+                valid.input_length,
+                options,
+                tools=tools is not None,
+                reasoning=self._reasoning,
             )
             return self._serving.stream(channels, events, received)
         results = await self._serving.collect(request, channels, received)
         if results is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        answer = message_response(message_id, model, results[0], options, tools=tools is not None)
+        answer = message_response(
+            message_id,
+            model,
+            results[0],
+            options,
+            tools=tools is not None,
+            reasoning=self._reasoning,
+        )
         return JSONResponse(answer.model_dump(mode="json"))
 
     async def _render(self, body: CountTokensRequest, tools: ToolPlan | None) -> str:

@@ -95,6 +95,9 @@ class MessagesRequest(CountTokensRequest):
     """Keep the k most likely tokens (> 0)."""
     metadata: dict[str, Any] | None = None
     """Ignored."""
+    thinking: dict[str, Any] | None = None
+    """Accepted and ignored (`{"type": "enabled", "budget_tokens": N}`): whether the model
+    thinks is its own and its template's doing; --reasoning-parser reads the thinking out."""
 
 
 class TextBlock(BaseModel):
@@ -113,7 +116,17 @@ class ToolUseBlock(BaseModel):
     input: dict[str, Any]
 
 
-OutputBlock = TextBlock | ToolUseBlock
+class ThinkingBlock(BaseModel):
+    """What a reasoning model thought before answering (with --reasoning-parser). Its
+    `signature` is empty: nothing here signs thinking, and a block sent back in a later
+    turn is dropped from the prompt whatever it carries."""
+
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: str = ""
+
+
+OutputBlock = TextBlock | ToolUseBlock | ThinkingBlock
 
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 
@@ -175,12 +188,19 @@ class InputJsonDelta(BaseModel):
     """The next piece of the call's `input` JSON text."""
 
 
+class ThinkingDelta(BaseModel):
+    """Thinking the open thinking block adds."""
+
+    type: Literal["thinking_delta"] = "thinking_delta"
+    thinking: str
+
+
 class ContentBlockDelta(BaseModel):
     """What the open block adds."""
 
     type: Literal["content_block_delta"] = "content_block_delta"
     index: int
-    delta: TextDelta | InputJsonDelta
+    delta: TextDelta | InputJsonDelta | ThinkingDelta
 
 
 class ContentBlockStop(BaseModel):

@@ -18,6 +18,7 @@ The parsers, named as vLLM names them:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from textgate.registry import Registry
@@ -75,6 +76,26 @@ def read_reasoning(text: str, ended: bool, parser: ReasoningParser | None) -> Re
     if close < 0:
         return Reasoned(thinking if ended else _without_partial_tag(thinking, parser.end), "")
     return Reasoned(thinking[:close], thinking[close + len(parser.end) :].lstrip())
+
+
+def thinking_tokens(pieces: Sequence[str], parser: ReasoningParser | None) -> int:
+    """How many of a text's tokens (`pieces`: each token's text, in order) are thinking:
+    those up to the one that completes the closing tag, all of them where it never
+    closes, none where the text does not think."""
+    text = "".join(pieces)
+    if parser is None or read_reasoning(text, True, parser).reasoning is None:
+        return 0
+    opened = text.find(parser.start)
+    inside = opened + len(parser.start) if text.lstrip().startswith(parser.start) else 0
+    close = text.find(parser.end, inside)
+    if close < 0:
+        return len(pieces)
+    stop, spelled = close + len(parser.end), 0
+    for count, piece in enumerate(pieces, 1):
+        spelled += len(piece)
+        if spelled >= stop:
+            return count
+    return len(pieces)
 
 
 def _without_partial_tag(text: str, tag: str) -> str:

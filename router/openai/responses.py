@@ -16,6 +16,7 @@ import time
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from textgate.router.generation.reasoning import reasoning_parser
 from textgate.router.generation.schemas import GenerateRequest
 from textgate.router.generation.validation import Wording
 from textgate.router.http.request_io import read_json
@@ -42,6 +43,7 @@ class ResponsesHandler:
     def __init__(self, state: RouterState, serving: Serving) -> None:
         self._state = state
         self._serving = serving
+        self._reasoning = reasoning_parser(state.config.reasoning_parser)
 
     async def create(self, request: Request) -> Response:
         """POST /v1/responses: OpenAI Responses (stateless): input items through the chat
@@ -68,10 +70,14 @@ class ResponsesHandler:
         channels = self._state.engine.submit([valid])
         head = ResponseHead.new(model, body)
         if body.stream:
-            events = ResponseEvents(head, valid.input_length, tools=tools is not None)
+            events = ResponseEvents(
+                head, valid.input_length, tools=tools is not None, reasoning=self._reasoning
+            )
             return self._serving.stream(channels, events, received)
         results = await self._serving.collect(request, channels, received)
         if results is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        answer = completed_response(head, results[0], valid.input_length, tools is not None)
+        answer = completed_response(
+            head, results[0], valid.input_length, tools is not None, self._reasoning
+        )
         return JSONResponse(answer.model_dump(mode="json"))

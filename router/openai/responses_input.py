@@ -138,12 +138,14 @@ def _add_item(messages: list[dict[str, Any]], item: dict[str, Any], where: str) 
         output = item.get("output")
         text = output if isinstance(output, str) else _parts_text(output, f"{where}.output")
         messages.append({"role": "tool", "tool_call_id": call_id, "content": text})
+    elif kind == "reasoning":
+        pass  # earlier thinking: chat templates drop it from the prompt too
     elif kind == "item_reference":
         raise ValidationError(f"{where}: `item_reference` items are not supported ({STATELESS})")
     else:
         raise ValidationError(
             f"{where}: items of type {kind!r} are not supported: only `message`, "
-            "`function_call` and `function_call_output`"
+            "`function_call`, `function_call_output` and `reasoning`"
         )
 
 

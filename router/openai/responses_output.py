@@ -1,9 +1,11 @@
 """What a generated sequence looks like as an OpenAI response object: output items,
 status, usage.
 
-The text is read as chat reads it (router/generation/answer.py): a message item with one
-`output_text` part, or with tools a `function_call` item per call (a `no_tool` answer
-is a message). A sequence cut by its token limit is `incomplete`
+The text is read as chat reads it: with --reasoning-parser its thinking first
+(router/generation/reasoning.py), a `reasoning` item; then the answer
+(router/generation/answer.py), a message item with one `output_text` part, or with tools
+a `function_call` item per call (a `no_tool` answer is a message). A message with no text
+is only made when there is no other item. A sequence cut by its token limit is `incomplete`
 (`incomplete_details.reason` "max_output_tokens"), its items too; streamed or not, a
 response is built by `ResponseHead.response` from the same reading.
 """
@@ -17,7 +19,8 @@ from dataclasses import dataclass
 
 from textgate.router.engine.channel import FinishReason
 from textgate.router.generation.answer import read_answer
-from textgate.router.generation.result import Generated
+from textgate.router.generation.reasoning import ReasoningParser, read_reasoning, thinking_tokens
+from textgate.router.generation.result import Generated, visible_text
 from textgate.router.openai.responses_schemas import (
     FunctionCall,
     IncompleteDetails,
@@ -25,6 +28,9 @@ from textgate.router.openai.responses_schemas import (
     OutputItem,
     OutputMessage,
     OutputText,
+    OutputTokensDetails,
+    ReasoningItem,
+    ReasoningText,
     ResponseError,
     ResponseObject,
     ResponsesRequest,
@@ -89,13 +95,26 @@ def status_of(reason: FinishReason) -> ItemStatus:
     return "incomplete" if reason == "length" else "completed"
 
 
-def response_usage(input_tokens: int, output_tokens: int) -> ResponseUsage:
-    """Token counts of a response."""
+def response_usage(
+    input_tokens: int, output_tokens: int, reasoning_tokens: int = 0
+) -> ResponseUsage:
+    """Token counts of a response; `reasoning_tokens` of the output ones were thinking."""
     return ResponseUsage(
         input_tokens=input_tokens,
         output_tokens=output_tokens,
+        output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning_tokens),
         total_tokens=input_tokens + output_tokens,
     )
+
+
+def thinking_status(answered: bool, status: ItemStatus) -> ItemStatus:
+    """A reasoning item's status: completed once the answer began, else the response's."""
+    return "completed" if answered else status
+
+
+def reasoning_item(item_id: str, text: str, status: ItemStatus) -> ReasoningItem:
+    """The thinking, as one `reasoning_text` part."""
+    return ReasoningItem(id=item_id, status=status, content=[ReasoningText(text=text)])
 
 
 def message_item(item_id: str, text: str, status: ItemStatus) -> OutputMessage:
@@ -111,18 +130,32 @@ def call_item(
 
 
 def completed_response(
-    head: ResponseHead, generated: Generated, input_tokens: int, tools: bool
+    head: ResponseHead,
+    generated: Generated,
+    input_tokens: int,
+    tools: bool,
+    reasoning: ReasoningParser | None = None,
 ) -> ResponseObject:
     """The non-streamed response of a finished sequence; with `tools` its text is a call
-    object, read back into `function_call` items."""
+    object, read back into `function_call` items; with `reasoning` its thinking is a
+    `reasoning` item before them."""
     finished = generated.finished
     status = status_of(finished.finish_reason)
-    answer = read_answer(finished.text, ended=True, tools=tools)
-    output: list[OutputItem] = [
+    reasoned = read_reasoning(finished.text, ended=True, parser=reasoning)
+    output: list[OutputItem] = []
+    if reasoned.reasoning is not None:
+        thinking = thinking_status(bool(reasoned.rest), status)
+        output.append(reasoning_item(new_id("rs"), reasoned.reasoning, thinking))
+    answer = read_answer(reasoned.rest, ended=True, tools=tools)
+    output += [
         call_item(new_id("fc"), new_id("call"), call.name, call.arguments, status)
         for call in answer.calls
     ]
-    if answer.content is not None:  # a text answer (with tools: a `no_tool` call)
-        output = [message_item(new_id("msg"), answer.content, status)]
-    usage = response_usage(input_tokens, finished.generated_tokens)
+    # A text answer (with tools: a `no_tool` call); an empty one only as the sole item.
+    if answer.content or (answer.content is not None and not output):
+        output.append(message_item(new_id("msg"), answer.content, status))
+    pieces = [visible_text([token]) for token in generated.tokens]
+    usage = response_usage(
+        input_tokens, finished.generated_tokens, thinking_tokens(pieces, reasoning)
+    )
     return head.response(status, output, usage)

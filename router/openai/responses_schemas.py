@@ -105,7 +105,27 @@ class FunctionCall(BaseModel):
     status: ItemStatus
 
 
-OutputItem = OutputMessage | FunctionCall
+class ReasoningText(BaseModel):
+    """The thinking's text, the one content part of a reasoning item."""
+
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(BaseModel):
+    """What a reasoning model thought before answering (with --reasoning-parser), the
+    first item of `output`; a client may send it back in `input`, where it is dropped (as
+    chat templates drop earlier turns' thinking)."""
+
+    id: str
+    type: Literal["reasoning"] = "reasoning"
+    summary: list[Any] = Field(default_factory=list)
+    """Always empty: no summary is made."""
+    content: list[ReasoningText]
+    status: ItemStatus
+
+
+OutputItem = OutputMessage | FunctionCall | ReasoningItem
 
 
 class InputTokensDetails(BaseModel):
@@ -205,7 +225,7 @@ class PartEvent(ItemEvent):
 class ContentPartEvent(PartEvent):
     """`response.content_part.added` / `.done`."""
 
-    part: OutputText
+    part: OutputText | ReasoningText
 
 
 class TextDeltaEvent(PartEvent):
@@ -222,6 +242,20 @@ class TextDoneEvent(PartEvent):
     type: str = "response.output_text.done"
     text: str
     logprobs: list[Any] = Field(default_factory=list)
+
+
+class ReasoningDeltaEvent(PartEvent):
+    """`response.reasoning_text.delta`: what the thinking adds."""
+
+    type: str = "response.reasoning_text.delta"
+    delta: str
+
+
+class ReasoningDoneEvent(PartEvent):
+    """`response.reasoning_text.done`: the whole thinking."""
+
+    type: str = "response.reasoning_text.done"
+    text: str
 
 
 class ArgumentsDeltaEvent(ItemEvent):

@@ -13,6 +13,7 @@ import pytest
 import uvicorn
 
 from textgate.router.config import RouterConfig
+from textgate.router.generation.reasoning import PARSERS, ReasoningParser
 from textgate.router.server import bound_port, build_router
 from textgate.router.shard_client import ShardedClient
 from textgate.tests.router.fake_shard import FakeShard, FakeTokenizer, fake_shards
@@ -125,3 +126,12 @@ def tokenizer_dir(tmp_path: Path) -> Path:
     }
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     return tmp_path
+
+
+@pytest.fixture
+def toy_reasoning(monkeypatch: pytest.MonkeyPatch) -> str:
+    """A reasoning parser, "toy", for the fake model's text: it begins inside the
+    thinking and " t12" ends it, so " t10 t11 t12 t13 t14" thinks " t10 t11" (three
+    tokens with the closing one) and answers "t13 t14"."""
+    monkeypatch.setitem(PARSERS, "toy", ReasoningParser("toy", starts_inside=True, end=" t12"))
+    return "toy"

@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
+from anthropic import AsyncAnthropic
 
 from textgate.tests.router.fake_shard import FakeShard
 from textgate.tests.router.openai.routes_helpers import ChatFakeTokenizer, StartRouter
@@ -228,3 +229,28 @@ async def test_the_apps_own_errors_take_anthropics_shape_too(client: httpx.Async
     }
     elsewhere = await client.get("/v1/chat/completions")
     assert elsewhere.json()["error"]["type"] == "method_not_allowed"  # OpenAI's, as before
+
+
+async def test_thinking_is_a_thinking_block_through_the_sdk(
+    start_router: StartRouter, toy_reasoning: str, fake: FakeShard
+) -> None:
+    fake.eos_after = 5
+    base_url = await start_router(ChatFakeTokenizer(), reasoning_parser=toy_reasoning)
+    # A thinking block sent back in a later turn is dropped from the prompt.
+    earlier: Any = {"type": "thinking", "thinking": "w7", "signature": ""}
+    turns: Any = [
+        {"role": "user", "content": "w5"},
+        {"role": "assistant", "content": [earlier, {"type": "text", "text": "w6"}]},
+        {"role": "user", "content": "w5"},
+    ]
+    fields: Any = {"model": "tgi", "max_tokens": 9, "messages": turns}
+    async with AsyncAnthropic(base_url=base_url, api_key="-", max_retries=0) as sdk:
+        answer = await sdk.messages.create(**fields)
+        async with sdk.messages.stream(**fields) as stream:
+            streamed = await stream.get_final_message()
+    assert [list(r.input_ids) for r in fake.received_requests()] == [[5, 6, 5, 9]] * 2
+    for message_ in (answer, streamed):
+        thought, text = message_.content
+        assert thought.type == "thinking" and thought.thinking == " t10 t11"
+        assert text.type == "text" and text.text == "t13 t14"
+        assert message_.stop_reason == "end_turn"

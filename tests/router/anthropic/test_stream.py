@@ -1,5 +1,6 @@
 """Anthropic streams from a channel, without a server: the events, and that they say
-exactly what the non-streamed answer says (text, call input, stop reason, usage)."""
+exactly what the non-streamed answer says (thinking, text, call input, stop reason,
+usage)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from textgate.router.anthropic.output import message_response
 from textgate.router.anthropic.stream import MessageEvents
 from textgate.router.engine.channel import Channel, ErrorEvent, Finished, StepEvent, TokenInfo
+from textgate.router.generation.reasoning import ReasoningParser, reasoning_parser
 from textgate.router.generation.result import collect
 from textgate.router.generation.stop_text import TextOptions
 from textgate.router.generation.tools import NO_TOOL
@@ -36,20 +38,31 @@ def parse(writes: list[bytes]) -> list[tuple[str, Any]]:
     return pairs
 
 
-def streamed(events: list[StepEvent], options: TextOptions, tools: bool) -> list[tuple[str, Any]]:
+def streamed(
+    events: list[StepEvent],
+    options: TextOptions,
+    tools: bool,
+    reasoning: ReasoningParser | None = None,
+) -> list[tuple[str, Any]]:
     """The writer's events for `events`, one step at a time (as a prompt reader gets them)."""
-    writer = MessageEvents("msg_1", "m", 4, options, tools=tools)
+    writer = MessageEvents("msg_1", "m", 4, options, tools=tools, reasoning=reasoning)
     writes = [writer.opening(), *(writer.step(0, event) for event in events)]
     generated = sum(e.finished.generated_tokens for e in events if e.finished is not None)
     return parse([*writes, writer.closing(None, generated)])
 
 
-async def answered(events: list[StepEvent], options: TextOptions, tools: bool) -> dict[str, Any]:
+async def answered(
+    events: list[StepEvent],
+    options: TextOptions,
+    tools: bool,
+    reasoning: ReasoningParser | None = None,
+) -> dict[str, Any]:
     channel = Channel(4)
     for event in events:
         channel.push(event)
     generated = await collect(channel)
-    return message_response("msg_1", "m", generated, options, tools=tools).model_dump(mode="json")
+    answer = message_response("msg_1", "m", generated, options, tools=tools, reasoning=reasoning)
+    return answer.model_dump(mode="json")
 
 
 def as_answer(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -62,6 +75,8 @@ def as_answer(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
             message["content"].append(data["content_block"])
         elif name == "content_block_delta" and data["delta"]["type"] == "text_delta":
             message["content"][data["index"]]["text"] += data["delta"]["text"]
+        elif name == "content_block_delta" and data["delta"]["type"] == "thinking_delta":
+            message["content"][data["index"]]["thinking"] += data["delta"]["thinking"]
         elif name == "content_block_delta":
             partial += data["delta"]["partial_json"]
         elif name == "content_block_stop" and partial:
@@ -147,3 +162,59 @@ async def test_a_failure_is_the_last_event() -> None:
         "error",
         {"type": "error", "error": {"type": "api_error", "message": "the shard failed"}},
     )
+
+
+QWEN3 = reasoning_parser("qwen3")
+THOUGHT = "<think>\nOslo, in Norway.</think>\n\nOslo is cold STOP"
+
+
+@pytest.mark.parametrize("seed", range(8))
+async def test_thinking_streams_as_its_own_block_before_the_text(seed: int) -> None:
+    pieces = splits(THOUGHT, random.Random(seed))
+    options = TextOptions(stop=("STOP",))
+    pairs = streamed(steps(pieces, "stop_sequence"), options, False, QWEN3)
+    answer = await answered(steps(pieces, "stop_sequence"), options, False, QWEN3)
+    assert answer["content"] == [
+        {"type": "thinking", "thinking": "\nOslo, in Norway.", "signature": ""},
+        {"type": "text", "text": "Oslo is cold "},
+    ]
+    assert as_answer(pairs) == answer
+    blocks = [
+        (n, d["index"])
+        for n, d in pairs
+        if n.startswith("content_block_") and n != "content_block_delta"
+    ]
+    assert blocks == [
+        ("content_block_start", 0),
+        ("content_block_stop", 0),
+        ("content_block_start", 1),
+        ("content_block_stop", 1),
+    ]
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_thinking_then_a_call(seed: int) -> None:
+    text = f"<think>use the tool</think>{CALL}"
+    pieces = splits(text, random.Random(seed))
+    pairs = streamed(steps(pieces, "eos_token"), TextOptions(), True, QWEN3)
+    answer = await answered(steps(pieces, "eos_token"), TextOptions(), True, QWEN3)
+    assert [block["type"] for block in answer["content"]] == ["thinking", "tool_use"]
+    assert answer["stop_reason"] == "tool_use"
+    assert without_ids(as_answer(pairs)) == without_ids(answer)
+
+
+async def test_an_answer_cut_while_thinking_is_one_thinking_block() -> None:
+    pieces = ["<think>", "still", " going"]
+    pairs = streamed(steps(pieces, "length"), TextOptions(), False, QWEN3)
+    answer = await answered(steps(pieces, "length"), TextOptions(), False, QWEN3)
+    assert answer["content"] == [{"type": "thinking", "thinking": "still going", "signature": ""}]
+    assert answer["stop_reason"] == "max_tokens"
+    assert as_answer(pairs) == answer
+
+
+async def test_without_thinking_the_parser_changes_nothing() -> None:
+    pieces = ["Plain", " text."]
+    pairs = streamed(steps(pieces, "eos_token"), TextOptions(), False, QWEN3)
+    answer = await answered(steps(pieces, "eos_token"), TextOptions(), False, QWEN3)
+    assert answer["content"] == [{"type": "text", "text": "Plain text."}]
+    assert as_answer(pairs) == answer

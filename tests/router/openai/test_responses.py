@@ -11,8 +11,10 @@ from typing import Any
 
 import httpx
 import pytest
+from openai import AsyncOpenAI
 
 from textgate.tests.router.fake_shard import FakeShard
+from textgate.tests.router.openai.routes_helpers import StartRouter
 
 
 def respond(input: Any = "w5", **fields: Any) -> dict[str, Any]:
@@ -186,3 +188,24 @@ async def test_a_shard_error_without_stream_is_424(
     response = await client.post("/v1/responses", json=respond(max_output_tokens=5))
     assert response.status_code == 424
     assert response.json()["error"]["type"] == "server_error"
+
+
+async def test_thinking_is_a_reasoning_item_through_the_sdk(
+    start_openai: StartRouter, toy_reasoning: str, fake: FakeShard
+) -> None:
+    fake.eos_after = 5
+    base_url = await start_openai(reasoning_parser=toy_reasoning)
+    async with AsyncOpenAI(base_url=f"{base_url}/v1", api_key="-", max_retries=0) as sdk:
+        response = await sdk.responses.create(model="tgi", input="w5", max_output_tokens=9)
+        async with sdk.responses.stream(model="tgi", input="w5", max_output_tokens=9) as stream:
+            kinds = [event.type async for event in stream]
+            streamed = await stream.get_final_response()
+    for answer in (response, streamed):
+        thought, message = answer.output
+        assert thought.type == "reasoning" and thought.status == "completed"
+        assert thought.content is not None and thought.content[0].text == " t10 t11"
+        assert message.type == "message" and answer.output_text == "t13 t14"
+        assert answer.usage is not None
+        assert answer.usage.output_tokens_details.reasoning_tokens == 3
+    assert kinds.count("response.reasoning_text.delta") == 2
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")

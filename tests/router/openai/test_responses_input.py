@@ -81,13 +81,24 @@ def test_function_calls_and_outputs_become_chat_tool_messages() -> None:
     assert messages[2] == {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
 
 
+def test_reasoning_items_sent_back_are_dropped() -> None:
+    thought = {"type": "reasoning", "id": "rs_1", "summary": [], "content": []}
+    said = {"role": "assistant", "content": "Paris."}
+    items = [{"role": "user", "content": "w5"}, thought, said, {"role": "user", "content": "w6"}]
+    assert input_messages(body(input=items)) == [
+        {"role": "user", "content": "w5"},
+        said,
+        {"role": "user", "content": "w6"},
+    ]
+
+
 @pytest.mark.parametrize(
     ("items", "message"),
     [
         ([], "`input` cannot be empty"),
         ([{"role": "tool", "content": "x"}], "`input[0]`.role must be"),
         ([{"role": "user", "content": [{"type": "input_image"}]}], "'input_image' are not"),
-        ([{"type": "reasoning"}], "items of type 'reasoning' are not supported"),
+        ([{"type": "web_search_call"}], "items of type 'web_search_call' are not supported"),
         ([{"type": "item_reference", "id": "msg_1"}], "stateless"),
         ([{"type": "function_call", "name": "f", "arguments": "{}"}], "needs a string `call_id`"),
     ],

@@ -1,5 +1,6 @@
 """A streamed response's typed events, without a server: they add up to the non-streamed
-response of the same text, tool calls included, wherever the token boundaries fall."""
+response of the same text, tool calls and thinking included, wherever the token
+boundaries fall."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 import pytest
 
 from textgate.router.engine.channel import ErrorEvent, Finished, FinishReason, StepEvent, TokenInfo
+from textgate.router.generation.reasoning import ReasoningParser, reasoning_parser
 from textgate.router.generation.result import Generated
 from textgate.router.openai.responses_output import ResponseHead, completed_response
 from textgate.router.openai.responses_schemas import ResponsesRequest
@@ -24,8 +26,18 @@ def events_of(writes: list[bytes]) -> list[dict[str, Any]]:
     return [json.loads(f.split("\n")[1].removeprefix("data: ")) for f in frames]
 
 
-def stream(pieces: list[str], reason: FinishReason, *, tools: bool) -> list[dict[str, Any]]:
-    writer = ResponseEvents(HEAD, 4, tools=tools)
+QWEN3 = reasoning_parser("qwen3")
+R1 = reasoning_parser("deepseek_r1")
+
+
+def stream(
+    pieces: list[str],
+    reason: FinishReason,
+    *,
+    tools: bool,
+    reasoning: ReasoningParser | None = None,
+) -> list[dict[str, Any]]:
+    writer = ResponseEvents(HEAD, 4, tools=tools, reasoning=reasoning)
     writes = [writer.opening()]
     for i, piece in enumerate(pieces):
         last = i == len(pieces) - 1
@@ -35,9 +47,18 @@ def stream(pieces: list[str], reason: FinishReason, *, tools: bool) -> list[dict
     return events_of(writes)
 
 
-def whole(text: str, reason: FinishReason, num_tokens: int, *, tools: bool) -> dict[str, Any]:
-    generated = Generated(Finished(text, num_tokens, reason, None), 4, 0.0, 0.0)
-    return completed_response(HEAD, generated, 4, tools).model_dump(mode="json")
+def whole(
+    text: str,
+    reason: FinishReason,
+    num_tokens: int,
+    *,
+    tools: bool,
+    reasoning: ReasoningParser | None = None,
+    pieces: list[str] | None = None,
+) -> dict[str, Any]:
+    tokens = [TokenInfo(i, piece, -0.1) for i, piece in enumerate(pieces or [])]
+    generated = Generated(Finished(text, num_tokens, reason, None), 4, 0.0, 0.0, tokens)
+    return completed_response(HEAD, generated, 4, tools, reasoning).model_dump(mode="json")
 
 
 def without_ids(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -106,3 +127,72 @@ def test_a_failure_sends_error_then_failed() -> None:
         "message": "boom",
     }
     assert failed["output"][0]["content"][0]["text"] == "Hel"
+
+
+THOUGHT = ["<think>", "\nHmm", ", Paris", "</think>", "\n\n", "Paris."]
+
+
+@pytest.mark.parametrize(
+    ("pieces", "reason", "tools", "parser", "items", "thinking_tokens"),
+    [
+        (
+            THOUGHT,
+            "eos_token",
+            False,
+            QWEN3,
+            [("reasoning", "completed"), ("message", "completed")],
+            4,
+        ),
+        (THOUGHT[:3], "length", False, QWEN3, [("reasoning", "incomplete")], 3),
+        (
+            ["Hmm", "</think>", CALL],
+            "eos_token",
+            True,
+            R1,
+            [("reasoning", "completed"), ("function_call", "completed")],
+            2,
+        ),
+        (["<think>", "x", "</think>"], "eos_token", False, QWEN3, [("reasoning", "completed")], 3),
+        (["Straight", " on."], "eos_token", False, QWEN3, [("message", "completed")], 0),
+    ],
+    ids=["answered", "cut-while-thinking", "then-a-call", "no-answer", "no-thinking"],
+)
+def test_thinking_is_a_reasoning_item_before_the_answer(
+    pieces: list[str],
+    reason: FinishReason,
+    tools: bool,
+    parser: ReasoningParser,
+    items: list[tuple[str, str]],
+    thinking_tokens: int,
+) -> None:
+    events = stream(pieces, reason, tools=tools, reasoning=parser)
+    expected = whole(
+        "".join(pieces), reason, len(pieces), tools=tools, reasoning=parser, pieces=pieces
+    )
+    final = events[-1]["response"]
+    assert without_ids(final["output"]) == without_ids(expected["output"])
+    assert [(item["type"], item["status"]) for item in final["output"]] == items
+    usage = final["usage"]
+    assert usage == expected["usage"]
+    assert usage["output_tokens_details"]["reasoning_tokens"] == thinking_tokens
+    if items[0][0] != "reasoning":
+        assert not [e for e in events if "reasoning" in e["type"]]
+        return
+    thought = final["output"][0]
+    deltas = [e["delta"] for e in events if e["type"] == "response.reasoning_text.delta"]
+    assert "".join(deltas) == thought["content"][0]["text"]
+    assert thought["summary"] == [] and "</think>" not in "".join(deltas)
+    (done,) = [e for e in events if e["type"] == "response.reasoning_text.done"]
+    assert done["text"] == thought["content"][0]["text"]
+    # The reasoning item is done before the answer's first event.
+    types = [e["type"] for e in events]
+    answer_events = [i for i, e in enumerate(events) if e.get("output_index") == 1]
+    closed = types.index("response.output_item.done")
+    assert not answer_events or closed < answer_events[0]
+
+
+def test_the_thinking_and_answer_are_read_apart() -> None:
+    final = whole("".join(THOUGHT), "eos_token", 6, tools=False, reasoning=QWEN3, pieces=THOUGHT)
+    thought, message = final["output"]
+    assert thought["content"] == [{"type": "reasoning_text", "text": "\nHmm, Paris"}]
+    assert message["content"][0]["text"] == "Paris."
