@@ -143,6 +143,7 @@ def shard_argv(model_path: Path, config: LauncherConfig) -> list[str]:
         argv += ["--quantize", config.quantize]
     if config.lora_adapters:
         argv += ["--lora-adapters", ",".join(f"{n}={p}" for n, p in config.lora_adapters)]
+    argv += ["--max-loras", str(config.max_loras), "--max-lora-rank", str(config.max_lora_rank)]
     if config.trust_remote_code:
         argv.append("--trust-remote-code")
     if config.json_output:

@@ -17,6 +17,11 @@ from pathlib import Path
 from textgate.logs import setup_logging
 from textgate.shard_server import tracing
 from textgate.shard_server.flag_types import cuda_graph_sizes, lora_adapters
+from textgate.shard_server.layers.lora_limits import (
+    DEFAULT_MAX_LORA_RANK,
+    DEFAULT_MAX_LORAS,
+    LoraLimits,
+)
 from textgate.shard_server.loading.shard_loader import load_model
 from textgate.shard_server.protocols.paged_model import PagedModel
 from textgate.shard_server.server import model_thread, serve
@@ -75,6 +80,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=(),
         help="LoRA adapters as id=path or path, comma-separated (PEFT folders)",
     )
+    parser.add_argument(
+        "--max-loras",
+        type=int,
+        default=DEFAULT_MAX_LORAS,
+        help="most LoRA adapters resident at once (startup and runtime loads)",
+    )
+    parser.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=DEFAULT_MAX_LORA_RANK,
+        help="highest LoRA rank an adapter may have",
+    )
     parser.add_argument("--json-output", action="store_true")
     parser.add_argument(
         "--otlp-endpoint", default=None, help="OTLP/gRPC collector for traces (unset: none)"
@@ -110,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
         quantize=args.quantize,
         attention=args.attention,
         lora_adapters=args.lora_adapters,
+        lora_limits=LoraLimits(args.max_loras, args.max_lora_rank),
     ).result()
     telemetry = start_tracing(
         args.otlp_endpoint,

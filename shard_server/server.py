@@ -1,7 +1,8 @@
 """The shard's async gRPC server: generate.proto over one `PagedModel`.
 
 The servicer holds no model state: it runs each call in the model thread (one at a
-time), times the steps, and answers a model's exception INTERNAL with its message.
+time), times the steps, and answers a model's exception INTERNAL with its message (a LoRA
+adapter that cannot be loaded or unloaded: INVALID_ARGUMENT).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -19,6 +21,7 @@ import torch
 from textgate.proto import generate_pb2 as pb
 from textgate.proto import generate_pb2_grpc as pb_grpc
 from textgate.shard_server import tracing
+from textgate.shard_server.layers.lora import LoraError
 from textgate.shard_server.protocols.paged_model import PagedModel
 
 log = logging.getLogger("textgate.shard")
@@ -71,12 +74,52 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
             tracing.record_phases(span, response, len(response.generations))
         return response
 
-    async def _call(self, context: Any, call: Callable[..., T], *args: Any) -> T:
-        """Run `call` in the model thread, one at a time; its exceptions become statuses."""
+    async def LoadAdapter(
+        self, request: pb.LoadAdapterRequest, context: Any
+    ) -> pb.LoadAdapterResponse:
+        """Read and check the folder while steps go on; attach it between two of them."""
+        lora = self.model.lora
+        try:
+            read = await asyncio.to_thread(lora.read, request.adapter_id, Path(request.path))
+        except LoraError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Exception as exc:  # an unreadable folder (bad JSON, a truncated file) is its own
+            message = f"LoRA adapter {request.adapter_id!r}: {type(exc).__name__}: {exc}"
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+        slot = await self._call(context, lora.attach, read, invalid=LoraError)
+        adapter = read.adapter
+        log.info(
+            "LoRA adapter %r loaded from %s: rank %d, %d projections updated, slot %d",
+            adapter.name,
+            request.path,
+            adapter.rank,
+            len(adapter.weights),
+            slot,
+        )
+        return pb.LoadAdapterResponse(rank=adapter.rank, num_updates=len(adapter.weights))
+
+    async def UnloadAdapter(
+        self, request: pb.UnloadAdapterRequest, context: Any
+    ) -> pb.UnloadAdapterResponse:
+        await self._call(context, self.model.lora.unload, request.adapter_id, invalid=LoraError)
+        log.info("LoRA adapter %r unloaded", request.adapter_id)
+        return pb.UnloadAdapterResponse()
+
+    async def _call(
+        self,
+        context: Any,
+        call: Callable[..., T],
+        *args: Any,
+        invalid: type[Exception] | None = None,
+    ) -> T:
+        """Run `call` in the model thread, one at a time; its exceptions become statuses
+        (`invalid`: the call's own refusals, INVALID_ARGUMENT with their message)."""
         try:
             async with self._lock:
                 return await asyncio.get_running_loop().run_in_executor(self._executor, call, *args)
         except Exception as exc:
+            if invalid is not None and isinstance(exc, invalid):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             log.exception("model call failed")
             await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
         raise AssertionError("context.abort returned")  # it raises; this tells type checkers

@@ -185,3 +185,15 @@ def test_lora_adapters_take_tgis_syntax_and_reach_the_shard(tmp_path: Path) -> N
     assert from_env.lora_adapters == (("x", "/x"),)
     with pytest.raises(SystemExit):
         launcher.parse_args(["--lora-adapters", "a=/1,a=/2"], env={})
+
+
+def test_lora_limits_reach_the_shard_and_are_checked(tmp_path: Path) -> None:
+    config = launcher.parse_args(["--max-loras", "2", "--max-lora-rank", "16"], env={})
+    argv = launcher.shard_argv(tmp_path, config)
+    assert argv[argv.index("--max-loras") + 1 :][:3] == ["2", "--max-lora-rank", "16"]
+    defaults = launcher.shard_argv(tmp_path, launcher.parse_args([], env={}))
+    assert defaults[defaults.index("--max-loras") + 1] == "8"
+    assert defaults[defaults.index("--max-lora-rank") + 1] == "64"
+    for argv in (["--max-loras", "0"], ["--lora-adapters", "a=/1,b=/2", "--max-loras", "1"]):
+        with pytest.raises(SystemExit):
+            launcher.parse_args(argv, env={})

@@ -102,6 +102,8 @@ class LoraLayer:
     grouped matmul runs: A [S, r, in], B [S, out, r]: two matmuls per layer and step."""
 
     def fuse(self) -> None:
+        """Fold every slot's parts again (after an adapter came or went)."""
+        self._fused, self._stacked = {}, None
         for slot, parts in self.updates.items():
             a = torch.cat([part[2] for part in parts])  # [sum r, in]
             b = a.new_zeros(self.out_features, a.shape[0])
@@ -167,14 +169,26 @@ class LoraAdapter:
     weights: dict[tuple[int, str], tuple[Tensor, Tensor]]
 
     @classmethod
-    def load(cls, name: str, path: Path, dtype: torch.dtype, device: torch.device) -> LoraAdapter:
-        """Read `path`; LoraError for what this server cannot apply."""
+    def load(
+        cls,
+        name: str,
+        path: Path,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_rank: int | None = None,
+    ) -> LoraAdapter:
+        """Read `path`; LoraError for what this server cannot apply (a rank over
+        `max_rank`, --max-lora-rank, included)."""
         config_path = path / "adapter_config.json"
         if not config_path.is_file():
             raise LoraError(f"LoRA adapter {name!r}: {path} has no adapter_config.json")
         config = json.loads(config_path.read_text())
         _check_config(name, config)
         rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
+        if max_rank is not None and rank > max_rank:
+            raise LoraError(
+                f"LoRA adapter {name!r} has rank {rank}, over --max-lora-rank {max_rank}"
+            )
         scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
         files = [path / "adapter_model.safetensors"]
         if not files[0].is_file():
@@ -216,49 +230,89 @@ def _locate(name: str, key: str) -> tuple[int, str]:
     return int(parts[parts.index("layers") + 1]), target
 
 
+@dataclass(frozen=True)
+class Placement:
+    """One of an adapter's updates checked against the layer it goes to: that layer
+    (`holder`, whose `lora` it joins), its fused output size and the part's columns."""
+
+    holder: torch.nn.Module
+    out_features: int
+    start: int
+    end: int
+    a: Tensor
+    b: Tensor
+
+
+def place(model: torch.nn.Module, adapter: LoraAdapter) -> list[Placement]:
+    """Where each of `adapter`'s updates goes in a native model's layers; changes nothing.
+
+    One shard's layout (the caller refuses tensor parallelism). Every update is checked
+    against its layer's shapes (LoraError naming the adapter, the layer and both)."""
+    layers = model.layers  # type: ignore[attr-defined]
+    placements = []
+    for (index, target), (a, b) in adapter.weights.items():
+        if index >= len(layers):
+            raise LoraError(
+                f"LoRA adapter {adapter.name!r} targets layer {index}; the model has {len(layers)}"
+            )
+        holder_name, part = TARGETS[target]
+        try:
+            holder = layers[index].get_submodule(holder_name)
+        except AttributeError:
+            raise LoraError(
+                f"LoRA adapter {adapter.name!r} targets {target} of layer {index}, which "
+                "has none (a mixture-of-experts layer)"
+            ) from None
+        in_features, sizes = _layout(model.config, holder_name)  # type: ignore[attr-defined]
+        start = sum(sizes[:part])
+        end = start + sizes[part]
+        if a.shape[1] != in_features or b.shape != (end - start, a.shape[0]):
+            raise LoraError(
+                f"LoRA adapter {adapter.name!r} layer {index} {target}: A {tuple(a.shape)} "
+                f"and B {tuple(b.shape)} do not fit the base layer ({in_features} inputs, "
+                f"{end - start} outputs)"
+            )
+        placements.append(Placement(holder, sum(sizes), start, end, a, b))
+    return placements
+
+
+def apply(slot: int, scale: float, placements: Sequence[Placement]) -> None:
+    """Add an adapter's checked updates (`place`) to its layers under `slot`, which must
+    be free, and fold each layer's pairs again."""
+    touched: dict[int, LoraLayer] = {}
+    for p in placements:
+        if p.holder.lora is None:
+            p.holder.lora = LoraLayer(p.out_features)
+        p.holder.lora.updates.setdefault(slot, []).append((p.start, p.end, p.a, p.b, scale))
+        touched[id(p.holder)] = p.holder.lora
+    for layer in touched.values():
+        layer.fuse()
+
+
 def attach(
     model: torch.nn.Module, adapters: Sequence[LoraAdapter], first_slot: int = 1
 ) -> dict[str, int]:
     """Add `adapters` to a native model's layers (slots first_slot, first_slot + 1, ...,
-    which must be free); their slots by name.
-
-    One shard's layout (the caller refuses tensor parallelism). Every update is checked
-    against its layer's shapes (LoraError naming the adapter, the layer and both)."""
+    which must be free); their slots by name. Every adapter is checked (`place`) before
+    any layer changes."""
+    placed = [(adapter, place(model, adapter)) for adapter in adapters]
     slots: dict[str, int] = {}
-    touched: dict[int, LoraLayer] = {}
-    layers = model.layers  # type: ignore[attr-defined]
-    for slot, adapter in enumerate(adapters, start=first_slot):
+    for slot, (adapter, placements) in enumerate(placed, start=first_slot):
+        apply(slot, adapter.scale, placements)
         slots[adapter.name] = slot
-        for (index, target), (a, b) in adapter.weights.items():
-            if index >= len(layers):
-                raise LoraError(
-                    f"LoRA adapter {adapter.name!r} targets layer {index}; the model has "
-                    f"{len(layers)}"
-                )
-            holder_name, part = TARGETS[target]
-            try:
-                holder = layers[index].get_submodule(holder_name)
-            except AttributeError:
-                raise LoraError(
-                    f"LoRA adapter {adapter.name!r} targets {target} of layer {index}, which "
-                    "has none (a mixture-of-experts layer)"
-                ) from None
-            in_features, sizes = _layout(model.config, holder_name)  # type: ignore[attr-defined]
-            start = sum(sizes[:part])
-            end = start + sizes[part]
-            if a.shape[1] != in_features or b.shape != (end - start, a.shape[0]):
-                raise LoraError(
-                    f"LoRA adapter {adapter.name!r} layer {index} {target}: A {tuple(a.shape)} "
-                    f"and B {tuple(b.shape)} do not fit the base layer ({in_features} inputs, "
-                    f"{end - start} outputs)"
-                )
-            if holder.lora is None:
-                holder.lora = LoraLayer(sum(sizes))
-            holder.lora.updates.setdefault(slot, []).append((start, end, a, b, adapter.scale))
-            touched[id(holder)] = holder.lora
-    for layer in touched.values():
-        layer.fuse()
     return slots
+
+
+def detach(model: torch.nn.Module, slot: int) -> None:
+    """Remove slot `slot`'s updates from every layer; a layer left with none is its base
+    alone again."""
+    for module in model.modules():
+        layer = getattr(module, "lora", None)
+        if isinstance(layer, LoraLayer) and layer.updates.pop(slot, None) is not None:
+            if layer.updates:
+                layer.fuse()
+            else:
+                module.lora = None
 
 
 def _layout(config: object, holder: str) -> tuple[int, list[int]]:

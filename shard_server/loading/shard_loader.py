@@ -20,6 +20,8 @@ from typing import Any
 import torch
 
 from textgate.kernels import get_attention_backend, select_attention_backend
+from textgate.shard_server.layers.lora_limits import LoraLimits
+from textgate.shard_server.layers.lora_slots import LoraSlots
 from textgate.shard_server.layers.tensor_parallel import distributed_backend, rank_device
 from textgate.shard_server.protocols.paged_model import PagedModel
 from textgate.shard_server.startup.cache_config import CacheConfig
@@ -62,13 +64,15 @@ def load_model(
     quantize: str | None = None,
     attention: str = "auto",
     lora_adapters: Sequence[tuple[str, str]] = (),
+    lora_limits: LoraLimits | None = None,
 ) -> PagedModel:
     """Load `model_path` for this rank on the paged engine: its native class where one
     exists (unless `native` is False, `--no-native`), else transformers' own modules.
 
     `quantize` names the weight quantization method (None: the checkpoint's own, if any).
     `attention` is `--attention` (kernels.select_attention_backend).
-    `lora_adapters` are (id, PEFT folder) pairs, attached to a native model on one shard.
+    `lora_adapters` are (id, PEFT folder) pairs, attached to a native model on one shard;
+    `lora_limits` (--max-loras, --max-lora-rank) bound them and the ones loaded later.
 
     `dtype` "auto" on CPU builds the model in each candidate dtype and keeps the one whose
     own step measured fastest (`dtype_choice.pick_dtype`). A model that cannot run paged
@@ -87,7 +91,7 @@ def load_model(
             model_path, model_id, device, group, world_size, cache_config, quantize, attention
         )
         paged = load_native(build, model_path, dtype, torch_dtype, device, quantize)
-        attach_adapters(paged, lora_adapters)
+        attach_adapters(paged, lora_adapters, lora_limits or LoraLimits())
         return paged
     check_transformers_paged(model_path, model_type, world_size, quantize, lora_adapters)
     why = "--no-native" if model_type in supported_model_types() else "no native class"
@@ -95,7 +99,12 @@ def load_model(
     build = transformers_paged_builder(
         model_path, model_id, device, cache_config, attention, trust_remote_code, why
     )
-    return load_paged(build, dtype, torch_dtype, device)
+    paged = load_paged(build, dtype, torch_dtype, device)
+    paged.lora.unsupported = (
+        f"LoRA adapters need a native implementation; model type {model_type!r} runs "
+        f"transformers' modules ({why})"
+    )
+    return paged
 
 
 def load_native(
@@ -115,24 +124,23 @@ def load_native(
     return load_paged(build, dtype, torch_dtype, device, method_dtype)
 
 
-def attach_adapters(paged: PagedModel, adapters: Sequence[tuple[str, str]]) -> None:
-    """Load each (id, folder) LoRA adapter and attach it to the paged native model."""
-    if not adapters:
-        return
-    from textgate.shard_server.layers.lora import LoraAdapter, LoraError, attach
+def attach_adapters(
+    paged: PagedModel, adapters: Sequence[tuple[str, str]], limits: LoraLimits
+) -> None:
+    """Give the paged native model its LoRA slots (`limits`) and load each (id, folder)
+    adapter into them; a model on several shards takes none."""
+    from textgate.shard_server.layers.lora import LoraError
 
+    unsupported = None
     if paged.world_size > 1:
-        raise LoraError(
-            "--lora-adapters runs on one shard; --num-shard > 1 does not split them yet"
-        )
-    model = paged.model
-    loaded = [
-        LoraAdapter.load(name, Path(path), model.dtype, model.device) for name, path in adapters
-    ]
-    paged.adapters = attach(model, loaded)
-    for adapter in loaded:
+        unsupported = "LoRA adapters run on one shard; --num-shard > 1 does not split them yet"
+        if adapters:
+            raise LoraError(f"--lora-adapters: {unsupported}")
+    paged.lora = LoraSlots(paged.model, limits, unsupported)
+    for name, path in adapters:
+        adapter = paged.lora.load(name, Path(path))
         log.info(
-            "LoRA adapter %r: rank %d, scale %g, %d layers updated",
+            "LoRA adapter %r: rank %d, scale %g, %d projections updated",
             adapter.name,
             adapter.rank,
             adapter.scale,

@@ -26,6 +26,7 @@ from textgate.kernels.kv_quant import kv_dtype_name, resolve_kv_cache_dtype
 from textgate.proto import generate_pb2 as pb
 from textgate.quantization.resident import resident_bytes
 from textgate.shard_server.layers.lora import LoraRows, lora_rows
+from textgate.shard_server.layers.lora_slots import LoraSlots
 from textgate.shard_server.startup.cache_config import CacheConfig
 from textgate.shard_server.startup.dtype_choice import DtypeChoice
 from textgate.shard_server.startup.hardware import cpu_kernel_report
@@ -95,8 +96,8 @@ class PagedModel:
         """How decode graphs are recorded; None: real CUDA graphs on a GPU, none on CPU."""
         self.graphs: DecodeGraphRunner | None = None
         self.prompt_logprobs = PromptLogprobs()
-        self.adapters: dict[str, int] = {}
-        """LoRA adapters attached to the model (layers.lora.attach): id -> slot."""
+        self.lora = LoraSlots(model, unsupported="LoRA adapters need a native model")
+        """LoRA adapters attached to the model, id -> slot; the loader sets its limits."""
 
     def describe(self) -> pb.InfoResponse:
         """Info: the model facts the router validates and tokenizes with."""
@@ -117,7 +118,9 @@ class PagedModel:
             attention_backend=attention_backend_name(self.model.attention_backend),
             kv_cache_bytes_per_token=self._kv_bytes(block_size=1),
             cpu_kernels=cpu_kernel_report() if self.device.type == "cpu" else {},
-            lora_adapters=sorted(self.adapters),
+            lora_adapters=sorted(self.lora.slots),
+            max_loras=0 if self.lora.unsupported else self.lora.limits.max_loras,
+            max_lora_rank=0 if self.lora.unsupported else self.lora.limits.max_rank,
         )
 
     # -- warmup -----------------------------------------------------------------------
@@ -295,9 +298,10 @@ class PagedModel:
 
     def _lora_rows(self, inputs: StepInputs) -> LoraRows | None:
         """Which of the step's rows run which adapter (None: all run the base)."""
-        if not self.adapters:
+        adapters = self.lora.slots
+        if not adapters:
             return None
-        slots = [self.adapters.get(seq.request.adapter_id, 0) for seq in inputs.row_sequences]
+        slots = [adapters.get(seq.request.adapter_id, 0) for seq in inputs.row_sequences]
         return LoraRows.from_slots(slots, self.device)
 
     def _eager(self, inputs: StepInputs) -> torch.Tensor:
@@ -339,8 +343,8 @@ class PagedModel:
         not added, and answered with an error Generation instead."""
         rejected = []
         for request in requests:
-            if request.adapter_id and request.adapter_id not in self.adapters:
-                known = ", ".join(sorted(self.adapters)) or "none"
+            if request.adapter_id and request.adapter_id not in self.lora.slots:
+                known = ", ".join(sorted(self.lora.slots)) or "none"
                 message = f"LoRA adapter {request.adapter_id!r} is not loaded (loaded: {known})"
                 rejected.append(pb.Generation(request_id=request.id, error=message))
                 continue

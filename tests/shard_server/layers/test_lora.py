@@ -1,5 +1,6 @@
 """LoRA adapters on the native model against PEFT's own merged models: one adapter, a
-step mixing three adapters and the base, the shard's loading and its refusals."""
+step mixing three adapters and the base, the shard's loading and its refusals, adapters
+loaded and unloaded on a live model (and over the shard's gRPC)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from textgate.shard_server.layers.lora import (
     attach,
     lora_rows,
 )
+from textgate.shard_server.layers.lora_limits import LoraLimits
+from textgate.shard_server.layers.lora_slots import LoraSlots
 from textgate.shard_server.models import load_model
 from textgate.tests.shard_server.models.conftest import PagedRunner, build_tiny, reference_logits
 
@@ -207,3 +210,141 @@ def test_the_shard_serves_adapters_and_refuses_unknown_ones(base, adapters) -> N
     assert first[1] == expected
     unknown = paged.step([request(3, "theirs")], pb.StepPlan())
     assert "LoRA adapter 'theirs' is not loaded (loaded: mine)" in unknown.generations[0].error
+
+
+def test_adapters_come_and_go_on_a_live_model(base, adapters) -> None:
+    """Loaded after the model has stepped: its logits are PEFT's; unloaded: the base's again;
+    its slot taken by the next load, whose own logits come out."""
+    from transformers import AutoModelForCausalLM
+
+    model = load_model(base, torch.float32, "cpu")
+    lora = LoraSlots(model, LoraLimits(max_loras=2, max_rank=16))
+    plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    prompt = _prompt(7)
+    runner = PagedRunner(model, num_blocks=128)
+    seqs = iter(range(100))
+
+    def logits(slot: int) -> torch.Tensor:
+        rows = LoraRows.from_slots([slot] * len(prompt), torch.device("cpu"))
+        seq = next(seqs)  # a new sequence each time: the runner continues known ones
+        with lora_rows(rows):
+            return runner.step({seq: prompt}, all_logits=True)[seq]
+
+    def expect(name: str | None, slot: int) -> None:
+        reference = plain if name is None else adapters[name][1]
+        torch.testing.assert_close(
+            logits(slot), reference_logits(reference, prompt), atol=1e-4, rtol=0
+        )
+
+    expect(None, 0)
+    lora.load("attn-r8", adapters["attn-r8"][0])
+    lora.load("mlp-r16", adapters["mlp-r16"][0])
+    assert lora.slots == {"attn-r8": 1, "mlp-r16": 2}
+    expect("attn-r8", 1)
+    with pytest.raises(LoraError, match="'all-rs': 2 of --max-loras 2 already loaded"):
+        lora.read("all-rs", adapters["all-rs"][0])
+    lora.unload("attn-r8")
+    expect(None, 1)  # the freed slot runs the base
+    expect("mlp-r16", 2)
+    lora.load("all-rs", adapters["all-rs"][0])
+    assert lora.slots == {"mlp-r16": 2, "all-rs": 1}
+    expect("all-rs", 1)
+    lora.unload("mlp-r16")
+    lora.unload("all-rs")
+    assert not [m for m in model.modules() if getattr(m, "lora", None) is not None]
+    expect(None, 0)
+
+
+def test_limits_and_refusals_leave_the_model_as_it_was(base, adapters, tmp_path) -> None:
+    import shutil
+
+    model = load_model(base, torch.float32, "cpu")
+    lora = LoraSlots(model, LoraLimits(max_loras=4, max_rank=8))
+    with pytest.raises(LoraError, match=r"'mlp-r16' has rank 16, over --max-lora-rank 8"):
+        lora.load("mlp-r16", adapters["mlp-r16"][0])
+    lora.load("attn-r8", adapters["attn-r8"][0])
+    with pytest.raises(LoraError, match="'attn-r8' is already loaded"):
+        lora.load("attn-r8", adapters["attn-r8"][0])
+    # An adapter whose last update does not fit is refused before any layer changes.
+    folder = tmp_path / "half"
+    shutil.copytree(adapters["attn-r8"][0], folder)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "adapter_model.safetensors")
+    last = sorted(k for k in tensors if ".lora_B." in k)[-1]
+    tensors[last] = torch.zeros(tensors[last].shape[0] + 1, tensors[last].shape[1])
+    save_file(tensors, folder / "adapter_model.safetensors")
+    holders = [m for m in model.modules() if getattr(m, "lora", None) is not None]
+    before = {id(m): dict(m.lora.updates) for m in holders}
+    with pytest.raises(LoraError, match="do not fit the base layer"):
+        lora.load("half", folder)
+    assert {id(m): dict(m.lora.updates) for m in holders} == before
+    with pytest.raises(LoraError, match=r"'nope' is not loaded \(loaded: attn-r8\)"):
+        lora.unload("nope")
+    refused = LoraSlots(model, unsupported="LoRA adapters run on one shard")
+    with pytest.raises(LoraError, match="run on one shard"):
+        refused.read("attn-r8", adapters["attn-r8"][0])
+
+
+async def test_the_shard_loads_and_unloads_adapters_over_grpc(tmp_path) -> None:
+    """LoadAdapter on a warmed-up shard: the next step's logprobs are PEFT's merged model's;
+    its refusals are INVALID_ARGUMENT; after UnloadAdapter a request naming it is refused."""
+    import grpc
+
+    from textgate.proto import generate_pb2 as pb
+    from textgate.shard_server.loading.shard_loader import load_model as load_shard
+    from textgate.shard_server.startup.cache_config import CacheConfig
+    from textgate.tests.conftest import build_tiny_model
+    from textgate.tests.shard_server.conftest import make_request
+    from textgate.tests.shard_server.test_server import served, status_of
+
+    folder = build_tiny_model(tmp_path / "base")
+    merged = make_adapter(folder, tmp_path / "mine", 3, r=8, target_modules=["q_proj", "down_proj"])
+    make_adapter(folder, tmp_path / "wide", 4, r=16, target_modules=["v_proj"])
+    paged = load_shard(
+        folder,
+        "tiny",
+        "float32",
+        cache_config=CacheConfig(block_size=4),
+        lora_limits=LoraLimits(max_loras=1, max_rank=8),
+    )
+    prompt = [5, 17, 42, 8]
+
+    def step(request_id: int, adapter: str) -> pb.StepRequest:
+        request = make_request(request_id, prompt, 1)
+        request.adapter_id = adapter
+        scheduled = pb.ScheduledRequest(
+            request_id=request_id, token_ids=prompt, block_table=[request_id], produces_token=True
+        )
+        return pb.StepRequest(requests=[request], plan=pb.StepPlan(scheduled=[scheduled]))
+
+    async with served(paged, tmp_path) as stub:
+        await stub.Warmup(pb.WarmupRequest(max_prefill_tokens=16))
+        await stub.Step(step(1, ""))
+        loaded = await stub.LoadAdapter(
+            pb.LoadAdapterRequest(adapter_id="mine", path=str(tmp_path / "mine"))
+        )
+        assert (loaded.rank, loaded.num_updates) == (8, 2 * 2)  # two projections, two layers
+        info = await stub.Info(pb.InfoRequest())
+        assert (list(info.lora_adapters), info.max_loras, info.max_lora_rank) == (["mine"], 1, 8)
+        tokens = (await stub.Step(step(2, "mine"))).generations[0].tokens
+        with torch.inference_mode():
+            expected = torch.log_softmax(merged(torch.tensor([prompt])).logits[0, -1], -1)
+        assert tokens.logprobs[0] == pytest.approx(float(expected[tokens.ids[0]]), abs=1e-4)
+
+        async def refused(name: str, message: str) -> None:
+            request = pb.LoadAdapterRequest(adapter_id=name, path=str(tmp_path / name))
+            code, details = await status_of(stub.LoadAdapter(request))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and message in details, details
+
+        await refused("mine", "'mine' is already loaded")
+        await refused("wide", "1 of --max-loras 1 already loaded (mine)")
+        await stub.UnloadAdapter(pb.UnloadAdapterRequest(adapter_id="mine"))
+        answer = (await stub.Step(step(3, "mine"))).generations[0]
+        assert "LoRA adapter 'mine' is not loaded (loaded: none)" in answer.error
+        await refused("wide", "'wide' has rank 16, over --max-lora-rank 8")
+        await refused("gone", "has no adapter_config.json")
+        code, details = await status_of(
+            stub.UnloadAdapter(pb.UnloadAdapterRequest(adapter_id="mine"))
+        )
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "not loaded" in details
