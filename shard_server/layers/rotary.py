@@ -1,7 +1,8 @@
 """Rotary position embeddings (RoPE) and the scaling variants Llama-family checkpoints use.
 
 Supported `rope_type`s: default, linear, dynamic (NTK), llama3, yarn and longrope (Phi-3;
-"su" is its older name). Parameters are read from `config.rope_parameters` (transformers
+"su" is its older name), each over all of a head's dimensions or its leading fraction
+(`partial_rotary_factor`). Parameters are read from `config.rope_parameters` (transformers
 5) or `rope_theta` + `rope_scaling` (older checkpoints); both spell the same thing.
 """
 
@@ -32,6 +33,9 @@ class RopeConfig:
     max_position_embeddings: int = 2048
     #: Type-specific keys (factor, low_freq_factor, original_max_position_embeddings, …).
     params: Mapping[str, Any] = field(default_factory=dict)
+    #: The fraction of each head's dimensions that rotates (the first ones; Phi-4-mini's
+    #: 0.75); the rest pass through.
+    partial_rotary_factor: float = 1.0
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> RopeConfig:
@@ -39,9 +43,10 @@ class RopeConfig:
         rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
         if any(isinstance(value, Mapping) for value in rope.values()):
             raise ValueError("per-layer-type RoPE parameters are not supported for this model")
-        partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-        if partial != 1.0:
-            raise ValueError(f"partial_rotary_factor={partial} is not supported (only 1.0)")
+        partial = rope.pop("partial_rotary_factor", None)
+        partial = float(partial or config.get("partial_rotary_factor") or 1.0)
+        if not 0.0 < partial <= 1.0:
+            raise ValueError(f"partial_rotary_factor={partial} must be in (0, 1]")
         max_positions = int(config.get("max_position_embeddings", 2048))
         rope_type = rope.pop("rope_type", rope.pop("type", "default"))
         rope_type = _ALIASES.get(rope_type, rope_type)
@@ -57,7 +62,7 @@ class RopeConfig:
             raise ValueError(
                 f"rope_type {rope_type!r} is not supported; supported: {', '.join(sorted(_INV_FREQ))}"
             )
-        return cls(rope_type, theta, max_positions, rope)
+        return cls(rope_type, theta, max_positions, rope, partial)
 
 
 InvFreqFn = Callable[[RopeConfig, int], tuple[Tensor, float]]
@@ -192,13 +197,18 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, cfg: RopeConfig, head_dim: int, device: torch.device | None = None) -> None:
         super().__init__()
         self.cfg = cfg
-        self.head_dim = head_dim
-        inv_freq, self.attention_scaling = _INV_FREQ[cfg.rope_type](cfg, head_dim)
+        self.rotary_dim = int(head_dim * cfg.partial_rotary_factor)
+        """The leading dimensions of a head that rotate: head_dim unless partial."""
+        if self.rotary_dim % 2:
+            raise ValueError(
+                f"partial_rotary_factor leaves {self.rotary_dim} rotary dims, an odd number"
+            )
+        inv_freq, self.attention_scaling = _INV_FREQ[cfg.rope_type](cfg, self.rotary_dim)
         self.inv_freq: Tensor
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
         long_inv_freq = None
         if cfg.rope_type == "longrope":
-            long_inv_freq = longrope_inv_freq(cfg, head_dim, "long_factor").to(device)
+            long_inv_freq = longrope_inv_freq(cfg, self.rotary_dim, "long_factor").to(device)
         self.long_inv_freq: Tensor | None
         """LongRoPE's frequencies for sequences past the original context; None otherwise."""
         self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)
@@ -212,14 +222,14 @@ class RotaryEmbedding(nn.Module):
     def cos_sin(
         self, positions: Tensor, dtype: torch.dtype, seq_lens: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
-        """cos and sin [T, head_dim] for token positions [T].
+        """cos and sin [T, rotary_dim] for token positions [T].
 
         `seq_lens` [T] is the total length of each token's sequence; dynamic NTK needs
         it and uses the base a sequence of that length would use; LongRoPE uses its long
         factors for a sequence longer than the original context, as transformers does
         for the whole forward call (its max position + 1).
         """
-        inv_freq = self.inv_freq[None, :]  # [1, head_dim/2]
+        inv_freq = self.inv_freq[None, :]  # [1, rotary_dim/2]
         if self.needs_seq_lens:
             if seq_lens is None:
                 raise ValueError(f"{self.cfg.rope_type} RoPE needs each token's sequence length")
@@ -227,26 +237,26 @@ class RotaryEmbedding(nn.Module):
             if self.long_inv_freq is not None:
                 inv_freq = self._longrope_inv_freq(seq_lens, self.long_inv_freq)
             else:
-                inv_freq = self._dynamic_inv_freq(seq_lens)  # [T, head_dim/2]
-        freqs = positions.float()[:, None] * inv_freq  # [T, head_dim/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
+                inv_freq = self._dynamic_inv_freq(seq_lens)  # [T, rotary_dim/2]
+        freqs = positions.float()[:, None] * inv_freq  # [T, rotary_dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, rotary_dim]
         cos = emb.cos() * self.attention_scaling
         sin = emb.sin() * self.attention_scaling
         return cos.to(dtype), sin.to(dtype)
 
     def _longrope_inv_freq(self, seq_lens: Tensor, long_inv_freq: Tensor) -> Tensor:
         longer = seq_lens > self.cfg.params["original_max_position_embeddings"]  # [T]
-        return torch.where(longer[:, None], long_inv_freq, self.inv_freq)  # [T, head_dim/2]
+        return torch.where(longer[:, None], long_inv_freq, self.inv_freq)  # [T, rotary_dim/2]
 
     def _dynamic_inv_freq(self, seq_lens: Tensor) -> Tensor:
-        dim, factor = self.head_dim, self.cfg.params["factor"]
+        dim, factor = self.rotary_dim, self.cfg.params["factor"]
         max_positions = self.cfg.max_position_embeddings
         # Sequences within the trained context keep the original base.
         lengths = torch.clamp(seq_lens, min=max_positions)
         base = self.cfg.theta * ((factor * lengths / max_positions) - (factor - 1)) ** (
             dim / (dim - 2)
         )
-        return _base_inv_freq(base[:, None], dim)  # [T, head_dim/2]
+        return _base_inv_freq(base[:, None], dim)  # [T, rotary_dim/2]
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -256,7 +266,12 @@ def rotate_half(x: Tensor) -> Tensor:
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate heads x [T, H, head_dim] by per-token cos/sin [T, head_dim]."""
+    """Rotate heads x [T, H, head_dim] by per-token cos/sin [T, rotary_dim]; dimensions
+    past rotary_dim pass through."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        rotated = apply_rotary(x[..., :rotary_dim], cos, sin)
+        return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
     cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, head_dim]
     return x * cos + rotate_half(x) * sin
 
@@ -273,5 +288,9 @@ def apply_rotary_signed(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
     rotate_half(x) * sin == x.roll(half) * sin_signed: one roll instead of chunk, neg and
     cat, in every layer of every step; the sign flip is paid once per step.
     """
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        rotated = apply_rotary_signed(x[..., :rotary_dim], cos, sin_signed)
+        return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
     half = x.shape[-1] // 2
     return x * cos[:, None, :] + x.roll(half, -1) * sin_signed[:, None, :]

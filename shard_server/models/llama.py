@@ -117,6 +117,8 @@ class LlamaAttention(nn.Module):
         """Rotated queries [T, H_q, D] from the first fused kernel that runs here (C on the
         CPU, its int8 / fp8 cache variant, Triton on the GPU), keys and values stored; None
         where none does (the caller then runs `_rotary_and_store`)."""
+        if ctx.cos.shape[-1] != self.head_dim:
+            return None  # the kernels rotate whole heads; a partial rotary runs the reference
         slots = ctx.metadata.slot_mapping
         # The plain CPU and GPU kernels share one signature: one argument list for both.
         heads = (self.num_heads, self.num_kv_heads)

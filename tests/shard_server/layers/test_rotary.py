@@ -7,6 +7,7 @@ import torch
 from transformers import LlamaConfig, Phi3Config
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as phi3_apply_rotary
 
 from textgate.shard_server.layers.rotary import (
     RopeConfig,
@@ -67,8 +68,8 @@ def test_dynamic_rescales_each_sequence_by_its_own_length():
         ours.cos_sin(positions, torch.float32)
 
 
-def _phi3_longrope(**rope: object) -> Phi3Config:
-    half = HEAD_DIM // 2
+def _phi3_longrope(partial: float = 1.0, **rope: object) -> Phi3Config:
+    half = int(HEAD_DIM * partial) // 2
     return Phi3Config(
         hidden_size=64,
         num_attention_heads=4,
@@ -79,12 +80,15 @@ def _phi3_longrope(**rope: object) -> Phi3Config:
             "rope_theta": 1000.0,
             "short_factor": [1.0 + 0.2 * i for i in range(half)],
             "long_factor": [1.0 + 2.0 * i for i in range(half)],
+            "partial_rotary_factor": partial,
             **rope,
         },
     )
 
 
-@pytest.mark.parametrize("rope", [{}, {"factor": 2.0}, {"attention_factor": 0.9}])
+@pytest.mark.parametrize(
+    "rope", [{}, {"factor": 2.0}, {"attention_factor": 0.9}, {"partial": 0.75}]
+)
 @pytest.mark.parametrize("length", [20, 32, 33, 50])
 def test_longrope_matches_transformers_on_either_side_of_the_original_context(rope, length):
     hf_config = _phi3_longrope(**rope)
@@ -95,6 +99,21 @@ def test_longrope_matches_transformers_on_either_side_of_the_original_context(ro
     cos, sin = ours.cos_sin(positions, torch.float32, torch.full((length,), length))
     torch.testing.assert_close(cos, cos_ref[0], atol=1e-6, rtol=0)
     torch.testing.assert_close(sin, sin_ref[0], atol=1e-6, rtol=0)
+
+
+def test_partial_rotary_rotates_the_leading_dims_as_phi3_does():
+    torch.manual_seed(0)
+    q, k = torch.randn(7, 4, HEAD_DIM), torch.randn(7, 2, HEAD_DIM)
+    ours = RotaryEmbedding(RopeConfig(theta=500.0, partial_rotary_factor=0.5), HEAD_DIM)
+    cos, sin = ours.cos_sin(torch.arange(7), torch.float32)
+    assert cos.shape == (7, HEAD_DIM // 2)
+    q_ref, k_ref = phi3_apply_rotary(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None], sin[None]
+    )
+    torch.testing.assert_close(apply_rotary(q, cos, sin), q_ref[0].transpose(0, 1))
+    torch.testing.assert_close(
+        apply_rotary_signed(k, cos, signed_sin(sin)), k_ref[0].transpose(0, 1)
+    )
 
 
 def test_longrope_picks_factors_per_sequence():
@@ -174,7 +193,7 @@ def test_defaults_without_rope_settings():
     ("config", "match"),
     [
         ({"rope_scaling": {"rope_type": "proportional", "factor": 2.0}}, "not supported"),
-        ({"rope_parameters": {"rope_type": "default"}, "partial_rotary_factor": 0.5}, "partial"),
+        ({"rope_parameters": {"rope_type": "default"}, "partial_rotary_factor": 1.5}, "partial"),
         ({"rope_parameters": {"full_attention": {"rope_type": "default"}}}, "per-layer"),
     ],
 )

@@ -69,10 +69,11 @@ FAMILY = {
 }
 
 
-def longrope(original: int, head_dim: int = 12) -> dict[str, Any]:
+def longrope(original: int, head_dim: int = 12, rotary_dim: int = 12) -> dict[str, Any]:
     """Phi-3 overrides for LongRoPE over a pretrained context of `original` positions:
-    distinct short and long factors (head_dim / 2 each), so which one runs shows."""
-    half = head_dim // 2
+    distinct short and long factors (rotary_dim / 2 each), so which one runs shows; the
+    leading `rotary_dim` of each head's `head_dim` dimensions rotate."""
+    half = rotary_dim // 2
     return {
         "original_max_position_embeddings": original,
         "rope_parameters": {
@@ -80,6 +81,7 @@ def longrope(original: int, head_dim: int = 12) -> dict[str, Any]:
             "rope_theta": 10000.0,
             "short_factor": [1.0 + 0.1 * i for i in range(half)],
             "long_factor": [1.0 + 3.0 * i for i in range(half)],
+            "partial_rotary_factor": rotary_dim / head_dim,
         },
     }
 

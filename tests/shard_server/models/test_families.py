@@ -32,6 +32,8 @@ FAMILIES = [
     ("phi3", {"sliding_window": 5, "num_key_value_heads": 1}),
     # A 13-token prompt past an original context of 8: the long factors run.
     ("phi3", longrope(8)),
+    # Phi-4-mini's shape: tied embeddings, only the leading half of each head rotates.
+    ("phi3", {"tie_word_embeddings": True, **longrope(8, rotary_dim=6)}),
 ]
 IDS = [f"{kind}-{i}" for i, (kind, _) in enumerate(FAMILIES)]
 
