@@ -21,7 +21,8 @@ def _add_quantize(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
     parser = subparsers.add_parser(
         "quantize",
         help="write a GPTQ or AWQ checkpoint (RTN, GPTQ, AWQ on CPU)",
-        description="Quantize a floating-point Llama-family checkpoint on CPU. rtn and gptq "
+        description="Quantize a floating-point Llama-family checkpoint (dense or "
+        "mixture-of-experts) on CPU. rtn and gptq "
         "write GPTQ's layout (quantize_config.json, quant_method gptq); awq writes AutoAWQ's "
         "GEMM layout (quant_method awq, version gemm).",
     )
@@ -48,6 +49,12 @@ def _add_quantize(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
     )
     parser.add_argument("--num-samples", type=int, default=64, help="calibration windows")
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per calibration window")
+    parser.add_argument(
+        "--min-expert-tokens",
+        type=int,
+        default=32,
+        help="gptq, MoE: an expert routed fewer calibration tokens falls back (docs/quantization.md)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no per-layer progress bar")
     parser.add_argument("model", nargs="?", default=None, help="model folder, or `default`")
     parser.add_argument("out", type=Path, help="output folder (must not exist, or be empty)")
@@ -67,6 +74,7 @@ def _run_quantize(args: argparse.Namespace) -> int:
         num_samples=args.num_samples,
         seq_len=args.seq_len,
         clip=args.clip,
+        min_expert_tokens=args.min_expert_tokens,
     )
     model_dir = resolve_model(None if args.model in (None, "default") else args.model)
     report = quantize_model(model_dir, args.out, options, progress=not args.no_progress)

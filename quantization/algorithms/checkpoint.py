@@ -93,7 +93,12 @@ def checkpoint_tensors(
     model: nn.Module, quantized: Mapping[str, UnpackedWeight], options: QuantizeOptions
 ) -> dict[str, Tensor]:
     """Every tensor of the quantized checkpoint by name."""
-    state = model.state_dict()
+    from transformers.core_model_loading import revert_weight_conversion
+
+    # The names save_pretrained writes, which `quantized` uses and loaders read: transformers
+    # 5 renames and fuses some tensors in memory (a MoE block's experts into 3D tensors),
+    # and this is the inverse it saves through.
+    state = revert_weight_conversion(model, model.state_dict())
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)  # tied: the embedding is the head
     tensors: dict[str, Tensor] = {}

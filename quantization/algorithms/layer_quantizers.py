@@ -1,14 +1,16 @@
 """Each `textgate quantize` method's per-layer step (RTN, GPTQ, AWQ), registered by name.
 
 A step sees one decoder layer and the calibration hidden states entering it, and returns
-the layer's quantized linear weights and the hidden states for the next layer;
+the layer's quantized linear weights (by checkpoint name under the layer; a
+mixture-of-experts block's experts one linear each, see `experts.py`) and the hidden
+states for the next layer;
 `quantize.quantize_model` runs the chosen step over every decoder layer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,6 +19,12 @@ from torch import Tensor, nn
 
 from textgate.kernels.packing import UnpackedWeight, dequantize
 from textgate.quantization.algorithms.awq_search import apply_clip, search_clip, search_scales
+from textgate.quantization.algorithms.experts import (
+    CHECKPOINT_NAMES,
+    ExpertInputs,
+    layer_experts,
+    quantize_experts,
+)
 from textgate.quantization.algorithms.gptq_solver import (
     HessianAccumulator,
     gptq_quantize,
@@ -25,6 +33,7 @@ from textgate.quantization.algorithms.gptq_solver import (
 from textgate.quantization.algorithms.layers import (
     LINEAR_NAMES,
     CalibrationBatch,
+    input_groups,
     linear,
     observe_inputs,
 )
@@ -78,16 +87,16 @@ def _rtn_layer(
     options: QuantizeOptions,
     config: Mapping[str, Any],
 ) -> tuple[dict[str, UnpackedWeight], Tensor | None]:
-    return {n: rtn_quantize(linear(layer, n).weight, options.spec) for n in LINEAR_NAMES}, None
+    names = [name for group in input_groups(layer) for name in group]
+    quantized = {n: rtn_quantize(linear(layer, n).weight, options.spec) for n in names}
+    experts = layer_experts(layer)
+    if experts is not None:
 
+        def rtn(weight: Tensor, hessian: Tensor | None) -> UnpackedWeight:
+            return rtn_quantize(weight, options.spec)
 
-# Linears that read the same input, quantized together on that input's Hessian.
-_INPUT_GROUPS = (
-    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    ("self_attn.o_proj",),
-    ("mlp.gate_proj", "mlp.up_proj"),
-    ("mlp.down_proj",),
-)
+        quantized |= quantize_experts(experts, CHECKPOINT_NAMES[config["model_type"]], rtn, None)
+    return quantized, None
 
 
 @register("gptq")
@@ -97,27 +106,39 @@ def _gptq_layer(
     options: QuantizeOptions,
     config: Mapping[str, Any],
 ) -> tuple[dict[str, UnpackedWeight], Tensor | None]:
-    """Hessians from the float layer, GPTQ per input group, then the quantized layer's outputs."""
+    """Hessians from the float layer, GPTQ per input group and per expert (on the tokens
+    routed to it), then the quantized layer's outputs."""
     assert batch is not None
-    observed = [group[0] for group in _INPUT_GROUPS]
+    groups = input_groups(layer)
+    observed = [group[0] for group in groups]
     hessians = {n: HessianAccumulator(linear(layer, n).in_features) for n in observed}
-    with observe_inputs(layer, observed, lambda name, x: hessians[name].add(x)):
+    experts = layer_experts(layer)
+    routed = None if experts is None else ExpertInputs(experts, options.min_expert_tokens)
+    with (
+        observe_inputs(layer, observed, lambda name, x: hessians[name].add(x)),
+        routed.observing() if routed is not None else nullcontext(),
+    ):
         batch.run(layer)
-    quantized = {}
-    for group in _INPUT_GROUPS:
-        modules = [linear(layer, name) for name in group]
+
+    def solve(weight: Tensor, hessian: Tensor | None) -> UnpackedWeight:
+        assert hessian is not None
         with _one_thread():
-            stacked = gptq_quantize(
-                torch.cat([m.weight for m in modules]),  # [Σ out, in]
-                hessians[group[0]].result(),
-                options.spec,
-                desc_act=options.desc_act,
-                percdamp=options.percdamp,
+            return gptq_quantize(
+                weight, hessian, options.spec, desc_act=options.desc_act, percdamp=options.percdamp
             )
-        parts = split_rows(stacked, [m.out_features for m in modules])
+
+    quantized = {}
+    for group in groups:
+        modules = [linear(layer, name) for name in group]
+        stacked = solve(torch.cat([m.weight for m in modules]), hessians[group[0]].result())
+        parts = split_rows(stacked, [m.out_features for m in modules])  # [Σ out, in] cut back
         for name, part in zip(group, parts, strict=True):
             quantized[name] = part
             _set_weight(layer, name, part)
+    if experts is not None and routed is not None:
+        routed.log_fallbacks(f"layer {getattr(layer.self_attn, 'layer_idx', '?')}")
+        names = CHECKPOINT_NAMES[config["model_type"]]
+        quantized |= quantize_experts(experts, names, solve, routed)
     # The next layer calibrates on what this quantized layer really outputs.
     return quantized, batch.run(layer)
 

@@ -1,4 +1,4 @@
-"""A Llama-family decoder layer (transformers' modules) as the quantizers see it.
+"""A Llama-family decoder layer (transformers' modules, dense or MoE) as the quantizers see it.
 
 The quantizers run the model one decoder layer at a time over the calibration batch: the
 layer's inputs are kept as hidden states [samples, seq_len, hidden], its linear layers'
@@ -15,16 +15,31 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-#: The linear layers of a decoder layer, by their name under the layer.
-LINEAR_NAMES = (
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
+# Linears that read the same input, by their name under the decoder layer: GPTQ quantizes
+# each group together on that input's Hessian.
+ATTENTION_GROUPS = (
+    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    ("self_attn.o_proj",),
 )
+MLP_GROUPS = (("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
+#: Qwen2-MoE's shared expert, which every token runs (its sigmoid gate stays float).
+SHARED_EXPERT_GROUPS = (
+    ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
+    ("mlp.shared_expert.down_proj",),
+)
+
+#: The linear layers of a dense decoder layer, by their name under the layer.
+LINEAR_NAMES = tuple(name for group in (*ATTENTION_GROUPS, *MLP_GROUPS) for name in group)
+
+
+def input_groups(layer: nn.Module) -> tuple[tuple[str, ...], ...]:
+    """The layer's `nn.Linear`s in input-sharing groups: attention, then the dense MLP or,
+    in a mixture-of-experts block, the shared expert if any (the experts are fused
+    tensors, see `experts.py`; the router is not quantized)."""
+    mlp = layer.get_submodule("mlp")
+    if not hasattr(mlp, "experts"):
+        return (*ATTENTION_GROUPS, *MLP_GROUPS)
+    return (*ATTENTION_GROUPS, *(SHARED_EXPERT_GROUPS if hasattr(mlp, "shared_expert") else ()))
 
 
 def linear(layer: nn.Module, name: str) -> nn.Linear:

@@ -1,7 +1,8 @@
 """`textgate quantize`: a floating-point checkpoint in, a GPTQ or AWQ checkpoint out.
 
 The model is loaded with transformers (float32, CPU) and quantized one decoder layer at a
-time. Each method is a `LayerQuantizer` registered by name (`layer_quantizers.py`): it
+time; a mixture-of-experts layer's experts each on the tokens routed to it (`experts.py`).
+Each method is a `LayerQuantizer` registered by name (`layer_quantizers.py`): it
 sees the layer and the calibration hidden states entering it, returns the layer's
 quantized linear weights and the hidden states for the next layer.
 """
@@ -24,11 +25,13 @@ from textgate.quantization.algorithms.calibration import (
     read_text,
 )
 from textgate.quantization.algorithms.checkpoint import write_checkpoint
+from textgate.quantization.algorithms.experts import CHECKPOINT_NAMES, layer_experts
 from textgate.quantization.algorithms.layer_quantizers import LAYER_QUANTIZERS
 from textgate.quantization.algorithms.layers import (
     LINEAR_NAMES,
     CalibrationBatch,
     embed_calibration,
+    input_groups,
     linear,
 )
 from textgate.quantization.algorithms.rtn import QuantSpec
@@ -56,6 +59,9 @@ class QuantizeOptions:
     search_tokens: int = 2048
     #: Samples per forward call of a decoder layer (bounds activation memory).
     chunk_size: int = 16
+    #: GPTQ: an expert routed fewer calibration tokens is not calibrated on them alone
+    #: (`ExpertInputs.hessians`).
+    min_expert_tokens: int = 32
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -68,8 +74,8 @@ class QuantizeOptions:
             raise ValueError("AWQ's GEMM layout needs a positive --group-size (64 or 128)")
         if not 0 < self.percdamp < 1:
             raise ValueError(f"percdamp must be in (0, 1), got {self.percdamp}")
-        if self.search_tokens < 1 or self.chunk_size < 1:
-            raise ValueError("search_tokens and chunk_size must be positive")
+        if self.search_tokens < 1 or self.chunk_size < 1 or self.min_expert_tokens < 1:
+            raise ValueError("search_tokens, chunk_size and min_expert_tokens must be positive")
 
     @property
     def needs_calibration(self) -> bool:
@@ -94,7 +100,7 @@ def quantize_model(
     *,
     progress: bool = True,
 ) -> QuantizeReport:
-    """Quantize the Llama-family checkpoint in `model_dir` into `output_dir`."""
+    """Quantize the Llama-family checkpoint (dense or MoE) in `model_dir` into `output_dir`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     started = time.perf_counter()
@@ -104,7 +110,7 @@ def quantize_model(
     model.requires_grad_(False)
     layers = _decoder_layers(model)
     if options.method == "awq":
-        _check_awq_groups(layers[0], options.spec)
+        _check_awq_layers(layers, options.spec)
     batch: CalibrationBatch | None = None
     with torch.inference_mode():
         if options.needs_calibration:
@@ -140,12 +146,33 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
     if getattr(model.config, "quantization_config", None):
         raise ValueError("the model is already quantized; pass a floating-point checkpoint")
     layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None or not all(_has_linears(layer) for layer in layers):
+    model_type = str(model.config.model_type)
+    if layers is None or not all(_is_supported(layer, model_type) for layer in layers):
         raise ValueError(
-            f"model type {model.config.model_type!r} is not a Llama-family decoder "
-            "(q/k/v/o_proj and gate/up/down_proj); textgate quantize supports llama, mistral, qwen2, qwen3"
+            f"model type {model_type!r} is not a Llama-family decoder (q/k/v/o_proj and "
+            "gate/up/down_proj, or experts); textgate quantize supports llama, mistral, "
+            f"qwen2, qwen3 and the mixture-of-experts {', '.join(CHECKPOINT_NAMES)}"
         )
     return list(layers)
+
+
+def _is_supported(layer: nn.Module, model_type: str) -> bool:
+    try:
+        linears = [layer.get_submodule(n) for group in input_groups(layer) for n in group]
+    except AttributeError:
+        return False
+    if not all(isinstance(module, nn.Linear) for module in linears):
+        return False
+    if not hasattr(layer.get_submodule("mlp"), "experts"):
+        return True
+    # A known family whose experts are not in the fused layout is refused with the reason.
+    return model_type in CHECKPOINT_NAMES and layer_experts(layer) is not None
+
+
+def _check_awq_layers(layers: list[nn.Module], spec: QuantSpec) -> None:
+    if any(layer_experts(layer) is not None for layer in layers):
+        raise ValueError("AWQ of mixture-of-experts models is not supported: use --method gptq")
+    _check_awq_groups(layers[0], spec)
 
 
 def _check_awq_groups(layer: nn.Module, spec: QuantSpec) -> None:
@@ -164,13 +191,6 @@ def _check_awq_groups(layer: nn.Module, spec: QuantSpec) -> None:
                 f"{spec.group_size}: AutoAWQ's GEMM layout needs whole groups "
                 f"(use {hint}--method gptq, whose layout allows a short last group)"
             )
-
-
-def _has_linears(layer: nn.Module) -> bool:
-    try:
-        return all(isinstance(layer.get_submodule(n), nn.Linear) for n in LINEAR_NAMES)
-    except AttributeError:
-        return False
 
 
 def _progress(layers: list[nn.Module], method: str, enabled: bool) -> Any:

@@ -4,11 +4,13 @@ standard layout that the shard's loaders read back and generate from."""
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from textgate.cli import build_parser, main
@@ -51,8 +53,9 @@ def checkpoints(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[st
     return {name: root / name for name in METHODS}
 
 
-def dequantized_reference(checkpoint: Path, tiny: Path) -> torch.nn.Module:
-    """The tiny model in transformers with the checkpoint's weights dequantized to floats."""
+def dequantized_state(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors by name in float32, each quantized linear as its dequantized
+    `<prefix>.weight`."""
     config = json.loads((checkpoint / "config.json").read_text())["quantization_config"]
     tensors = load_file(checkpoint / "model.safetensors")
     state = {}
@@ -72,9 +75,18 @@ def dequantized_reference(checkpoint: Path, tiny: Path) -> torch.nn.Module:
             )
         elif suffix not in ("qzeros", "scales", "g_idx"):
             state[name] = tensor.float()
-    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
-    model.load_state_dict(state, strict=False)
-    return model
+    return state
+
+
+def dequantized_reference(checkpoint: Path, tiny: Path) -> torch.nn.Module:
+    """The tiny model in transformers with the checkpoint's weights dequantized to floats.
+
+    They are saved under the checkpoint's own names beside the float config and loaded as
+    a checkpoint, so transformers maps them as it maps any (a MoE's experts fused)."""
+    with tempfile.TemporaryDirectory() as folder:
+        shutil.copy(tiny / "config.json", folder)
+        save_file(dequantized_state(checkpoint), Path(folder) / "model.safetensors")
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
 def greedy_native(model: torch.nn.Module, prompt: list[int], steps: int) -> list[int]:
