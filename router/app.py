@@ -42,6 +42,7 @@ from textgate.router.http.sagemaker import sagemaker_route
 from textgate.router.http.state import Engine, RouterState
 from textgate.router.http.typed_errors import TYPED_ERRORS
 from textgate.router.metrics import Metrics
+from textgate.router.openai.lora_routes import lora_routes
 from textgate.router.openai.routes import openai_routes
 from textgate.router.openai.tokenize import VLLM_TOKENIZE, is_vllm_tokenize
 from textgate.router.openapi import DOCS_ASSETS_PATH, DOCS_PATH, SPEC_PATH, docs_routes
@@ -74,15 +75,12 @@ def build_app(
     `shard_info` (rank 0's Info) and `autoconfig` (the startup report) fill /info. The app
     closes the engine on shutdown.
     """
-    validator = Validator(
-        config,
-        tokenizer,
-        adapters=list(shard_info.lora_adapters) if shard_info is not None else (),
-    )
+    validator = Validator(config, tokenizer, adapters=engine.adapters)
     state = RouterState(
         config, shards, tokenizer, validator, engine, shard_info, metrics, autoconfig
     )
-    routes = [*tgi_routes(state), *openai_routes(state), *anthropic_routes(state)]
+    routes = [*tgi_routes(state), *openai_routes(state), *lora_routes(state)]
+    routes += anthropic_routes(state)
     # TGI's and vLLM's POST /tokenize share the path: the body's shape picks the API.
     routes = merge_by_body(
         routes, "/tokenize", VLLM_TOKENIZE, is_vllm_tokenize, config.payload_limit

@@ -15,7 +15,7 @@ token-count histograms use 100 even steps up to the configured token limits.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -140,6 +140,16 @@ class Metrics:
         _note(cancelled=reason)
         self._request_cancelled.labels(reason=reason).inc()
 
+    def adapter_request(self, adapter: str) -> None:
+        """A request that runs on LoRA adapter `adapter` was admitted."""
+        _note(adapter=adapter)
+        self._adapter_requests.labels(adapter=adapter).inc()
+
+    def adapter_tokens(self, tokens: Mapping[str, int]) -> None:
+        """Tokens one step generated per LoRA adapter."""
+        for adapter, count in tokens.items():
+            self._adapter_tokens.labels(adapter=adapter).inc(count)
+
     @contextlib.contextmanager
     def count_failures(self) -> Iterator[None]:
         """Count an exception carrying an `error_type` (ValidationError, ...) as a failure."""
@@ -219,6 +229,18 @@ class Metrics:
             "textgate_request_cancelled",
             "Requests stopped before their end, per reason (client gone, stream overflow)",
             ["reason"],
+            registry=r,
+        )
+        self._adapter_requests = Counter(
+            "textgate_request_adapter_count",
+            "Requests admitted per LoRA adapter (the base model's are not counted)",
+            ["adapter"],
+            registry=r,
+        )
+        self._adapter_tokens = Counter(
+            "textgate_request_adapter_generated_tokens",
+            "Tokens generated per LoRA adapter",
+            ["adapter"],
             registry=r,
         )
         self._request_duration = _seconds("tgi_request_duration", "End-to-end request time", r)

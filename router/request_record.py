@@ -25,6 +25,8 @@ class RequestRecord:
     inference_s: float | None = None
     error_type: str | None = None
     cancelled: str | None = None
+    adapter: str | None = None
+    """The LoRA adapter it ran with; None: the base model."""
 
     def fields(self) -> dict[str, Any]:
         """The facts known, without the unset ones."""

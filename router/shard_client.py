@@ -28,7 +28,17 @@ _CHANNEL_OPTIONS = [
 
 
 class ShardError(Exception):
-    """A shard call failed; the message is the shard's (or the transport's)."""
+    """A shard call failed; the message is the shard's (or the transport's).
+
+    `code` is the call's gRPC status (None: the shard was not reached); `details`, the
+    shard's own words."""
+
+    def __init__(
+        self, message: str, code: grpc.StatusCode | None = None, details: str = ""
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.details = details or message
 
 
 def shard_url(uds_path: str, rank: int) -> str:
@@ -76,11 +86,20 @@ class ShardClient:
         request = pb.StepRequest(requests=list(requests), plan=plan)
         return await self._call(self._stub.Step, request)
 
+    async def load_adapter(self, adapter_id: str, path: str) -> pb.LoadAdapterResponse:
+        """Load the PEFT folder `path` as LoRA adapter `adapter_id` (between two steps)."""
+        request = pb.LoadAdapterRequest(adapter_id=adapter_id, path=path)
+        return await self._call(self._stub.LoadAdapter, request)
+
+    async def unload_adapter(self, adapter_id: str) -> None:
+        await self._call(self._stub.UnloadAdapter, pb.UnloadAdapterRequest(adapter_id=adapter_id))
+
     async def _call(self, method: Any, request: Any, timeout_s: float | None = None) -> Any:
         try:
             return await method(request, timeout=timeout_s, metadata=grpc_metadata())
         except grpc.aio.AioRpcError as exc:
-            raise ShardError(f"Server error: {exc.details() or exc.code().name}") from exc
+            details = exc.details() or exc.code().name
+            raise ShardError(f"Server error: {details}", exc.code(), details) from exc
 
 
 class ShardedClient:
@@ -127,6 +146,12 @@ class ShardedClient:
 
     async def step(self, requests: Sequence[pb.Request], plan: pb.StepPlan) -> pb.StepResponse:
         return await self._all(lambda c: c.step(requests, plan))
+
+    async def load_adapter(self, adapter_id: str, path: str) -> pb.LoadAdapterResponse:
+        return await self._all(lambda c: c.load_adapter(adapter_id, path))
+
+    async def unload_adapter(self, adapter_id: str) -> None:
+        await self._all(lambda c: c.unload_adapter(adapter_id))
 
     async def _all(self, call: Callable[[ShardClient], Awaitable[T]]) -> T:
         results = await asyncio.gather(*(call(c) for c in self.clients))

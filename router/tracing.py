@@ -138,7 +138,7 @@ class RequestTrace:
         assert _tracer is not None
         span = self.span
         span.set_attribute("http.response.status_code", status)
-        for key in ("input_tokens", "max_new_tokens", "generated_tokens", "cancelled"):
+        for key in ("input_tokens", "max_new_tokens", "generated_tokens", "cancelled", "adapter"):
             if key in record:
                 span.set_attribute(f"textgate.{key}", record[key])
         error_type = record.get("error_type")

@@ -57,6 +57,8 @@ class Routed:
     """Requests that had their final event."""
     failed: list[Entry] = field(default_factory=list)
     """Requests the answer failed: refused by the shard, or lost (neither answered nor kept)."""
+    adapter_tokens: dict[str, int] = field(default_factory=dict)
+    """Tokens generated this step per LoRA adapter (requests on the base are not counted)."""
 
 
 class Admitted:
@@ -145,6 +147,10 @@ class Admitted:
             event = StepEvent.from_pb(generation, entry.request.skip_special_tokens)
             entry.channel.push(event)
             routed.sampled[entry.id] = list(generation.tokens.ids)
+            adapter = entry.request.adapter_id
+            if adapter:
+                tokens = routed.adapter_tokens
+                tokens[adapter] = tokens.get(adapter, 0) + len(generation.tokens.ids)
             if event.finished is not None:
                 if entry.trace is not None:
                     entry.trace.finished(entry.channel, entry.input_length, event.finished)

@@ -14,6 +14,7 @@ from textgate.proto import generate_pb2 as pb
 from textgate.router.config import RouterConfig
 from textgate.router.engine.batch_controller import BatchController, StartupSteps
 from textgate.router.engine.channel import Channel
+from textgate.router.engine.lora_registry import LoraRegistry
 from textgate.router.engine.paged_engine import PagedEngine
 from textgate.router.engine.request import ValidRequest
 from textgate.router.engine.scheduler import Scheduler, SchedulerConfig
@@ -29,9 +30,13 @@ class Engine(Protocol):
 
     shard_calls: ShardCalls
     """Its calls to the shards (their deadline is `shard_calls.timeout_s`)."""
+    adapters: LoraRegistry
+    """The LoRA adapters the shards hold (requests are checked and salted by it)."""
 
     @property
     def num_active(self) -> int: ...
+
+    def num_active_on(self, adapter_id: str) -> int: ...
 
     def submit(self, requests: Sequence[ValidRequest]) -> list[Channel]: ...
 
@@ -66,7 +71,10 @@ def make_engine(
     controller = BatchController(paged.controller_config(), startup=startup_steps(warmup))
     scheduler = Scheduler(paged, controller)
     log.info("Batch controller: %s", describe_controller(paged, controller.target_itl_s))
-    return PagedEngine(shards, scheduler, config.max_concurrent_requests, metrics=metrics)
+    adapters = LoraRegistry(info.lora_adapters)
+    return PagedEngine(
+        shards, scheduler, config.max_concurrent_requests, metrics=metrics, adapters=adapters
+    )
 
 
 def scheduler_config(config: RouterConfig, block_size: int, num_blocks: int) -> SchedulerConfig:

@@ -23,6 +23,7 @@ from textgate.router.engine.admission import Admitted, Entry
 from textgate.router.engine.batch_controller import ControllerState
 from textgate.router.engine.busy_meter import BusyMeter
 from textgate.router.engine.channel import Channel
+from textgate.router.engine.lora_registry import LoraRegistry
 from textgate.router.engine.request import ValidRequest
 from textgate.router.engine.scheduler import ModelStepResult, Scheduler, SchedulerOutput
 from textgate.router.engine.shard_calls import ShardCalls, StepFailed
@@ -47,10 +48,13 @@ class PagedEngine:
         max_concurrent_requests: int,
         *,
         metrics: Metrics | None = None,
+        adapters: LoraRegistry | None = None,
     ) -> None:
         """`metrics` gets the step metrics and watches the KV cache and the batch controller
-        (a private one by default)."""
+        (a private one by default); `adapters` are the LoRA adapters the shards hold."""
         self.scheduler = scheduler
+        self.adapters = adapters if adapters is not None else LoraRegistry()
+        """What requests may name as `adapter_id`, and their prefix-cache salts."""
         self._metrics = metrics or Metrics()
         self._admitted = Admitted(max_concurrent_requests)
         self.shard_calls = ShardCalls(shards, self._metrics)
@@ -75,14 +79,23 @@ class PagedEngine:
         for entry in entries:
             request = entry.request
             try:
+                # Unloaded since it was validated: refused as an unknown adapter.
+                salt = self.adapters.cache_salt(request.adapter_id)
                 self.scheduler.add_request(
-                    entry.id, request.input_ids, request.max_new_tokens, request.adapter_id or ""
+                    entry.id, request.input_ids, request.max_new_tokens, salt
                 )
             except ValueError as exc:
                 self._admitted.fail([entry], str(exc), "validation")
+                continue
+            if request.adapter_id:
+                self._metrics.adapter_request(request.adapter_id)
         self._metrics.queue_size(self.scheduler.num_waiting)
         self._task.wake()
         return [entry.channel for entry in entries]
+
+    def num_active_on(self, adapter_id: str) -> int:
+        """Admitted requests running (or waiting to run) on LoRA adapter `adapter_id`."""
+        return sum(1 for entry in self._admitted if entry.request.adapter_id == adapter_id)
 
     async def close(self) -> None:
         """Stop stepping; whatever is still admitted gets a final error event."""
@@ -116,6 +129,7 @@ class PagedEngine:
         answered = time.monotonic()
         routed = self._admitted.route(response.generations, expected_ids=producing)
         self._forget(routed.failed)
+        self._metrics.adapter_tokens(routed.adapter_tokens)
         ended = time.monotonic()
         self._metrics.batch_filtered(method, ended - answered)
         self._busy.record(call_started, ended)

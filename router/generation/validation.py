@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 from textgate.router.config import RouterConfig
+from textgate.router.engine.lora_registry import LoraRegistry
 from textgate.router.engine.request import ValidRequest
 from textgate.router.generation.parameters import (
     MAX_CHARS_PER_TOKEN,
@@ -61,11 +62,10 @@ class Validator:
         config: RouterConfig,
         tokenizer: Tokenizer,
         *,
-        adapters: Sequence[str] = (),
+        adapters: LoraRegistry | None = None,
     ) -> None:
         self._config = config
-        self.adapters = tuple(adapters)
-        """The LoRA adapters the shards loaded (`adapter_id` must name one)."""
+        self._adapters = adapters if adapters is not None else LoraRegistry()
         self._tokenizer = tokenizer
         # transformers' tokenizers know their size; logit_bias ids are checked against it.
         self._vocab_size: int | None = len(tokenizer) if isinstance(tokenizer, Sized) else None
@@ -120,13 +120,15 @@ class Validator:
             skip_special_tokens=params.skip_special_tokens,
         )
 
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        """The LoRA adapters the shards hold now (`adapter_id` must name one)."""
+        return self._adapters.names
+
     def _check_adapter(self, adapter_id: str | None) -> str | None:
-        if adapter_id is None or adapter_id in self.adapters:
+        if adapter_id is None or adapter_id in self._adapters:
             return adapter_id
-        loaded = ", ".join(self.adapters) or "none (--lora-adapters)"
-        raise ValidationError(
-            f"`adapter_id` {adapter_id!r} is not a loaded adapter; loaded: {loaded}"
-        )
+        raise ValidationError(self._adapters.not_loaded(adapter_id))
 
     async def tokenize(self, request: GenerateRequest) -> list[SimpleToken]:
         """The prompt's tokens with their character spans (TGI's /tokenize).

@@ -117,7 +117,10 @@ class TgiHandlers:
         return Response(status_code=200)
 
     async def info(self, request: Request) -> Response:
-        return JSONResponse(self._info.model_dump(mode="json"))
+        # Adapters come and go at runtime (/v1/load_lora_adapter): listed as they are now.
+        adapters = list(self._state.validator.adapters) or None
+        info = self._info.model_copy(update={"lora_adapters": adapters})
+        return JSONResponse(info.model_dump(mode="json"))
 
     async def metrics(self, request: Request) -> Response:
         return Response(self._metrics.render(), headers={"content-type": CONTENT_TYPE})
@@ -218,6 +221,8 @@ def info_response(
         attention_backend=(shard_info.attention_backend or None) if shard_info else None,
         model_implementation=(shard_info.model_implementation or None) if shard_info else None,
         lora_adapters=(list(shard_info.lora_adapters) or None) if shard_info else None,
+        max_loras=(shard_info.max_loras or None) if shard_info else None,
+        max_lora_rank=(shard_info.max_lora_rank or None) if shard_info else None,
         cpu_kernels=(dict(shard_info.cpu_kernels) or None) if shard_info else None,
         kv_cache_bytes_per_token=(shard_info.kv_cache_bytes_per_token or None)
         if shard_info

@@ -145,8 +145,15 @@ class Info(_Response):
     #: textgate's: how the shards run the model and why ("native LlamaForCausalLM",
     #: "transformers Olmo2ForCausalLM on the paged engine (no native class)", ...).
     model_implementation: str | None = None
-    #: textgate's: the LoRA adapters loaded (--lora-adapters), by id; None without any.
+    #: textgate's: the LoRA adapters loaded (--lora-adapters, /v1/load_lora_adapter), by id;
+    #: None without any.
     lora_adapters: list[str] | None = None
+    #: textgate's: most LoRA adapters loaded at once (--max-loras); None where the model
+    #: takes none.
+    max_loras: int | None = None
+    #: textgate's: highest LoRA rank an adapter may have (--max-lora-rank); None where the
+    #: model takes none.
+    max_lora_rank: int | None = None
     #: textgate's: on a CPU, what each kernel runs on here (the C kernels' instruction-set
     #: level, the int8 kernel, torch's int4 layout, ...; docs/hardware.md); None on a GPU.
     cpu_kernels: dict[str, str] | None = None

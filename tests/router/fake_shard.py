@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -55,7 +56,8 @@ class FakeShard(pb_grpc.TextGenerationServiceServicer):
         self.hang: dict[str, int] = {}
         """Method name -> number of upcoming calls that never answer (a hung shard)."""
         self.lora_adapters: list[str] = []
-        """The adapters Info reports (the fake model ignores them when generating)."""
+        """The adapters Info reports (the fake model ignores them when generating);
+        LoadAdapter adds to them (any existing folder loads), UnloadAdapter takes away."""
         self.healthy = True
         self.block_size = 16
         """Tokens per KV block, as Info reports."""
@@ -160,6 +162,29 @@ class FakeShard(pb_grpc.TextGenerationServiceServicer):
                 if generation.HasField("generated_text"):
                     del self.sequences[item.request_id]
         return pb.StepResponse(generations=generations)
+
+    async def LoadAdapter(
+        self, request: pb.LoadAdapterRequest, context: Any
+    ) -> pb.LoadAdapterResponse:
+        await self._enter("LoadAdapter", request, context)
+        name = request.adapter_id
+        if name in self.lora_adapters:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name!r} is already loaded")
+        if not Path(request.path).is_dir():
+            message = f"LoRA adapter {name!r}: {request.path} has no adapter_config.json"
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+        self.lora_adapters.append(name)
+        return pb.LoadAdapterResponse(rank=8, num_updates=1)
+
+    async def UnloadAdapter(
+        self, request: pb.UnloadAdapterRequest, context: Any
+    ) -> pb.UnloadAdapterResponse:
+        await self._enter("UnloadAdapter", request, context)
+        if request.adapter_id not in self.lora_adapters:
+            message = f"LoRA adapter {request.adapter_id!r} is not loaded"
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+        self.lora_adapters.remove(request.adapter_id)
+        return pb.UnloadAdapterResponse()
 
 
 @asynccontextmanager
