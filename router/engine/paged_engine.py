@@ -76,13 +76,20 @@ class PagedEngine:
     def submit(self, requests: Sequence[ValidRequest]) -> list[Channel]:
         """Admit all of `requests` or none (OverloadedError); one channel each."""
         entries = self._admitted.admit(requests, on_cancel=self._task.wake)
+        # The first request of each prompt computes it; the copies reuse its KV.
+        originals: dict[tuple[tuple[int, ...], str], int] = {}
         for entry in entries:
             request = entry.request
             try:
                 # Unloaded since it was validated: refused as an unknown adapter.
                 salt = self.adapters.cache_salt(request.adapter_id)
+                original = originals.setdefault((tuple(request.input_ids), salt), entry.id)
                 self.scheduler.add_request(
-                    entry.id, request.input_ids, request.max_new_tokens, salt
+                    entry.id,
+                    request.input_ids,
+                    request.max_new_tokens,
+                    salt,
+                    copies=None if original == entry.id else original,
                 )
             except ValueError as exc:
                 self._admitted.fail([entry], str(exc), "validation")

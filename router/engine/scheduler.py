@@ -5,6 +5,11 @@ after preemption: every request's `num_computed_tokens` catches up with its
 `num_tokens` (prompt + generated so far) under a per-step token budget. A step that
 brings a request's computed tokens up to its total samples its next token.
 
+Copies of one prompt (OpenAI's `n`, a batch repeating a prompt) share its prefill: a
+copy waits at the head of the queue while the request it copies is running and still
+computing that prompt, then joins on a prefix-cache hit of the prompt's full blocks
+(`add_request`'s `copies`).
+
 The engine step reads in three lines::
 
     output = scheduler.schedule()      # data only: what to compute, where the KV goes
@@ -54,6 +59,8 @@ class _Request:
     cache_salt: str = ""
     """What else its KV depends on besides its tokens (the LoRA adapter): prefix-cache
     hits only come from requests with the same salt."""
+    copies: int | None = None
+    """The request whose prompt (and salt) this one repeats, if any."""
 
     @property
     def num_tokens(self) -> int:
@@ -152,8 +159,12 @@ class Scheduler:
         prompt_token_ids: Sequence[int],
         max_new_tokens: int,
         cache_salt: str = "",
+        copies: int | None = None,
     ) -> None:
-        """Queue a request; ValueError if it is malformed or could never fit the KV cache."""
+        """Queue a request; ValueError if it is malformed or could never fit the KV cache.
+
+        `copies`: an earlier request with the same prompt and salt, whose prefill this one
+        waits for and then reuses through the prefix cache."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id} is already scheduled")
         if not prompt_token_ids:
@@ -176,6 +187,7 @@ class Scheduler:
             max_new_tokens,
             added_at_s=self.controller.clock_s,
             cache_salt=cache_salt,
+            copies=copies,
         )
         self._requests[request_id] = request
         self._waiting.append(request)
@@ -367,6 +379,8 @@ class Scheduler:
                 return
             overdue = False
             request = self._waiting[0]
+            if self._awaits_prompt(request):
+                return  # its prompt is being computed: next step it joins on a prefix hit
             num_tokens = min(request.num_tokens + reserve, request.max_total_tokens)
             num_cached = self.allocator.allocate(
                 request.request_id, request.token_ids, num_tokens, salt=request.cache_salt
@@ -379,6 +393,17 @@ class Scheduler:
             num_new = min(request.num_tokens - num_cached, draft.budget)
             self._add_to_step(request, num_new, draft)
             draft.new_request_ids.append(request.request_id)
+
+    def _awaits_prompt(self, request: _Request) -> bool:
+        """Whether `request` is a copy whose original is running and has not computed the
+        prompt's full blocks yet. Only a running original is waited for: one that waits
+        (preempted behind its copy) is computing nothing, and waiting on it could stall
+        the queue."""
+        original = self._requests.get(request.copies) if request.copies is not None else None
+        if original is None or not self.allocator.enable_prefix_caching:
+            return False
+        shared = (request.num_prompt_tokens - 1) // self.config.block_size * self.config.block_size
+        return shared > 0 and original.num_computed_tokens < shared and original in self._running
 
     def _add_to_step(self, request: _Request, num_new: int, draft: _StepDraft) -> None:
         start = request.num_computed_tokens

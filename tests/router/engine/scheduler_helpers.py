@@ -91,9 +91,14 @@ def make(**overrides: Any) -> tuple[Scheduler, FakeModel]:
 
 
 def add(
-    scheduler: Scheduler, model: FakeModel, rid: int, prompt: list[int], max_new: int = 8
+    scheduler: Scheduler,
+    model: FakeModel,
+    rid: int,
+    prompt: list[int],
+    max_new: int = 8,
+    copies: int | None = None,
 ) -> None:
-    scheduler.add_request(rid, prompt, max_new)
+    scheduler.add_request(rid, prompt, max_new, copies=copies)
     model.add(rid, prompt)
 
 

@@ -182,6 +182,51 @@ def test_prefix_caching_can_be_disabled() -> None:
     assert spans(step(scheduler, model)) == {2: (0, 9, True)}
 
 
+def test_copies_of_a_prompt_wait_for_its_prefill_then_hit_its_blocks() -> None:
+    scheduler, model = make()
+    prompt = list(range(1, 11))  # two full blocks of 4, and 2 tokens
+    add(scheduler, model, 1, prompt)
+    add(scheduler, model, 2, prompt, copies=1)
+    add(scheduler, model, 3, prompt, copies=1)
+    add(scheduler, model, 4, [40, 41])  # behind the copies: first come, first served
+    assert spans(step(scheduler, model)) == {1: (0, 10, True)}
+    output = step(scheduler, model)
+    assert spans(output) == {1: (10, 11, True), 2: (8, 10, True), 3: (8, 10, True), 4: (0, 2, True)}
+    assert scheduler.allocator.num_prefix_hit_tokens == 16
+
+
+def test_a_copy_does_not_wait_for_a_chunked_prefill_past_the_shared_blocks() -> None:
+    scheduler, model = make(max_num_batched_tokens=6, max_num_seqs=2)
+    prompt = list(range(1, 12))  # blocks [0, 8) shared; the copy waits until they are done
+    add(scheduler, model, 1, prompt)
+    add(scheduler, model, 2, prompt, copies=1)
+    assert spans(step(scheduler, model)) == {1: (0, 6, False)}
+    assert spans(step(scheduler, model)) == {1: (6, 11, True)}
+    assert spans(step(scheduler, model)) == {1: (11, 12, True), 2: (8, 11, True)}
+
+
+def test_a_copy_runs_alone_when_its_original_is_gone_or_not_running() -> None:
+    scheduler, model = make()
+    prompt = list(range(1, 11))
+    add(scheduler, model, 1, prompt)
+    add(scheduler, model, 2, prompt, copies=1)
+    scheduler.abort(1)
+    assert spans(step(scheduler, model)) == {2: (0, 10, True)}
+    # An original still waiting (behind its preempted copy) computes nothing: no wait.
+    scheduler, model = make()
+    add(scheduler, model, 5, [7, 7, 7])
+    add(scheduler, model, 6, [1, 2, 3, 4, 5], copies=5)
+    assert scheduler._awaits_prompt(scheduler._requests[6]) is False  # noqa: SLF001
+
+
+def test_copies_share_nothing_without_prefix_caching() -> None:
+    scheduler, model = make(enable_prefix_caching=False)
+    prompt = list(range(1, 11))
+    add(scheduler, model, 1, prompt)
+    add(scheduler, model, 2, prompt, copies=1)
+    assert spans(step(scheduler, model)) == {1: (0, 10, True), 2: (0, 10, True)}
+
+
 # ---- abort ----
 
 

@@ -131,6 +131,20 @@ async def test_n_gives_independent_choices(client: httpx.AsyncClient, fake: Fake
     assert seeds == [5, 6]
 
 
+async def test_n_copies_reuse_one_prefill_of_the_prompt(
+    client: httpx.AsyncClient, fake: FakeShard
+) -> None:
+    words = " ".join(f"w{i}" for i in range(20, 59))  # with " w9", 40 tokens
+    answer = (await client.post("/v1/chat/completions", json=chat(words, max_tokens=2, n=2))).json()
+    assert [c["message"]["content"] for c in answer["choices"]] == [" t10 t11"] * 2
+    # Blocks of 16: the copy waits one step, then computes only the last 8 prompt tokens.
+    starts = [
+        [(s.start_position, len(s.token_ids)) for s in call.plan.scheduled]
+        for call in fake.calls_to("Step")
+    ]
+    assert starts[:2] == [[(0, 40)], [(40, 1), (32, 8)]]
+
+
 async def test_chat_logprobs_have_openai_shape(client: httpx.AsyncClient) -> None:
     body = chat(max_tokens=2, temperature=0, logprobs=True, top_logprobs=2)
     choice = (await client.post("/v1/chat/completions", json=body)).json()["choices"][0]
