@@ -1,5 +1,5 @@
-"""The SwiGLU MLP, `down(silu(gate(x)) * up(x))`, of the dense Llama-family layers and
-of the shared expert of Qwen2-MoE."""
+"""The gated MLP, `down(act(gate(x)) * up(x))`, of the dense Llama-family layers and of
+the shared expert of Qwen2-MoE: SwiGLU (silu), or GeGLU (gelu, tanh form) for Gemma."""
 
 from __future__ import annotations
 
@@ -27,6 +27,15 @@ def silu_and_mul(gate_up: Tensor) -> Tensor:
     return activated
 
 
+def gelu_tanh_and_mul(gate_up: Tensor) -> Tensor:
+    """[N, 2 I] (gate then up) → gelu(gate, tanh form) * up [N, I] (PyTorch everywhere)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+_ACTIVATIONS = {"silu": silu_and_mul, "gelu_pytorch_tanh": gelu_tanh_and_mul}
+
+
 class GatedMLP(nn.Module):
     """SwiGLU with gate and up fused into one column linear (this rank's intermediate
     features); `reduce=False` leaves the down projection's partial sum for the caller to
@@ -34,6 +43,7 @@ class GatedMLP(nn.Module):
 
     `fused_size`, where given, is the intermediate size of a checkpoint that stores gate
     and up as one `gate_up_proj` (Phi-3): each half is split over the ranks on its own.
+    `activation` is "silu" or "gelu_pytorch_tanh".
     """
 
     def __init__(
@@ -44,8 +54,10 @@ class GatedMLP(nn.Module):
         bias: bool,
         reduce: bool = True,
         fused_size: int | None = None,
+        activation: str = "silu",
     ) -> None:
         super().__init__()
+        self.act_and_mul = _ACTIVATIONS[activation]
         if fused_size is None:
             self.gate_up_proj = TensorParallelColumnLinear.load_multi(
                 weights, [f"{prefix}.gate_proj", f"{prefix}.up_proj"], bias=bias
@@ -59,4 +71,4 @@ class GatedMLP(nn.Module):
         )
 
     def forward(self, hidden: Tensor) -> Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(hidden)))

@@ -23,9 +23,15 @@ class RMSNorm(nn.Module):
         self._eps = torch.tensor(eps, dtype=torch.float32, device=weight.device)
 
     @classmethod
-    def load(cls, weights: Weights, prefix: str, eps: float) -> RMSNorm:
-        """The norm whose scale is `<prefix>.weight` (replicated on every rank)."""
-        return cls(weights.get_tensor(f"{prefix}.weight"), eps)
+    def load(cls, weights: Weights, prefix: str, eps: float, offset: float = 0.0) -> RMSNorm:
+        """The norm whose scale is `<prefix>.weight` plus `offset` (replicated on every rank).
+
+        Gemma scales by (1 + w): the 1 is folded in here, in float32, once.
+        """
+        if not offset:
+            return cls(weights.get_tensor(f"{prefix}.weight"), eps)
+        weight = weights.get_tensor(f"{prefix}.weight", to_dtype=False).float() + offset
+        return cls(weight.to(weights.dtype), eps)
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Return (normed, residual) where residual = x + residual (or x alone)."""

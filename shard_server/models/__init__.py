@@ -3,6 +3,7 @@
 Importing the package registers every built-in model.
 """
 
+from textgate.shard_server.models import gemma as _gemma  # noqa: F401  (registers models)
 from textgate.shard_server.models import llama as _llama  # noqa: F401  (registers models)
 from textgate.shard_server.models.config import ModelConfig
 from textgate.shard_server.models.llama import LlamaForCausalLM

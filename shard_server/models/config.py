@@ -1,8 +1,8 @@
 """The Llama-family model config: what the native models read from config.json.
 
-The family covers dense decoders (Llama, Mistral, Qwen2, Qwen3, Phi-3) and sparse
-mixture-of-experts ones built on the same attention (Mixtral, Qwen2-MoE, Qwen3-MoE);
-`MoEConfig` holds what the latter add.
+The family covers dense decoders (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3) and
+sparse mixture-of-experts ones built on the same attention (Mixtral, Qwen2-MoE,
+Qwen3-MoE); `MoEConfig` holds what the latter add, `gemma_config` what Gemma sets.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from textgate.shard_server.layers.rotary import RopeConfig
+from textgate.shard_server.models.gemma_config import GEMMA_TYPES, gemma_fields
 
 # Families whose q/k/v projections carry a bias without saying so in config.json.
 _QKV_BIAS_BY_DEFAULT = frozenset({"qwen2", "qwen2_moe"})
@@ -100,6 +101,23 @@ class ModelConfig:
     #: The checkpoint stores q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`
     #: (Phi-3); the loader splits each per rank.
     fused_projections: bool = False
+    #: The gated MLP's activation: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU, Gemma).
+    activation: str = "silu"
+    #: Added to every RMSNorm scale at load: Gemma stores w for a (1 + w) scale.
+    norm_offset: float = 0.0
+    #: Gemma's sandwich: the attention output normed before its residual add, and the MLP
+    #: between pre_feedforward_layernorm and post_feedforward_layernorm.
+    sandwich_norms: bool = False
+    #: Embeddings times this, rounded to the model dtype first (Gemma: sqrt(hidden_size)).
+    embed_scale: float | None = None
+    #: The attention scores' scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5).
+    attention_scale: float | None = None
+    #: Attention scores soft-capped to (-c, c) by c * tanh(s / c) (Gemma 2); None: not.
+    attn_softcap: float | None = None
+    #: The same soft-cap on the final logits (Gemma 2); None: not.
+    final_softcap: float | None = None
+    #: The sliding-window layers' own RoPE (Gemma 3's local base frequency); None: `rope`.
+    local_rope: RopeConfig | None = None
 
     @classmethod
     def parse(cls, config: ModelConfig | Mapping[str, Any] | Any) -> ModelConfig:
@@ -114,15 +132,16 @@ class ModelConfig:
     def from_dict(cls, d: Mapping[str, Any]) -> ModelConfig:
         """Read and validate a config.json dict."""
         model_type = d.get("model_type", "llama")
+        gemma = model_type in GEMMA_TYPES
         activation = d.get("hidden_act", "silu")
-        if activation not in _SUPPORTED_ACTIVATIONS:
+        if activation not in _SUPPORTED_ACTIVATIONS and not gemma:  # Gemma reads its own
             raise ValueError(f"hidden_act={activation!r} is not supported (only silu)")
         num_heads = d["num_attention_heads"]
         num_layers = d["num_hidden_layers"]
         attention_bias = d.get("attention_bias")
         # Llama's attention_bias covers q/k/v and o; Qwen2-MoE's qkv_bias q/k/v only.
         qkv_bias = d.get("qkv_bias", model_type in _QKV_BIAS_BY_DEFAULT)
-        return cls(
+        fields: dict[str, Any] = dict(
             model_type=model_type,
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
@@ -137,12 +156,17 @@ class ModelConfig:
             qkv_bias=bool(attention_bias if attention_bias is not None else qkv_bias),
             o_bias=bool(attention_bias),
             mlp_bias=bool(d.get("mlp_bias", False)),
-            rope=RopeConfig.from_config(d),
-            sliding_windows=_sliding_windows(d, num_layers),
             qk_norm=model_type in _QK_NORM,
             moe=MoEConfig.from_dict(d, num_layers) if model_type in _MOE_TYPES else None,
             fused_projections=model_type in _FUSED_PROJECTIONS,
         )
+        if gemma:
+            fields.update(gemma_fields(d))
+        else:
+            fields.update(
+                rope=RopeConfig.from_config(d), sliding_windows=_sliding_windows(d, num_layers)
+            )
+        return cls(**fields)
 
 
 def _sliding_windows(d: Mapping[str, Any], num_layers: int) -> tuple[int | None, ...]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -44,12 +44,20 @@ from textgate.shard_server.step.kv_cache import KVCache
 class ForwardContext:
     """What every layer of one step shares: rotary tables, the cache and the attention plan."""
 
-    cos: Tensor  # [T, head_dim]
-    sin_signed: Tensor  # [T, head_dim], see rotary.signed_sin
+    cos: Tensor  # [T, rotary_dim]
+    sin_signed: Tensor  # [T, rotary_dim], see rotary.signed_sin
     kv_cache: KVCache
     metadata: AttentionMetadata
     backend: AttentionBackend[Any]
     plan: Any
+    #: The sliding layers' own tables (ModelConfig.local_rope); None: they use cos / sin.
+    local_cos_sin: tuple[Tensor, Tensor] | None = None
+
+    def rotary(self, local: bool) -> tuple[Tensor, Tensor]:
+        """(cos, sin_signed) for a layer: the local tables where it asks and they exist."""
+        if local and self.local_cos_sin is not None:
+            return self.local_cos_sin
+        return self.cos, self.sin_signed
 
 
 class LlamaAttention(nn.Module):
@@ -69,13 +77,15 @@ class LlamaAttention(nn.Module):
             weights, f"{prefix}.o_proj", bias=config.o_bias, shard=q_rows
         )
         self.layer_idx = layer_idx
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attention_scale or config.head_dim**-0.5
         self.sliding_window = config.sliding_windows[layer_idx]
+        # Only the backends that soft-cap take the argument at all.
+        self.extras = {} if config.attn_softcap is None else {"softcap": config.attn_softcap}
         self.qk_norm: tuple[RMSNorm, RMSNorm] | None = None
         if config.qk_norm:
-            eps = config.rms_norm_eps
-            self.q_norm = RMSNorm.load(weights, f"{prefix}.q_norm", eps)
-            self.k_norm = RMSNorm.load(weights, f"{prefix}.k_norm", eps)
+            eps, offset = config.rms_norm_eps, config.norm_offset
+            self.q_norm = RMSNorm.load(weights, f"{prefix}.q_norm", eps, offset)
+            self.k_norm = RMSNorm.load(weights, f"{prefix}.k_norm", eps, offset)
             self.qk_norm = (self.q_norm, self.k_norm)
 
     def forward(self, hidden: Tensor, ctx: ForwardContext) -> Tensor:
@@ -84,9 +94,10 @@ class LlamaAttention(nn.Module):
         if self.qk_norm is not None:
             qkv = self._normalize_heads(qkv, *self.qk_norm)
         key_cache, value_cache = ctx.kv_cache.layer(self.layer_idx)
-        query = self._fused_rotary_and_store(qkv, ctx, key_cache, value_cache)  # [T, H_q, D]
+        cos, sin = ctx.rotary(local=self.sliding_window is not None)
+        query = self._fused_rotary_and_store(qkv, ctx, cos, sin, key_cache, value_cache)
         if query is None:
-            query = self._rotary_and_store(qkv, ctx)
+            query = self._rotary_and_store(qkv, ctx, cos, sin)  # [T, H_q, D]
         key_scales, value_scales = ctx.kv_cache.layer_scales(self.layer_idx)
         out = ctx.backend.forward(
             query,
@@ -97,6 +108,7 @@ class LlamaAttention(nn.Module):
             sliding_window=self.sliding_window,
             key_scales=key_scales,
             value_scales=value_scales,
+            **self.extras,
         )  # [T, H_q, D]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
@@ -112,23 +124,29 @@ class LlamaAttention(nn.Module):
         return torch.cat([query.view(num_tokens, -1), key.view(num_tokens, -1), value], dim=-1)
 
     def _fused_rotary_and_store(
-        self, qkv: Tensor, ctx: ForwardContext, key_cache: Tensor, value_cache: Tensor
+        self,
+        qkv: Tensor,
+        ctx: ForwardContext,
+        cos: Tensor,
+        sin_signed: Tensor,
+        key_cache: Tensor,
+        value_cache: Tensor,
     ) -> Tensor | None:
         """Rotated queries [T, H_q, D] from the first fused kernel that runs here (C on the
         CPU, its int8 / fp8 cache variant, Triton on the GPU), keys and values stored; None
         where none does (the caller then runs `_rotary_and_store`)."""
-        if ctx.cos.shape[-1] != self.head_dim:
+        if cos.shape[-1] != self.head_dim:
             return None  # the kernels rotate whole heads; a partial rotary runs the reference
         slots = ctx.metadata.slot_mapping
         # The plain CPU and GPU kernels share one signature: one argument list for both.
         heads = (self.num_heads, self.num_kv_heads)
-        args = (qkv, ctx.cos, ctx.sin_signed, key_cache, value_cache, slots, *heads)
+        args = (qkv, cos, sin_signed, key_cache, value_cache, slots, *heads)
         query = cpu_layers.rotary_and_store(*args)
         if query is None:
             query = cpu_attention.rotary_and_store_quantized(
                 qkv,
-                ctx.cos,
-                ctx.sin_signed,
+                cos,
+                sin_signed,
                 (key_cache, value_cache),
                 ctx.kv_cache.layer_scales(self.layer_idx),
                 slots,
@@ -138,7 +156,9 @@ class LlamaAttention(nn.Module):
             query = gpu_layers.rotary_and_store(*args)
         return query
 
-    def _rotary_and_store(self, qkv: Tensor, ctx: ForwardContext) -> Tensor:
+    def _rotary_and_store(
+        self, qkv: Tensor, ctx: ForwardContext, cos: Tensor, sin_signed: Tensor
+    ) -> Tensor:
         """The reference of cpu_layers.rotary_and_store: rotated queries [T, H_q, D]."""
         num_tokens = qkv.shape[0]
         num_qk = self.num_heads + self.num_kv_heads
@@ -147,7 +167,7 @@ class LlamaAttention(nn.Module):
         )
         # Queries and keys rotate in one pass: half the small ops of a decode step's RoPE.
         query_key = apply_rotary_signed(
-            query_key.view(num_tokens, num_qk, self.head_dim), ctx.cos, ctx.sin_signed
+            query_key.view(num_tokens, num_qk, self.head_dim), cos, sin_signed
         )  # [T, H_q + H_kv, D]
         query, key = query_key.split([self.num_heads, self.num_kv_heads], dim=1)
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -181,11 +201,11 @@ class LlamaDecoderLayer(nn.Module):
 
     def __init__(self, config: ModelConfig, weights: Weights, prefix: str, layer_idx: int) -> None:
         super().__init__()
-        eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm.load(weights, f"{prefix}.input_layernorm", eps)
+        eps, offset = config.rms_norm_eps, config.norm_offset
+        self.input_layernorm = RMSNorm.load(weights, f"{prefix}.input_layernorm", eps, offset)
         self.self_attn = LlamaAttention(config, weights, f"{prefix}.self_attn", layer_idx)
         self.post_attention_layernorm = RMSNorm.load(
-            weights, f"{prefix}.post_attention_layernorm", eps
+            weights, f"{prefix}.post_attention_layernorm", eps, offset
         )
         self.mlp = _mlp(config, weights, prefix, layer_idx)
 
@@ -203,7 +223,13 @@ def _mlp(config: ModelConfig, weights: Weights, prefix: str, layer_idx: int) -> 
     moe = config.moe
     if moe is None or not moe.sparse_layers[layer_idx]:
         fused_size = config.intermediate_size if config.fused_projections else None
-        return GatedMLP(weights, f"{prefix}.mlp", bias=config.mlp_bias, fused_size=fused_size)
+        return GatedMLP(
+            weights,
+            f"{prefix}.mlp",
+            bias=config.mlp_bias,
+            fused_size=fused_size,
+            activation=config.activation,
+        )
     block = "block_sparse_moe" if moe.naming == "mixtral" else "mlp"
     return SparseMoE.load(
         weights,
@@ -230,6 +256,8 @@ class LlamaForCausalLM(PagedCacheOwner, nn.Module):
     Cache sizing: `num_layers`, `num_kv_heads` (this rank's) and `head_dim`.
     """
 
+    decoder_layer: ClassVar[type[nn.Module]] = LlamaDecoderLayer
+
     def __init__(
         self,
         config: ModelConfig | Mapping[str, Any] | Any,
@@ -241,16 +269,19 @@ class LlamaForCausalLM(PagedCacheOwner, nn.Module):
         self.attention_backend = attention_backend or get_attention_backend()
         self.embed_tokens = TensorParallelEmbedding.load(weights, "model.embed_tokens")
         layers = [
-            LlamaDecoderLayer(config, weights, f"model.layers.{i}", i)
+            self.decoder_layer(config, weights, f"model.layers.{i}", i)
             for i in range(config.num_layers)
         ]
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm.load(weights, "model.norm", config.rms_norm_eps)
+        self.norm = RMSNorm.load(weights, "model.norm", config.rms_norm_eps, config.norm_offset)
         if config.tie_word_embeddings:
             self.lm_head = TensorParallelHead.load(weights, "model.embed_tokens", self.embed_tokens)
         else:
             self.lm_head = TensorParallelHead.load(weights, "lm_head")
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, weights.device)
+        self.local_rotary: RotaryEmbedding | None = None
+        if config.local_rope is not None:
+            self.local_rotary = RotaryEmbedding(config.local_rope, config.head_dim, weights.device)
         self.dtype, self.device = weights.dtype, weights.device
         self.num_layers = config.num_layers
         self.num_kv_heads = layers[0].self_attn.num_kv_heads
@@ -276,15 +307,14 @@ class LlamaForCausalLM(PagedCacheOwner, nn.Module):
 
         Writes the step's keys/values into `kv_cache` at `attn_metadata.slot_mapping`.
         """
-        seq_lens = None
-        if self.rotary.needs_seq_lens:
-            seq_lens = attn_metadata.seq_lens[attn_metadata.token_seq_index()]  # [T]
-        cos, sin = self.rotary.cos_sin(positions, self.dtype, seq_lens)
+        cos, sin = self._cos_sin(self.rotary, positions, attn_metadata)
         backend = self.attention_backend
         ctx = ForwardContext(
-            cos, signed_sin(sin), kv_cache, attn_metadata, backend, backend.prepare(attn_metadata)
+            cos, sin, kv_cache, attn_metadata, backend, backend.prepare(attn_metadata)
         )
-        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        if self.local_rotary is not None:
+            ctx.local_cos_sin = self._cos_sin(self.local_rotary, positions, attn_metadata)
+        hidden = self.embed(input_ids)  # [T, hidden]
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, ctx)
@@ -295,4 +325,22 @@ class LlamaForCausalLM(PagedCacheOwner, nn.Module):
             hidden.index_select(0, logits_indices),
             residual.index_select(0, logits_indices),
         )  # [N, hidden]
+        return self.logits(hidden)
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """input_ids [T] → the first layer's input [T, hidden]."""
+        return self.embed_tokens(input_ids)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Final-normed hidden [N, hidden] → float32 logits [N, vocab]."""
         return self.lm_head(hidden).float()
+
+    def _cos_sin(
+        self, rotary: RotaryEmbedding, positions: Tensor, metadata: AttentionMetadata
+    ) -> tuple[Tensor, Tensor]:
+        """(cos, signed sin) [T, rotary_dim] of one rotary embedding for this step."""
+        seq_lens = None
+        if rotary.needs_seq_lens:
+            seq_lens = metadata.seq_lens[metadata.token_seq_index()]  # [T]
+        cos, sin = rotary.cos_sin(positions, self.dtype, seq_lens)
+        return cos, signed_sin(sin)

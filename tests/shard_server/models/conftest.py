@@ -11,6 +11,8 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -34,6 +36,8 @@ _CONFIGS = {
     "qwen2_moe": Qwen2MoeConfig,
     "qwen3_moe": Qwen3MoeConfig,
     "phi3": Phi3Config,
+    "gemma2": Gemma2Config,
+    "gemma3_text": Gemma3TextConfig,
 }
 
 TINY = {
@@ -49,7 +53,9 @@ TINY = {
 
 # What each family adds to TINY: Qwen3's own head_dim (its default is 128), four experts
 # of which each token runs two, Qwen2-MoE's shared expert, a Phi-3 pad id inside the
-# tiny vocabulary (its default, 32000, is not).
+# tiny vocabulary (its default, 32000, is not), Gemma's soft-caps small enough that tanh
+# bends the scores and logits, a query_pre_attn_scalar that is not head_dim, and one
+# sliding layer then one full one.
 FAMILY = {
     "qwen3": {"head_dim": 16},
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
@@ -66,7 +72,22 @@ FAMILY = {
         "head_dim": 16,
     },
     "phi3": {"pad_token_id": 0},
+    "gemma2": {
+        "head_dim": 16,
+        "sliding_window": 4,
+        "attn_logit_softcapping": 2.0,
+        "final_logit_softcapping": 3.0,
+        "query_pre_attn_scalar": 24,
+    },
+    "gemma3_text": {
+        "head_dim": 16,
+        "sliding_window": 4,
+        "query_pre_attn_scalar": 24,
+        "layer_types": ["sliding_attention", "full_attention"],
+    },
 }
+# transformers' sdpa attention cannot soft-cap: Gemma 2 is referenced by its eager one.
+_EAGER = frozenset({"gemma2"})
 
 
 def longrope(original: int, head_dim: int = 12, rotary_dim: int = 12) -> dict[str, Any]:
@@ -92,7 +113,8 @@ def build_tiny(directory: Path, kind: str, seed: int = 0, **overrides: Any) -> P
     config = _CONFIGS[kind](**{**TINY, **FAMILY.get(kind, {}), **overrides})
     # Random init is tiny (std 0.02); larger weights make attention and RoPE matter.
     config.initializer_range = 0.2
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    attention = "eager" if kind in _EAGER else "sdpa"
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attention).eval()
     model.save_pretrained(directory)
     return model
 

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import pytest
-from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
+from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
 
 from textgate.shard_server.models import ModelConfig
 
@@ -63,11 +63,39 @@ def test_phi3_stores_fused_projections_and_slides_on_every_layer():
     assert not ModelConfig.parse(LlamaConfig(**BASE)).fused_projections
 
 
+GEMMA = {**BASE, "num_hidden_layers": 7, "head_dim": 2, "sliding_window": 5}
+
+
+def test_older_gemma_configs_alternate_as_transformers_does():
+    gemma2 = ModelConfig.from_dict({**GEMMA, "model_type": "gemma2"})
+    assert gemma2.sliding_windows == (5, None, 5, None, 5, None, 5)
+    assert (gemma2.attn_softcap, gemma2.final_softcap) == (50.0, 30.0)
+    assert gemma2.attention_scale == 256**-0.5 and gemma2.norm_offset == 1.0
+    old = {**GEMMA, "model_type": "gemma3_text", "rope_local_base_freq": 500.0}
+    gemma3 = ModelConfig.from_dict({**old, "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    assert gemma3.sliding_windows == (5, 5, 5, 5, 5, None, 5)
+    assert (gemma3.rope.rope_type, gemma3.rope.theta) == ("linear", 1e6)
+    assert gemma3.local_rope is not None and gemma3.local_rope.theta == 500.0
+
+
+def test_gemma3_reads_rope_parameters_per_layer_type():
+    hf = Gemma3TextConfig(**GEMMA, rope_parameters=None)
+    config = ModelConfig.parse(hf)
+    assert (
+        config.sliding_windows
+        == ModelConfig.from_dict({**hf.to_dict(), "layer_types": None}).sliding_windows
+    )
+    assert config.qk_norm and config.rope.theta == 1e6
+    assert config.local_rope is not None and config.local_rope.theta == 1e4
+
+
 @pytest.mark.parametrize(
     ("extra", "match"),
     [
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"sliding_window": 4, "layer_types": ["chunked_attention"] * 3}, "layer_types"),
+        ({"model_type": "gemma3_text", "use_bidirectional_attention": True}, "bidirectional"),
+        ({"model_type": "gemma2", "hidden_activation": "relu"}, "hidden_activation"),
     ],
 )
 def test_unsupported_settings_are_rejected(extra, match):

@@ -1,4 +1,4 @@
-"""Qwen3, Phi-3 and the mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE) on the
+"""Qwen3, Phi-3, Gemma 2 and 3 and the mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE) on the
 native model, against transformers: prefill logits, paged decode, greedy generation of a
 batch."""
 
@@ -34,6 +34,10 @@ FAMILIES = [
     ("phi3", longrope(8)),
     # Phi-4-mini's shape: tied embeddings, only the leading half of each head rotates.
     ("phi3", {"tie_word_embeddings": True, **longrope(8, rotary_dim=6)}),
+    ("gemma2", {}),
+    ("gemma2", {"tie_word_embeddings": True, "final_logit_softcapping": None}),
+    ("gemma3_text", {}),
+    ("gemma3_text", {"tie_word_embeddings": True, "num_key_value_heads": 1}),
 ]
 IDS = [f"{kind}-{i}" for i, (kind, _) in enumerate(FAMILIES)]
 
@@ -58,7 +62,9 @@ def test_paged_decode_matches_transformers_cache(tiny, runner, kind, overrides):
     assert_decode_follows_transformers_cache(hf, runner(path, 16), _prompt(9))
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "phi3"])
+@pytest.mark.parametrize(
+    "kind", ["qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "phi3", "gemma2", "gemma3_text"]
+)
 def test_greedy_batch_of_eight_equals_transformers_generate(tiny, runner, kind):
     path, hf = tiny(kind)
     prompts = {seq: _prompt(3 + 2 * seq, seed=seq) for seq in range(8)}
@@ -101,9 +107,11 @@ def test_phi3_checkpoints_keep_their_fused_projections(tiny):
     )
 
 
-def test_phi3_quantized_at_load_splits_its_fused_tensors_too(tiny, runner, reference):
+@pytest.mark.parametrize("kind", ["phi3", "gemma2", "gemma3_text"])
+def test_quantized_at_load_stays_close(tiny, runner, reference, kind):
+    """Phi-3's fused tensors are split before quantizing; Gemma's layers are Llama's."""
     pytest.importorskip("bitsandbytes")
-    path, hf = tiny("phi3")
+    path, hf = tiny(kind)
     paged = runner(path)
     paged.model = load_model(path, torch.float32, "cpu", quantize="bitsandbytes")
     paged.cache = paged.model.allocate_kv_cache(64, 4)
@@ -111,6 +119,15 @@ def test_phi3_quantized_at_load_splits_its_fused_tensors_too(tiny, runner, refer
     expected = reference(hf, prompt)
     error = (paged.step({0: prompt}, all_logits=True)[0] - expected).norm() / expected.norm()
     assert error < 0.06, error  # a dense tiny Llama under bitsandbytes int8: ~0.03
+
+
+def test_gemma2_soft_caps_on_the_torch_backend_whatever_was_asked(tiny):
+    path, _ = tiny("gemma2")
+    model = load_model(path, torch.float32, "cpu", attention_backend="cpu")
+    assert type(model.attention_backend).__name__ == "SdpaAttentionBackend"
+    path, _ = tiny("gemma3_text")  # no soft-cap: the backend asked for
+    model = load_model(path, torch.float32, "cpu", attention_backend="cpu")
+    assert type(model.attention_backend).__name__ != "SdpaAttentionBackend"
 
 
 def _moe_blocks(model: torch.nn.Module) -> list[SparseMoE]:

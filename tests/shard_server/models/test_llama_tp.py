@@ -34,6 +34,10 @@ CASES = {
         {"num_attention_heads": 6, "num_key_value_heads": 3, "intermediate_size": 37},
     ),
     "phi3-mqa-longrope": ("phi3", {"num_key_value_heads": 1, **longrope(8)}),
+    # Gemma: soft-capping on the torch backend of each rank, (1 + w) norms replicated,
+    # Gemma 3's q/k norms and local RoPE on replicated kv heads.
+    "gemma2": ("gemma2", {"intermediate_size": 37}),
+    "gemma3-mqa": ("gemma3_text", {"num_key_value_heads": 1, "tie_word_embeddings": True}),
 }
 
 
