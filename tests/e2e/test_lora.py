@@ -1,9 +1,11 @@
 """LoRA adapters served over HTTP: 12 concurrent requests over three adapters and the base
-each get exactly what they get alone, and each adapter answers differently from the base."""
+each get exactly what they get alone, and each adapter answers differently from the base;
+adapters loaded, unloaded and reloaded at runtime while other streams run, none failing."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +28,15 @@ TARGETS = {
 }
 
 
-async def _answer(client: httpx.AsyncClient, prompt: str, adapter: str | None) -> list[int]:
+def _body(prompt: str, adapter: str | None) -> dict[str, Any]:
     parameters: dict[str, Any] = {"max_new_tokens": 8, "ignore_eos": True, "details": True}
     if adapter is not None:
         parameters["adapter_id"] = adapter
-    response = await client.post("/generate", json={"inputs": prompt, "parameters": parameters})
+    return {"inputs": prompt, "parameters": parameters}
+
+
+async def _answer(client: httpx.AsyncClient, prompt: str, adapter: str | None) -> list[int]:
+    response = await client.post("/generate", json=_body(prompt, adapter))
     assert response.status_code == 200, response.text
     return [token["id"] for token in response.json()["details"]["tokens"]]
 
@@ -63,6 +69,69 @@ def test_twelve_concurrent_requests_over_three_adapters_and_the_base(
                     assert len({tuple(t) for t in alone[i : i + 4]}) == 4, alone[i : i + 4]
                 models = (await client.get("/v1/models")).json()["data"]
                 assert sorted(m["id"] for m in models[1:]) == sorted(TARGETS)
+
+        asyncio.run(run())
+    finally:
+        assert server.stop() == 0
+
+
+async def _stream(client: httpx.AsyncClient, prompt: str, adapter: str | None) -> list[int]:
+    """The token ids of a /generate_stream of 48 tokens; fails on any error event."""
+    parameters: dict[str, Any] = {"max_new_tokens": 48, "ignore_eos": True}
+    if adapter is not None:
+        parameters["adapter_id"] = adapter
+    body = {"inputs": prompt, "parameters": parameters}
+    ids = []
+    async with client.stream("POST", "/generate_stream", json=body) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if line.startswith("data:"):
+                event = json.loads(line.removeprefix("data:"))
+                assert "error" not in event, event
+                ids.append(event["token"]["id"])
+    return ids
+
+
+def test_adapters_load_unload_and_reload_while_other_streams_run(
+    launch_server: Any, tmp_path: Path
+) -> None:
+    base = build_tiny_model(tmp_path / "base")
+    for seed, name in enumerate(("attn", "mlp")):
+        make_adapter(base, tmp_path / name, seed, r=8, lora_alpha=32, target_modules=TARGETS[name])
+    server = launch_server(
+        tmp_path,
+        "--model-id", str(base),
+        "--dtype", "float32",
+        "--lora-adapters", f"attn={tmp_path / 'attn'}",
+        "--max-loras", "2",
+    )  # fmt: skip
+    try:
+        server.wait_ready()
+
+        async def run() -> None:
+            async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+                prompt = "The quick brown fox "
+                alone = {a: await _stream(client, prompt, a) for a in (None, "attn")}
+                streams = [
+                    asyncio.ensure_future(_stream(client, prompt, a)) for a in (None, "attn") * 2
+                ]
+                mlp = {"lora_name": "mlp", "lora_path": str(tmp_path / "mlp")}
+                assert (await client.post("/v1/load_lora_adapter", json=mlp)).status_code == 200
+                assert not all(s.done() for s in streams)  # loaded while they run
+                first = await _answer(client, prompt, "mlp")
+                unload = await client.post("/v1/unload_lora_adapter", json={"lora_name": "mlp"})
+                assert unload.status_code == 200
+                gone = await client.post("/generate", json=_body(prompt, "mlp"))
+                assert gone.status_code == 422, gone.text
+                assert (await client.post("/v1/load_lora_adapter", json=mlp)).status_code == 200
+                assert await _answer(client, prompt, "mlp") == first
+                in_use = await client.post("/v1/unload_lora_adapter", json={"lora_name": "attn"})
+                assert in_use.status_code == 400 and "in flight" in in_use.text
+                results = await asyncio.gather(*streams)
+                assert results == [alone[None], alone["attn"]] * 2
+                assert first[:8] != alone[None][:8]
+                models = (await client.get("/v1/models")).json()["data"]
+                assert [m["id"] for m in models[1:]] == ["attn", "mlp"]
 
         asyncio.run(run())
     finally:
