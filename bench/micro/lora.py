@@ -23,6 +23,7 @@ from textgate.bench.micro.step import BLOCK_SIZE, time_batch
 from textgate.bench.serving.tokenizer import default_model_dir
 from textgate.proto import generate_pb2 as pb
 from textgate.shard_server.layers.lora import LoraAdapter, attach
+from textgate.shard_server.layers.lora_limits import LoraLimits
 from textgate.shard_server.loading.shard_loader import load_model
 from textgate.shard_server.protocols.paged_model import CacheConfig, PagedModel
 
@@ -75,6 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.dtype,
             cache_config=CacheConfig(BLOCK_SIZE, 1 << 30),
             lora_adapters=adapters,
+            lora_limits=LoraLimits(max_loras=len(adapters), max_rank=args.rank),
         )
         assert isinstance(model, PagedModel)
         started = time.perf_counter()
