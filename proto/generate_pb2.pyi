@@ -180,12 +180,24 @@ class Request(_message.Message):
     def __init__(self, id: _Optional[int] = ..., inputs: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., parameters: _Optional[_Union[NextTokenChooserParameters, _Mapping]] = ..., stopping_parameters: _Optional[_Union[StoppingCriteriaParameters, _Mapping]] = ..., prefill_logprobs: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., cache_len: _Optional[int] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., adapter_id: _Optional[str] = ...) -> None: ...
 
 class Grammar(_message.Message):
-    __slots__ = ("type", "value")
+    __slots__ = ("type", "value", "thinking")
     TYPE_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
+    THINKING_FIELD_NUMBER: _ClassVar[int]
     type: GrammarType
     value: str
-    def __init__(self, type: _Optional[_Union[GrammarType, str]] = ..., value: _Optional[str] = ...) -> None: ...
+    thinking: ThinkingMarkers
+    def __init__(self, type: _Optional[_Union[GrammarType, str]] = ..., value: _Optional[str] = ..., thinking: _Optional[_Union[ThinkingMarkers, _Mapping]] = ...) -> None: ...
+
+class ThinkingMarkers(_message.Message):
+    __slots__ = ("end_token_id", "starts_inside", "start_token_id")
+    END_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    STARTS_INSIDE_FIELD_NUMBER: _ClassVar[int]
+    START_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    end_token_id: int
+    starts_inside: bool
+    start_token_id: int
+    def __init__(self, end_token_id: _Optional[int] = ..., starts_inside: _Optional[bool] = ..., start_token_id: _Optional[int] = ...) -> None: ...
 
 class Tokens(_message.Message):
     __slots__ = ("ids", "logprobs", "texts", "is_special")

@@ -62,15 +62,37 @@ _GRAMMAR_TYPES: dict[str, pb.GrammarType] = {
 
 
 @dataclass(frozen=True)
+class ThinkingMarkers:
+    """How a reasoning model's text marks its thinking, as single token ids."""
+
+    end_token_id: int
+    """Ends the thinking."""
+    starts_inside: bool
+    """The text begins inside the thinking (the prompt opened it)."""
+    start_token_id: int | None = None
+    """Otherwise the text thinks only when its first token is this one."""
+
+    def to_pb(self) -> pb.ThinkingMarkers:
+        return pb.ThinkingMarkers(
+            end_token_id=self.end_token_id,
+            starts_inside=self.starts_inside,
+            start_token_id=self.start_token_id,
+        )
+
+
+@dataclass(frozen=True)
 class GrammarSpec:
     """A constraint on the generated text (structured output), enforced by the shards."""
 
     kind: GrammarKind
     value: str
     """A JSON schema as JSON text, a regular expression, or an EBNF grammar."""
+    thinking: ThinkingMarkers | None = None
+    """Set: the text may think first and the grammar applies after the thinking."""
 
     def to_pb(self) -> pb.Grammar:
-        return pb.Grammar(type=_GRAMMAR_TYPES[self.kind], value=self.value)
+        thinking = None if self.thinking is None else self.thinking.to_pb()
+        return pb.Grammar(type=_GRAMMAR_TYPES[self.kind], value=self.value, thinking=thinking)
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from textgate.registry import Registry
+from textgate.router.engine.request import ThinkingMarkers
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,24 @@ for _parser in (ReasoningParser("deepseek_r1", True), ReasoningParser("qwen3", F
 def reasoning_parser(name: str | None) -> ReasoningParser | None:
     """The parser `--reasoning-parser name` means (None: none)."""
     return None if name is None else PARSERS.lookup(name)
+
+
+def thinking_markers(parser: ReasoningParser | None, tokenizer: Any) -> ThinkingMarkers | None:
+    """The parser's tags as the tokenizer's single tokens (as Qwen3's and DeepSeek-R1's
+    vocabularies have them), so a grammar can wait for the thinking to end; None without
+    a parser, or where a tag the parser needs takes several tokens."""
+    if parser is None:
+        return None
+    end = _single_token(tokenizer, parser.end)
+    start = _single_token(tokenizer, parser.start)
+    if end is None or (start is None and not parser.starts_inside):
+        return None
+    return ThinkingMarkers(end, parser.starts_inside, None if parser.starts_inside else start)
+
+
+def _single_token(tokenizer: Any, text: str) -> int | None:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 else None
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ so a request breaking several rules gets the same message it would get from TGI.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Sequence, Sized
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from typing import Any, Protocol, cast
 
 from textgate.router.config import RouterConfig
 from textgate.router.engine.lora_registry import LoraRegistry
-from textgate.router.engine.request import ValidRequest
+from textgate.router.engine.request import GrammarSpec, ValidRequest
 from textgate.router.generation.parameters import (
     MAX_CHARS_PER_TOKEN,
     check_best_of,
@@ -31,7 +32,8 @@ from textgate.router.generation.parameters import (
 # Re-exported: the routes catch and raise ValidationError under this module's name.
 from textgate.router.generation.parameters import MAX_SEED as MAX_SEED
 from textgate.router.generation.parameters import ValidationError as ValidationError
-from textgate.router.generation.schemas import GenerateRequest, SimpleToken
+from textgate.router.generation.reasoning import reasoning_parser, thinking_markers
+from textgate.router.generation.schemas import GenerateParameters, GenerateRequest, SimpleToken
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,9 @@ class Validator:
         self._executor = ThreadPoolExecutor(
             max_workers=config.validation_workers, thread_name_prefix="tokenizer"
         )
+        parser = reasoning_parser(config.reasoning_parser)
+        self._thinking = thinking_markers(parser, tokenizer)
+        """A templated prompt's grammar waits for the thinking to end (None: it does not)."""
 
     async def validate(
         self,
@@ -115,10 +120,18 @@ class Validator:
             top_n_tokens=params.top_n_tokens or 0,
             decoder_input_details=params.decoder_input_details,
             best_of=best_of,
-            grammar=grammar_spec(params),
+            grammar=self._grammar(params, wording),
             adapter_id=self._check_adapter(params.adapter_id),
             skip_special_tokens=params.skip_special_tokens,
         )
+
+    def _grammar(self, params: GenerateParameters, wording: Wording) -> GrammarSpec | None:
+        """The request's grammar; on a chat turn (a templated prompt) of a reasoning model,
+        one that applies after the thinking, so the model may think first."""
+        grammar = grammar_spec(params)
+        if grammar is None or self._thinking is None or not wording.templated:
+            return grammar
+        return dataclasses.replace(grammar, thinking=self._thinking)
 
     @property
     def adapters(self) -> tuple[str, ...]:

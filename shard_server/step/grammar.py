@@ -12,6 +12,12 @@ of its token budget, a request's mask is narrowed to the tokens after which its 
 still be completed in time (shard_server/step/grammar_budget.py), so the text it ends with
 parses.
 
+A reasoning model on a chat route thinks before it answers: its grammar carries the
+thinking's markers (`pb.ThinkingMarkers`), and the state leaves the text unconstrained
+until the token that ends the thinking, then constrains what follows (as vLLM does with
+a reasoning parser). A text that may or may not think (Qwen3) thinks only when its first
+token opens the thinking; any other first token is the grammar's.
+
 Masks are filled on a worker thread (`MaskFiller`) while the model's forward pass runs:
 both release the GIL, so for batches of a few grammar requests the masks cost no step
 time. Requests without a grammar have no row in the bitmask and are sampled unchanged.
@@ -96,24 +102,50 @@ def _keep_fitting(
         masked[row].masked_fill_(drop, float("-inf"))
 
 
-class GrammarState:
-    """One request's position in its grammar (and, with a `closer`, in its token budget)."""
+def _allow(bitmask: torch.Tensor, row: int, token_id: int) -> None:
+    """Set token `token_id`'s bit in row `row` (int32 words: bit 31 is the sign bit)."""
+    bit = 1 << (token_id % BITS)
+    word = bitmask[row, token_id // BITS]
+    bitmask[row, token_id // BITS] = word | (bit - (1 << 32) if bit >= 1 << 31 else bit)
 
-    def __init__(self, matcher: Any, closer: BudgetCloser | None = None) -> None:
+
+class GrammarState:
+    """One request's position in its grammar (and, with a `closer`, in its token budget;
+    with `thinking`, in a reasoning model's thinking before it)."""
+
+    def __init__(
+        self,
+        matcher: Any,
+        closer: BudgetCloser | None = None,
+        thinking: pb.ThinkingMarkers | None = None,
+    ) -> None:
         self._matcher = matcher
         self._closer = closer
+        self._thinking = thinking
+        self._phase = "grammar"
+        """"grammar" (constrained), "thinking" (free until the end token), or "first"
+        (the first token may open the thinking)."""
+        if thinking is not None:
+            self._phase = "thinking" if thinking.starts_inside else "first"
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens that may come next into row `row` of `bitmask`: the grammar's,
-        narrowed to a completion of the text when the budget is close."""
+        narrowed to a completion of the text when the budget is close (every token while
+        thinking; the grammar's and the opening tag for a first token that may think)."""
+        if self._phase == "thinking":
+            bitmask[row] = -1  # every bit set
+            return
         self._matcher.fill_next_token_bitmask(bitmask, row)
+        if self._phase == "first" and self._thinking is not None:
+            _allow(bitmask, row, self._thinking.start_token_id)
         if self._closer is not None:
+            # A budget too short for thinking and an answer takes the opening tag away.
             self._closer.restrict(self._matcher, bitmask, row)
 
     @property
     def needs_check(self) -> bool:
         """This step's likeliest tokens must be checked against the budget (`refine`)."""
-        return self._closer is not None and self._closer.check
+        return self._phase != "thinking" and self._closer is not None and self._closer.check
 
     def refine(self, candidates: Sequence[int], first_only: bool = False) -> list[int]:
         """Which tokens may be sampled this step, given the likeliest `candidates`."""
@@ -124,7 +156,21 @@ class GrammarState:
         """Advance past `token_id`; False when the grammar does not allow it here."""
         if self._closer is not None:
             self._closer.accepted(token_id)
+        thinking = self._thinking
+        if self._phase == "first":
+            assert thinking is not None
+            self._phase = "thinking" if token_id == thinking.start_token_id else "grammar"
+        if self._phase == "thinking":
+            assert thinking is not None
+            if token_id == thinking.end_token_id:
+                self._phase = "grammar"
+            return True
         return bool(self._matcher.accept_token(token_id))
+
+    @property
+    def thinking(self) -> bool:
+        """The text is inside its thinking: nothing constrains it yet."""
+        return self._phase == "thinking"
 
     @property
     def closed_by_budget(self) -> bool:
@@ -135,7 +181,7 @@ class GrammarState:
     @property
     def terminated(self) -> bool:
         """The text is complete and its end-of-sequence token was accepted."""
-        return bool(self._matcher.is_terminated())
+        return self._phase == "grammar" and bool(self._matcher.is_terminated())
 
 
 class GrammarCompiler:
@@ -181,7 +227,8 @@ class GrammarCompiler:
         if max_new_tokens:
             index = self._index()
             closer = BudgetCloser(index, self._stop_token_ids, max_new_tokens, self.vocab_size)
-        return GrammarState(matcher, closer)
+        thinking = grammar.thinking if grammar.HasField("thinking") else None
+        return GrammarState(matcher, closer, thinking)
 
     def compile(self, grammar: pb.Grammar) -> Any:
         """The compiled grammar, from the cache when this exact grammar was seen."""

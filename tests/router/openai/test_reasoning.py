@@ -1,5 +1,6 @@
 """Reading a reasoning model's thinking apart from its answer: both parsers, every cut of
-the text streaming to the same fields, held-back tags, and the OpenAI chat shapes."""
+the text streaming to the same fields, held-back tags, the OpenAI chat shapes, and
+grammars that wait for the thinking on chat turns."""
 
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ from textgate.router.generation.reasoning import (
     UnknownReasoningParserError,
     read_reasoning,
     reasoning_parser,
+    thinking_markers,
 )
 from textgate.router.generation.stop_text import TextOptions
 from textgate.router.openai.answer import answer_message
 from textgate.router.openai.output import ResponseMeta
 from textgate.router.openai.stream import ChatChunks
+from textgate.tests.router.fake_shard import FakeShard, FakeTokenizer
 from textgate.tests.router.openai.routes_helpers import StartRouter, chat, sse
 
 R1 = reasoning_parser("deepseek_r1")
@@ -134,3 +137,45 @@ async def test_the_route_reads_with_the_configured_parser(start_openai: StartRou
     async with httpx.AsyncClient(base_url=await start_openai(reasoning_parser="qwen3")) as c:
         body = (await c.post("/v1/chat/completions", json=chat(max_tokens=3))).json()
         assert body["choices"][0]["message"] == {"role": "assistant", "content": " t10 t11 t12"}
+
+
+def test_markers_are_the_tags_single_tokens() -> None:
+    # The fake tokenizer makes each word one token: "<think>" is 3 + 7, "</think>" 3 + 8.
+    tokenizer = FakeTokenizer()
+    qwen3 = thinking_markers(QWEN3, tokenizer)
+    assert qwen3 is not None
+    assert (qwen3.start_token_id, qwen3.end_token_id, qwen3.starts_inside) == (10, 11, False)
+    r1 = thinking_markers(R1, tokenizer)
+    assert r1 is not None and (r1.start_token_id, r1.end_token_id, r1.starts_inside) == (
+        None,
+        11,
+        True,
+    )
+    assert thinking_markers(None, tokenizer) is None
+
+    class Split(FakeTokenizer):
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            return [1, 2] if "think" in text else super().encode(text, add_special_tokens)
+
+    assert thinking_markers(QWEN3, Split()) is None  # a tag of two tokens: no waiting
+
+
+async def test_a_chat_turns_grammar_waits_for_the_thinking(
+    start_openai: StartRouter, fake: FakeShard
+) -> None:
+    base_url = await start_openai(reasoning_parser="qwen3")
+    async with httpx.AsyncClient(base_url=base_url) as client:
+        body = chat(max_tokens=2, response_format={"type": "json_object"})
+        assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+        grammar = {"type": "json", "value": {"type": "object"}}
+        tgi = {"inputs": "w5", "parameters": {"max_new_tokens": 2, "grammar": grammar}}
+        assert (await client.post("/generate", json=tgi)).status_code == 200
+    chat_request, tgi_request = fake.received_requests()
+    thinking = chat_request.grammar.thinking
+    assert (thinking.start_token_id, thinking.end_token_id, thinking.starts_inside) == (
+        10,
+        11,
+        False,
+    )
+    # TGI's route reads no thinking out of the text, so its grammar holds from the start.
+    assert tgi_request.HasField("grammar") and not tgi_request.grammar.HasField("thinking")

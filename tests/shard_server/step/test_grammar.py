@@ -100,6 +100,55 @@ def test_the_state_allows_only_what_the_grammar_does_then_only_eos(
     assert state.terminated
 
 
+def _thinking_grammar(starts_inside: bool) -> pb.Grammar:
+    markers = pb.ThinkingMarkers(end_token_id=THINK_END, starts_inside=starts_inside)
+    if not starts_inside:
+        markers.start_token_id = THINK_START
+    return pb.Grammar(type=pb.GRAMMAR_TYPE_REGEX, value="ab", thinking=markers)
+
+
+THINK_START, THINK_END = 100, 101
+
+
+def test_thinking_is_free_until_its_end_token_then_the_grammar_holds(
+    compiler: GrammarCompiler, tokenizer: Any
+) -> None:
+    vocab = compiler.vocab_size
+    grammar_first = allowed_ids(
+        compiler.state(pb.Grammar(type=pb.GRAMMAR_TYPE_REGEX, value="ab")), vocab
+    )
+    state = compiler.state(_thinking_grammar(starts_inside=True), max_new_tokens=20)
+    assert state.thinking and allowed_ids(state, vocab) == set(range(vocab))
+    for token in (7, 8, THINK_START, 9):  # anything, the opening tag included, is thinking
+        assert state.accept(token) and state.thinking
+    assert state.accept(THINK_END) and not state.thinking
+    assert allowed_ids(state, vocab) == grammar_first
+    for token in tokenizer.encode("ab", add_special_tokens=False):
+        assert state.accept(token)
+    assert allowed_ids(state, vocab) == {tokenizer.eos_token_id}
+    assert state.accept(tokenizer.eos_token_id) and state.terminated
+
+
+def test_a_first_token_may_open_the_thinking_or_start_the_grammar(
+    compiler: GrammarCompiler, tokenizer: Any
+) -> None:
+    vocab = compiler.vocab_size
+    grammar_first = allowed_ids(
+        compiler.state(pb.Grammar(type=pb.GRAMMAR_TYPE_REGEX, value="ab")), vocab
+    )
+    opened = compiler.state(_thinking_grammar(starts_inside=False))
+    assert not opened.thinking
+    assert allowed_ids(opened, vocab) == grammar_first | {THINK_START}
+    assert opened.accept(THINK_START) and opened.thinking
+    assert allowed_ids(opened, vocab) == set(range(vocab))
+    assert opened.accept(THINK_END) and allowed_ids(opened, vocab) == grammar_first
+    # A first token of the grammar's: no thinking, and the opening tag is not allowed after.
+    straight = compiler.state(_thinking_grammar(starts_inside=False))
+    (a,) = tokenizer.encode("a", add_special_tokens=False)
+    assert straight.accept(a) and not straight.thinking
+    assert THINK_START not in allowed_ids(straight, vocab)
+
+
 def test_masks_are_filled_on_the_grammar_thread(compiler: GrammarCompiler) -> None:
     seen: list[str] = []
 
