@@ -4,6 +4,12 @@
   prefill over the paged cache; programs in `attention_kernels`).
 - `layers`: fused layer ops (residual add + RMSNorm, in-place rotary on q/k, SiLU·mul,
   KV-cache store by slot mapping; programs in `layer_kernels`).
+- `int4_matmul`: the 4-bit GPTQ/AWQ matmul.
+- `fused_moe`: a mixture-of-experts block as grouped matmuls over expert-sorted (token,
+  expert) pairs (programs in `fused_moe_kernels`).
+- `lora_sgmv`: LoRA updates of a step's rows sorted by adapter, Punica's SGMV shrink and
+  expand (programs in `lora_sgmv_kernels`).
+- `dot`: the float32-accumulating `tl.dot` the programs share.
 
 The modules holding `@triton.jit` programs import triton, and are loaded on first use:
 importing this package never needs triton. Triton compiles for CUDA GPUs; with

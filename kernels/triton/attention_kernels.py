@@ -18,20 +18,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from textgate.kernels.triton.dot import dot
+
 # log2(e): exp(x) = exp2(x * LOG2E).
 LOG2E = 1.4426950408889634
 NO_MAX: tl.constexpr = tl.constexpr(-1.0e30)
-
-
-@triton.jit
-def _dot(a, b, UPCAST: tl.constexpr):
-    """a @ b with float32 accumulation. UPCAST: multiply in float32 (the interpreter's
-    bfloat16 dot is wrong; float32 caches take the exact path)."""
-    if UPCAST:
-        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        out = tl.dot(a, b)
-    return out
 
 
 @triton.jit
@@ -107,13 +98,13 @@ def _softmax_step(query, keys, values, visible, m_i, l_i, acc, qk_scale, UPCAST:
     """One tile of the streaming softmax: fold keys/values [BLOCK_N, BLOCK_D] into the running
     (max m_i [rows], sum l_i [rows], accumulator acc [rows, BLOCK_D]) of query [rows, BLOCK_D];
     keys where `visible` (broadcast to [rows, BLOCK_N]) is false score -inf."""
-    scores = _dot(query, tl.trans(keys), UPCAST) * qk_scale  # [rows, BLOCK_N]
+    scores = dot(query, tl.trans(keys), UPCAST) * qk_scale  # [rows, BLOCK_N]
     scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     p = tl.math.exp2(scores - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + _dot(p.to(values.dtype), values, UPCAST)
+    acc = acc * alpha[:, None] + dot(p.to(values.dtype), values, UPCAST)
     return m_new, l_i, acc
 
 

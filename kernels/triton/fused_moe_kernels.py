@@ -13,16 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _dot(a, b, UPCAST: tl.constexpr):
-    """a @ b with float32 accumulation. UPCAST: multiply in float32, exactly (the
-    interpreter's bfloat16 dot is wrong; float32 weights want IEEE, not tf32)."""
-    if UPCAST:
-        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        out = tl.dot(a, b)
-    return out
+from textgate.kernels.triton.dot import dot
 
 
 @triton.jit
@@ -76,10 +67,10 @@ def expert_matmul_kernel(
         )  # [BLOCK_M, BLOCK_K]
         w_mask = k_mask[:, None] & col_mask[None, :]
         w = tl.load(weight + ks[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
-        acc += _dot(a, w, UPCAST)
+        acc += dot(a, w, UPCAST)
         if GATE_UP:
             up = tl.load(weight + N * stride_wn + ks[:, None], mask=w_mask, other=0.0)
-            acc_up += _dot(a, up, UPCAST)
+            acc_up += dot(a, up, UPCAST)
     dtype = out_ptr.dtype.element_ty
     if GATE_UP:
         gate = acc.to(dtype).to(tl.float32)

@@ -12,16 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _dot(a, b, UPCAST: tl.constexpr):
-    """a @ b with float32 accumulation. UPCAST: multiply in float32, exactly (the
-    interpreter's bfloat16 dot is wrong; float32 weights want IEEE, not tf32)."""
-    if UPCAST:
-        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        out = tl.dot(a, b)
-    return out
+from textgate.kernels.triton.dot import dot
 
 
 @triton.jit
@@ -66,7 +57,7 @@ def sgmv_shrink_kernel(
             other=0.0,
         )  # [BLOCK_M, BLOCK_K]
         w = tl.load(a + ks[:, None], mask=k_mask[:, None] & rank_mask[None, :], other=0.0)
-        acc += _dot(x, w, UPCAST)  # w: [BLOCK_K, BLOCK_R]
+        acc += dot(x, w, UPCAST)  # w: [BLOCK_K, BLOCK_R]
     out = v_ptr + positions[:, None].to(tl.int64) * stride_vm + ranks[None, :]
     tl.store(out, acc.to(v_ptr.dtype.element_ty), mask=row_mask[:, None] & rank_mask[None, :])
 
@@ -115,7 +106,7 @@ def sgmv_expand_kernel(
             other=0.0,
         )  # [BLOCK_M, BLOCK_R]
         w = tl.load(b + ranks[:, None], mask=rank_mask[:, None] & col_mask[None, :], other=0.0)
-        acc += _dot(v, w, UPCAST)  # w: [BLOCK_R, BLOCK_N]
+        acc += dot(v, w, UPCAST)  # w: [BLOCK_R, BLOCK_N]
     dtype = y_ptr.dtype.element_ty
     update = (acc * scale).to(dtype).to(tl.float32)  # rounded as the PyTorch path rounds
     y = y_ptr + rows[:, None] * stride_ym + cols[None, :]
