@@ -1,5 +1,10 @@
 """Prometheus metrics under TGI's names, so TGI's Grafana dashboards and alerts work unchanged.
 
+Beside them, the few vLLM-named series that the Gateway API Inference Extension's endpoint
+picker and llm-d read to route between replicas (`vllm:num_requests_waiting`,
+`vllm:num_requests_running`, `vllm:kv_cache_usage_perc`, `vllm:cache_config_info`,
+`vllm:lora_requests_info`; docs/scaling.md), from the same sources as the `tgi_*` ones.
+
 Every app owns a `Metrics` with its own `CollectorRegistry` (tests build many apps in
 one process). The HTTP handlers record per-request metrics (`request_*`), the engines
 record per-step ones (`batch_*`, `queue_size`, `running_batch`) and expose their KV
@@ -15,6 +20,7 @@ token-count histograms use 100 even steps up to the configured token limits.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -92,14 +98,28 @@ class KvCacheStats:
     """Requests whose blocks were taken back (recompute) since the scheduler started."""
 
 
+@dataclass(frozen=True)
+class AdapterStats:
+    """A paged engine's LoRA adapters, read at scrape time."""
+
+    max_loras: int
+    """Most adapters resident at once (--max-loras); 0 where the model takes none."""
+    num_running: Mapping[str, int]
+    """Adapter -> its requests holding KV blocks (the scheduler's running ones)."""
+    num_waiting: Mapping[str, int]
+    """Adapter -> its requests waiting to be scheduled (new or preempted)."""
+
+
 class Metrics:
-    """TGI's metrics (and textgate's KV-cache ones) in a registry of their own."""
+    """TGI's metrics (and textgate's KV-cache ones, and vLLM-named ones for routers) in a
+    registry of their own."""
 
     def __init__(self, max_input_tokens: int = 4095, max_total_tokens: int = 4096) -> None:
         """Token-count histograms get 100 even buckets up to the given limits (TGI's choice)."""
         self.registry = CollectorRegistry()
         self._kv_cache: _KvCacheCollector | None = None
         self._batch_controller: _BatchControllerCollector | None = None
+        self._adapters: _AdapterCollector | None = None
         self._define_request_metrics(max_input_tokens, max_total_tokens)
         self._define_batch_metrics()
 
@@ -165,10 +185,12 @@ class Metrics:
 
     def queue_size(self, num_waiting: int) -> None:
         self._queue_size.set(num_waiting)
+        self._vllm_waiting.set(num_waiting)
 
     def running_batch(self, size: int, max_tokens: int) -> None:
         """The running batch after a step: its requests and their token budget."""
         self._batch_size.set(size)
+        self._vllm_running.set(size)
         self._batch_max_tokens.set(max_tokens)
 
     def next_batch(self, size: int) -> None:
@@ -209,6 +231,15 @@ class Metrics:
             self.registry.register(self._batch_controller)
         else:
             self._batch_controller.state = state
+
+    def watch_adapters(self, stats: Callable[[], AdapterStats]) -> None:
+        """Export the LoRA adapters in use as vLLM does (`vllm:lora_requests_info`): `stats`
+        is called at every scrape; nothing is exported while it reports `max_loras` 0."""
+        if self._adapters is None:
+            self._adapters = _AdapterCollector(stats)
+            self.registry.register(self._adapters)
+        else:
+            self._adapters.stats = stats
 
     # ---- exposition ----
 
@@ -307,6 +338,13 @@ class Metrics:
         self._concat_duration = _seconds(
             "tgi_batch_concat_duration", "Time spent concatenating batches", r, ["method"]
         )
+        # vLLM's names, read by the endpoint picker's queue and running-requests scorers.
+        self._vllm_waiting = Gauge(
+            "vllm:num_requests_waiting", "Requests waiting to be scheduled", registry=r
+        )
+        self._vllm_running = Gauge(
+            "vllm:num_requests_running", "Requests in the running batch", registry=r
+        )
 
 
 def _seconds(
@@ -358,6 +396,20 @@ class _KvCacheCollector(Collector):
         yield CounterMetricFamily(
             "textgate_preemptions", "Requests preempted to free KV blocks", s.num_preemptions
         )
+        # vLLM's: the fraction of the pool held by requests (evictable prefix-cache blocks
+        # count as free, as in vLLM's BlockPool.get_usage), 0..1 despite the name.
+        yield GaugeMetricFamily(
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage, 1 = full",
+            s.num_used_blocks / total if total else 0.0,
+        )
+        config = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "KV-cache layout, in labels (value 1)",
+            labels=["block_size", "num_gpu_blocks"],
+        )
+        config.add_metric([str(s.block_size), str(total)], 1.0)
+        yield config
 
 
 class _BatchControllerCollector(Collector):
@@ -396,6 +448,36 @@ class _BatchControllerCollector(Collector):
         latency.add_metric(["decode"], s.decode_step_latency_s)
         latency.add_metric(["mixed"], s.mixed_step_latency_s)
         yield latency
+
+
+class _AdapterCollector(Collector):
+    """vLLM's LoRA info gauge: which adapters have requests running and waiting, in labels.
+
+    As in vLLM, each label lists adapter names comma-separated and the value is the time
+    (Unix seconds) the labels describe, here the scrape, so a reader keeps the newest series.
+    """
+
+    def __init__(self, stats: Callable[[], AdapterStats]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterable[Metric]:
+        s = self.stats()
+        if s.max_loras == 0:
+            return
+        info = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "LoRA adapters with requests running and waiting (value: when, Unix seconds)",
+            labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+        )
+        info.add_metric(
+            [str(s.max_loras), _adapter_names(s.num_running), _adapter_names(s.num_waiting)],
+            time.time(),
+        )
+        yield info
+
+
+def _adapter_names(counts: Mapping[str, int]) -> str:
+    return ",".join(sorted(name for name, count in counts.items() if count > 0))
 
 
 def render(registry: CollectorRegistry) -> bytes:

@@ -73,7 +73,12 @@ def make_engine(
     log.info("Batch controller: %s", describe_controller(paged, controller.target_itl_s))
     adapters = LoraRegistry(info.lora_adapters)
     return PagedEngine(
-        shards, scheduler, config.max_concurrent_requests, metrics=metrics, adapters=adapters
+        shards,
+        scheduler,
+        config.max_concurrent_requests,
+        metrics=metrics,
+        adapters=adapters,
+        max_loras=info.max_loras,
     )
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
 
 from textgate.proto import generate_pb2 as pb
@@ -28,7 +29,7 @@ from textgate.router.engine.request import ValidRequest
 from textgate.router.engine.scheduler import ModelStepResult, Scheduler, SchedulerOutput
 from textgate.router.engine.shard_calls import ShardCalls, StepFailed
 from textgate.router.engine.step_task import SHUTDOWN_MESSAGE, StepTask
-from textgate.router.metrics import DECODE, PREFILL, KvCacheStats, Metrics
+from textgate.router.metrics import DECODE, PREFILL, AdapterStats, KvCacheStats, Metrics
 from textgate.router.shard_client import ShardedClient
 from textgate.router.tracing import enabled as tracing_enabled
 
@@ -49,13 +50,16 @@ class PagedEngine:
         *,
         metrics: Metrics | None = None,
         adapters: LoraRegistry | None = None,
+        max_loras: int = 0,
     ) -> None:
-        """`metrics` gets the step metrics and watches the KV cache and the batch controller
-        (a private one by default); `adapters` are the LoRA adapters the shards hold."""
+        """`metrics` gets the step metrics and watches the KV cache, the batch controller and
+        the adapters (a private one by default); `adapters` are the LoRA adapters the shards
+        hold, at most `max_loras` (0: the model takes none)."""
         self.scheduler = scheduler
         self.adapters = adapters if adapters is not None else LoraRegistry()
         """What requests may name as `adapter_id`, and their prefix-cache salts."""
         self._metrics = metrics or Metrics()
+        self._max_loras = max_loras
         self._admitted = Admitted(max_concurrent_requests)
         self.shard_calls = ShardCalls(shards, self._metrics)
         """Every call to the shards; `shard_calls.timeout_s` is --shard-step-timeout."""
@@ -67,6 +71,7 @@ class PagedEngine:
         self._finished_for_shards: list[int] = []
         self._metrics.watch_kv_cache(self._kv_cache_stats)
         self._metrics.watch_batch_controller(self._controller_state)
+        self._metrics.watch_adapters(self._adapter_stats)
 
     @property
     def num_active(self) -> int:
@@ -275,3 +280,14 @@ class PagedEngine:
             num_prefix_query_tokens=allocator.num_prefix_query_tokens,
             num_preemptions=self.scheduler.num_preemptions,
         )
+
+    def _adapter_stats(self) -> AdapterStats:
+        """Requests per adapter: running ones hold KV blocks, waiting ones do not yet."""
+        running: Counter[str] = Counter()
+        waiting: Counter[str] = Counter()
+        for entry in self._admitted:
+            adapter = entry.request.adapter_id
+            if adapter and self.scheduler.has_request(entry.id):
+                held = self.scheduler.allocator.has_table(entry.id)
+                (running if held else waiting)[adapter] += 1
+        return AdapterStats(self._max_loras, running, waiting)
