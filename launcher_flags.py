@@ -157,7 +157,8 @@ class LauncherConfig:
         (),
         "LoRA adapters to serve beside the base model, TGI's syntax: comma-separated "
         "id=path or path (a PEFT folder; its id is the folder's name); requests pick one "
-        "with adapter_id (TGI) or model (OpenAI); native models on one shard",
+        "with adapter_id (TGI) or model (OpenAI); native models, split over --num-shard "
+        "like their base layers",
         lora_adapters,
     )
     max_loras: int = flag(

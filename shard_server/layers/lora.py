@@ -10,6 +10,10 @@ adapter and layer, added in place: `LoraLayer.add`; a fused layer's parts are on
 the step's `LoraRows`, set around the forward pass (`lora_rows`); without it, or when
 no row uses an adapter, a layer is its base alone. A fused layer (q/k/v, gate/up) keeps
 one update per part, folded into one pair whose B is block-diagonal over the parts.
+
+Under tensor parallelism each rank holds its share of every update, split as the base
+layer's weight is (`place`): a column-parallel layer's rows of B, a row-parallel layer's
+columns of A, whose partial update joins the partial sum before the all-reduce.
 """
 
 from __future__ import annotations
@@ -25,8 +29,13 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
+from textgate.quantization.weights import Shard
 from textgate.shard_server.layers.moe import GROUPED_MM, grouped_mm_runs
 from textgate.shard_server.layers.step_local import StepLocal
+from textgate.shard_server.layers.tensor_parallel import (
+    TensorParallelColumnLinear,
+    TensorParallelRowLinear,
+)
 
 # PEFT's target names -> (the native layer that holds them, the part's index in it).
 TARGETS: dict[str, tuple[str, int]] = {
@@ -232,8 +241,9 @@ def _locate(name: str, key: str) -> tuple[int, str]:
 
 @dataclass(frozen=True)
 class Placement:
-    """One of an adapter's updates checked against the layer it goes to: that layer
-    (`holder`, whose `lora` it joins), its fused output size and the part's columns."""
+    """One of an adapter's updates checked against the layer it goes to and cut to this
+    rank's share of it: that layer (`holder`, whose `lora` it joins), its fused output size
+    on this rank and the part's columns there."""
 
     holder: torch.nn.Module
     out_features: int
@@ -246,8 +256,8 @@ class Placement:
 def place(model: torch.nn.Module, adapter: LoraAdapter) -> list[Placement]:
     """Where each of `adapter`'s updates goes in a native model's layers; changes nothing.
 
-    One shard's layout (the caller refuses tensor parallelism). Every update is checked
-    against its layer's shapes (LoraError naming the adapter, the layer and both)."""
+    Every update is checked against its layer's whole shapes (LoraError naming the
+    adapter, the layer and both), then split over the ranks as the layer is (`_split`)."""
     layers = model.layers  # type: ignore[attr-defined]
     placements = []
     for (index, target), (a, b) in adapter.weights.items():
@@ -272,8 +282,32 @@ def place(model: torch.nn.Module, adapter: LoraAdapter) -> list[Placement]:
                 f"and B {tuple(b.shape)} do not fit the base layer ({in_features} inputs, "
                 f"{end - start} outputs)"
             )
-        placements.append(Placement(holder, sum(sizes), start, end, a, b))
+        placements.append(_split(holder, part, sizes, a, b))
     return placements
+
+
+def _split(holder: torch.nn.Module, part: int, sizes: list[int], a: Tensor, b: Tensor) -> Placement:
+    """Part `part`'s update A [r, in], B [sizes[part], r] cut as `holder`'s weight was at
+    load (its `layout`, the ranges the loader read): a row-parallel layer takes its input
+    columns of A and all of B, since the ranks' partial x @ A.T sum to the whole one before
+    B (the layer adds its update before the all-reduce); a column-parallel layer all of A
+    and its output rows of B, part by part (q/k/v by head, gate/up each on its own)."""
+    if isinstance(holder, TensorParallelRowLinear):
+        columns = holder.layout.part(0, a.shape[1])
+        a = a[:, columns.start : columns.stop].contiguous()  # [r, in / ranks]
+        return Placement(holder, sizes[0], 0, sizes[0], a, b)
+    assert isinstance(holder, TensorParallelColumnLinear)  # the fused q/k/v and gate/up
+    local = [holder.layout.part(i, size) for i, size in enumerate(sizes)]
+    start = sum(shard.size for shard in local[:part])
+    b = _rows(b, local[part])  # [this rank's outputs of the part, r]
+    return Placement(holder, sum(shard.size for shard in local), start, start + b.shape[0], a, b)
+
+
+def _rows(tensor: Tensor, shard: Shard) -> Tensor:
+    """Rows `shard` of `tensor`, copied when they are a part, so the whole can be freed."""
+    if (shard.start, shard.stop) == (0, tensor.shape[0]):
+        return tensor
+    return tensor[shard.start : shard.stop].clone()
 
 
 def apply(slot: int, scale: float, placements: Sequence[Placement]) -> None:
@@ -316,7 +350,8 @@ def detach(model: torch.nn.Module, slot: int) -> None:
 
 
 def _layout(config: object, holder: str) -> tuple[int, list[int]]:
-    """(inputs, output sizes of its fused parts) of a Llama-family layer on one shard."""
+    """(inputs, output sizes of its fused parts) of a Llama-family layer, whole (before
+    tensor parallelism splits it)."""
     hidden = config.hidden_size  # type: ignore[attr-defined]
     q = config.num_heads * config.head_dim  # type: ignore[attr-defined]
     kv = config.num_kv_heads * config.head_dim  # type: ignore[attr-defined]

@@ -36,8 +36,8 @@ class ReadAdapter:
 class LoraSlots:
     """The adapters attached to `model`: id -> slot (slot 0 is the base).
 
-    `unsupported` says why this model takes no adapters (transformers' modules, tensor
-    parallelism); every load then fails with it."""
+    `unsupported` says why this model takes no adapters (transformers' modules); every
+    load then fails with it."""
 
     def __init__(
         self, model: Any, limits: LoraLimits | None = None, unsupported: str | None = None

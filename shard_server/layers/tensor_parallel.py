@@ -8,6 +8,7 @@ the partial outputs over the process group. With one rank every collective is sk
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from itertools import accumulate
 from typing import TYPE_CHECKING
 
@@ -16,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from textgate.quantization.weights import Shard, Weights
+from textgate.quantization.weights import Shard, Weights, even_shard
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -58,12 +59,36 @@ def all_reduce(x: Tensor, group: ProcessGroup | None) -> Tensor:
     return x
 
 
+@dataclass(frozen=True)
+class ShardLayout:
+    """The range of a linear's split dimension (a column linear's outputs, a row linear's
+    inputs) that this rank loaded, per fused part; a LoRA update of the layer is split by
+    it (`layers.lora.place`), so the two cannot split differently."""
+
+    parts: tuple[Shard | None, ...] = ()
+    """Each part's range as the load was given it; None (or absent): the loaders' own
+    default, an even split (`Weights.even_shard`)."""
+    rank: int = 0
+    world_size: int = 1
+
+    @classmethod
+    def of(cls, weights: Weights, parts: Sequence[Shard | None]) -> ShardLayout:
+        return cls(tuple(parts), weights.rank, weights.world_size)
+
+    def part(self, index: int, size: int) -> Shard:
+        """This rank's range of part `index`, a dimension of `size` features."""
+        shard = self.parts[index] if index < len(self.parts) else None
+        return shard if shard is not None else even_shard(size, self.rank, self.world_size)
+
+
 class TensorParallelColumnLinear(nn.Module):
     """A linear whose output features are split over the ranks (no communication)."""
 
-    def __init__(self, linear: nn.Module) -> None:
+    def __init__(self, linear: nn.Module, layout: ShardLayout | None = None) -> None:
         super().__init__()
         self.linear = linear
+        self.layout = layout or ShardLayout()
+        """The output rows of each fused part this rank holds."""
         self.lora: LoraLayer | None = None
         """LoRA adapters' updates of this layer (layers.lora.attach); None: none."""
 
@@ -74,7 +99,7 @@ class TensorParallelColumnLinear(nn.Module):
         """This rank's output rows of `<prefix>.weight` (and bias)."""
         weight = weights.get_weights_col(prefix, shard)
         bias_tensor = weights.get_sharded(f"{prefix}.bias", 0, shard) if bias else None
-        return cls(weight.get_linear(bias_tensor))
+        return cls(weight.get_linear(bias_tensor), ShardLayout.of(weights, [shard]))
 
     @classmethod
     def load_multi(
@@ -87,16 +112,16 @@ class TensorParallelColumnLinear(nn.Module):
     ) -> TensorParallelColumnLinear:
         """Several column linears fused into one (q/k/v, gate/up), each sliced for this rank."""
         weight = weights.get_multi_weights_col(prefixes, 0, shards)
+        per_prefix = shards if shards is not None else [None] * len(prefixes)
         bias_tensor = None
         if bias:
-            per_prefix = shards if shards is not None else [None] * len(prefixes)
             bias_tensor = torch.cat(
                 [
                     weights.get_sharded(f"{prefix}.bias", 0, shard)
                     for prefix, shard in zip(prefixes, per_prefix, strict=True)
                 ]
             )
-        return cls(weight.get_linear(bias_tensor))
+        return cls(weight.get_linear(bias_tensor), ShardLayout.of(weights, per_prefix))
 
     @classmethod
     def load_fused(
@@ -118,7 +143,9 @@ class TensorParallelColumnLinear(nn.Module):
             Shard(offset + shard.start, offset + shard.stop)
             for offset, shard in zip(accumulate(sizes[:-1], initial=0), per_part, strict=True)
         ]
-        return cls.load_multi(weights, [prefix] * len(rows), bias=bias, shards=rows)
+        layer = cls.load_multi(weights, [prefix] * len(rows), bias=bias, shards=rows)
+        layer.layout = ShardLayout.of(weights, per_part)  # each part's rows, not the tensor's
+        return layer
 
     def forward(self, x: Tensor) -> Tensor:
         out = self.linear(x)
@@ -128,10 +155,17 @@ class TensorParallelColumnLinear(nn.Module):
 class TensorParallelRowLinear(nn.Module):
     """A linear whose input features are split over the ranks; partial sums are all-reduced."""
 
-    def __init__(self, linear: nn.Module, process_group: ProcessGroup | None) -> None:
+    def __init__(
+        self,
+        linear: nn.Module,
+        process_group: ProcessGroup | None,
+        layout: ShardLayout | None = None,
+    ) -> None:
         super().__init__()
         self.linear = linear
         self.process_group = process_group
+        self.layout = layout or ShardLayout()
+        """The input columns this rank holds."""
         self.lora: LoraLayer | None = None
         """LoRA adapters' updates, added to the partial sum before the all-reduce."""
 
@@ -150,7 +184,8 @@ class TensorParallelRowLinear(nn.Module):
         weight = weights.get_weights_row(prefix, shard)
         # The bias is added once, by rank 0, so the all-reduce does not multiply it.
         bias_tensor = weights.get_tensor(f"{prefix}.bias") if bias and weights.rank == 0 else None
-        return cls(weight.get_linear(bias_tensor), weights.process_group if reduce else None)
+        group = weights.process_group if reduce else None
+        return cls(weight.get_linear(bias_tensor), group, ShardLayout.of(weights, [shard]))
 
     def forward(self, x: Tensor) -> Tensor:
         out = self.linear(x)

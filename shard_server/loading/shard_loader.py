@@ -71,7 +71,7 @@ def load_model(
 
     `quantize` names the weight quantization method (None: the checkpoint's own, if any).
     `attention` is `--attention` (kernels.select_attention_backend).
-    `lora_adapters` are (id, PEFT folder) pairs, attached to a native model on one shard;
+    `lora_adapters` are (id, PEFT folder) pairs, attached to a native model;
     `lora_limits` (--max-loras, --max-lora-rank) bound them and the ones loaded later.
 
     `dtype` "auto" on CPU builds the model in each candidate dtype and keeps the one whose
@@ -128,15 +128,8 @@ def attach_adapters(
     paged: PagedModel, adapters: Sequence[tuple[str, str]], limits: LoraLimits
 ) -> None:
     """Give the paged native model its LoRA slots (`limits`) and load each (id, folder)
-    adapter into them; a model on several shards takes none."""
-    from textgate.shard_server.layers.lora import LoraError
-
-    unsupported = None
-    if paged.world_size > 1:
-        unsupported = "LoRA adapters run on one shard; --num-shard > 1 does not split them yet"
-        if adapters:
-            raise LoraError(f"--lora-adapters: {unsupported}")
-    paged.lora = LoraSlots(paged.model, limits, unsupported)
+    adapter into them (each rank its share of every update, `layers.lora.place`)."""
+    paged.lora = LoraSlots(paged.model, limits)
     for name, path in adapters:
         adapter = paged.lora.load(name, Path(path))
         log.info(

@@ -1,6 +1,7 @@
 """LoRA adapters served over HTTP: 12 concurrent requests over three adapters and the base
 each get exactly what they get alone, and each adapter answers differently from the base;
-adapters loaded, unloaded and reloaded at runtime while other streams run, none failing."""
+adapters loaded, unloaded and reloaded at runtime while other streams run, none failing;
+two shards (tensor parallel) answering as one, adapters loaded at startup and at runtime."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
+from textgate.launcher import free_port
 from textgate.tests.conftest import build_tiny_model
 from textgate.tests.shard_server.layers.test_lora import make_adapter
 
@@ -136,3 +138,42 @@ def test_adapters_load_unload_and_reload_while_other_streams_run(
         asyncio.run(run())
     finally:
         assert server.stop() == 0
+
+
+def _shard_answers(launch_server: Any, folder: Path, base: Path, num_shard: int) -> list[list[int]]:
+    """Through a launcher of `num_shard` shards started with adapter `attn`: `mlp` loaded at
+    runtime, then one prompt's tokens on the base and on each adapter."""
+    server = launch_server(
+        folder / f"tp{num_shard}",
+        "--model-id", str(base),
+        "--dtype", "float32",
+        "--num-shard", str(num_shard),
+        "--master-port", str(free_port()),
+        "--lora-adapters", f"attn={folder / 'attn'}",
+    )  # fmt: skip
+    try:
+        server.wait_ready()
+
+        async def run() -> list[list[int]]:
+            async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+                mlp = {"lora_name": "mlp", "lora_path": str(folder / "mlp")}
+                assert (await client.post("/v1/load_lora_adapter", json=mlp)).status_code == 200
+                prompt = "The quick brown fox "
+                return [await _answer(client, prompt, a) for a in (None, "attn", "mlp")]
+
+        return asyncio.run(run())
+    finally:
+        assert server.stop() == 0
+
+
+def test_two_shards_serve_adapters_as_one_does(launch_server: Any, tmp_path: Path) -> None:
+    """--num-shard 2: each shard holds its half of every update (at startup and loaded at
+    runtime), and the tokens are one shard's."""
+    base = build_tiny_model(tmp_path / "base")
+    for seed, name in enumerate(("attn", "mlp")):
+        make_adapter(base, tmp_path / name, seed, r=8, lora_alpha=32, target_modules=TARGETS["all"])
+    for num_shard in (1, 2):
+        (tmp_path / f"tp{num_shard}").mkdir()
+    two = _shard_answers(launch_server, tmp_path, base, 2)
+    assert two == _shard_answers(launch_server, tmp_path, base, 1)
+    assert len({tuple(tokens) for tokens in two}) == 3  # each adapter changes the answer

@@ -281,8 +281,8 @@ def test_limits_and_refusals_leave_the_model_as_it_was(base, adapters, tmp_path)
     assert {id(m): dict(m.lora.updates) for m in holders} == before
     with pytest.raises(LoraError, match=r"'nope' is not loaded \(loaded: attn-r8\)"):
         lora.unload("nope")
-    refused = LoraSlots(model, unsupported="LoRA adapters run on one shard")
-    with pytest.raises(LoraError, match="run on one shard"):
+    refused = LoraSlots(model, unsupported="LoRA adapters need a native implementation")
+    with pytest.raises(LoraError, match="need a native implementation"):
         refused.read("attn-r8", adapters["attn-r8"][0])
 
 
