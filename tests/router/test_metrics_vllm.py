@@ -8,11 +8,13 @@ import asyncio
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+import textgate
 from textgate.proto import generate_pb2 as pb
 from textgate.router.engine.paged_engine import PagedEngine
 from textgate.router.engine.scheduler import Scheduler, SchedulerConfig
@@ -159,3 +161,13 @@ def test_the_paged_engine_exports_lora_info_only_for_a_model_that_takes_adapters
         )
         found = lora_info(metrics.render().decode())
         assert [i[:3] for i in found] == ([("2", "", "")] if max_loras else [])
+
+
+def test_docs_scaling_lists_every_vllm_series_the_router_exports() -> None:
+    metrics = Metrics()
+    metrics.watch_kv_cache(lambda: KvCacheStats(1, 3, 16, 0, 0, 0))
+    metrics.watch_adapters(lambda: AdapterStats(2, {}, {}))
+    exported = {name for name in types(metrics.render().decode()) if name.startswith("vllm:")}
+    doc = (Path(textgate.__file__).parent / "docs" / "scaling.md").read_text()
+    documented = set(re.findall(r"^\| `(vllm:\w+)` \|", doc, flags=re.MULTILINE))
+    assert documented == exported
