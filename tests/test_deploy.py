@@ -366,8 +366,12 @@ def test_multinode_pods_pass_lws_env_to_launcher_flags() -> None:
         referenced = {a[2:-1] for a in args if a.startswith("$(")}
         assert referenced <= LWS_ENV, "only variables LWS sets"
         config = launcher.parse_args(_without_pending(args), env={})
+        # --num-shard is the whole tensor-parallel size, split evenly over the group's nodes.
+        nodes = _one(docs, "LeaderWorkerSet")["spec"]["leaderWorkerTemplate"]["size"]
+        assert config.num_shard % nodes == 0
         for kind in ("requests", "limits"):
-            assert container["resources"][kind]["nvidia.com/gpu"] == str(config.num_shard)
+            gpus = container["resources"][kind]["nvidia.com/gpu"]
+            assert gpus == str(config.num_shard // nodes)
     # A worker's flags are the leader's less the router's.
     assert worker["args"] == leader["args"][: len(worker["args"])]
     config = launcher.parse_args(_without_pending(leader["args"]), env={})
