@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from textgate.proto import generate_pb2 as pb
 from textgate.router.engine.channel import Channel, ErrorEvent, StepEvent
+from textgate.router.engine.quota import current_lease
 from textgate.router.engine.request import ValidRequest
 from textgate.router.tracing import RequestTrace, current_request
 
@@ -87,10 +88,14 @@ class Admitted:
         return self._entries.get(request_id)
 
     def admit(self, requests: Sequence[ValidRequest], on_cancel: Callable[[], None]) -> list[Entry]:
-        """An entry for each of `requests`, or none of them (OverloadedError); a client
-        that leaves calls `on_cancel` (the engine's wake-up)."""
+        """An entry for each of `requests`, or none of them (OverloadedError; over the
+        tenant's tokens per minute, QuotaExceededError); a client that leaves calls
+        `on_cancel` (the engine's wake-up)."""
         if self.closed or len(self._entries) + len(requests) > self.max_active:
             raise OverloadedError()
+        lease = current_lease()
+        if lease is not None:
+            lease.reserve(requests)
         entries = []
         for request in requests:
             entry = Entry(
@@ -99,6 +104,8 @@ class Admitted:
             entry.channel.on_cancel(on_cancel)
             self._entries[entry.id] = entry
             entries.append(entry)
+        if lease is not None:
+            lease.watch([e.channel for e in entries])
         return entries
 
     def release(self, entry: Entry) -> None:

@@ -155,6 +155,8 @@ class Channel:
         """When the request was admitted."""
         self.started_at: float | None = None
         """When its first prefill was sent."""
+        self.num_generated = 0
+        """Tokens the shards generated for it so far (those dropped by an overflow too)."""
         self._events: deque[Event] = deque()
         self._num_pending_tokens = 0
         self._max_pending_tokens: int | None = None
@@ -211,6 +213,7 @@ class Channel:
             return
         final = is_final(event)
         num_tokens = 0 if isinstance(event, ErrorEvent) else len(event.tokens)
+        self.num_generated += num_tokens
         limit = self._max_pending_tokens
         if not final and limit is not None and self._num_pending_tokens + num_tokens > limit:
             self._overflow(limit)
