@@ -226,6 +226,11 @@ class LauncherConfig:
     api_key: str | None = flag(
         None, "Require `Authorization: Bearer <key>` on the routes that generate"
     )
+    api_keys_file: str | None = flag(
+        None,
+        "YAML or JSON file of API keys, each of a tenant with optional quotas (requests and "
+        "tokens per minute, concurrency, max_new_tokens, models); reloaded on SIGHUP",
+    )
     cors_allow_origin: tuple[str, ...] = flag(
         (), "Comma-separated origins allowed by CORS", _origins
     )
@@ -274,6 +279,10 @@ class LauncherConfig:
                 f"--otlp-endpoint {self.otlp_endpoint} needs a scheme: http:// (plaintext) "
                 "or https:// (TLS)"
             )
+        if self.api_keys_file is not None:
+            from textgate.router.http.tenants import load_keys_file  # no torch: pydantic, yaml
+
+            load_keys_file(self.api_keys_file)  # a bad file fails before the model loads
         if not self.graceful_termination_timeout >= 0:
             raise ValueError("--graceful-termination-timeout must be >= 0 seconds")
         for name in ("shard_step_timeout", "header_timeout", "body_timeout"):

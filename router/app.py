@@ -4,16 +4,20 @@
 Errors are raised by the handlers as typed exceptions (ValidationError, OverloadedError,
 GenerationError, PayloadTooLargeError) and answered here in the shape of the path's API
 (`http.errors.error_api`: TGI's body `{"error", "error_type"}` and status by default).
-With an API key, the routes that generate need `Authorization: Bearer <key>` (or
-Anthropic's `x-api-key: <key>` on its routes); probes, /info, /metrics and the docs stay
-open, as in TGI.
+With an API key (or a key file: tenants and their quotas, router/http/tenants.py), the
+routes that generate need `Authorization: Bearer <key>` (or Anthropic's `x-api-key: <key>`
+on its routes); probes, /info, /metrics and the docs stay open, as in TGI. SIGHUP reloads
+the key file.
 """
 
 from __future__ import annotations
 
-import hmac
+import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator
+import signal
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -23,7 +27,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Scope
 
 import textgate
 from textgate.proto import generate_pb2 as pb
@@ -31,6 +35,7 @@ from textgate.router.anthropic.routes import anthropic_routes
 from textgate.router.config import RouterConfig
 from textgate.router.generation.validation import Tokenizer, Validator
 from textgate.router.http.access_log import AccessLogMiddleware
+from textgate.router.http.auth import AuthMiddleware
 from textgate.router.http.body_dispatch import merge_by_body
 from textgate.router.http.drain import Drain, DrainMiddleware
 from textgate.router.http.errors import (
@@ -40,7 +45,8 @@ from textgate.router.http.errors import (
 from textgate.router.http.playground import PLAYGROUND_PATHS, with_playground
 from textgate.router.http.sagemaker import sagemaker_route
 from textgate.router.http.state import Engine, RouterState
-from textgate.router.http.typed_errors import TYPED_ERRORS
+from textgate.router.http.tenants import Tenants
+from textgate.router.http.typed_errors import TYPED_ERRORS, typed_error_response
 from textgate.router.metrics import Metrics
 from textgate.router.openai.lora_routes import lora_routes
 from textgate.router.openai.routes import openai_routes
@@ -68,13 +74,15 @@ def build_app(
     metrics: Metrics,
     shard_info: pb.InfoResponse | None = None,
     autoconfig: dict[str, Any] | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> Starlette:
     """The router's Starlette app over `engine` (`engine.factory.make_engine` picks it).
 
     `metrics` must be the engine's own, so that its step metrics show at /metrics;
-    `shard_info` (rank 0's Info) and `autoconfig` (the startup report) fill /info. The app
-    closes the engine on shutdown.
+    `shard_info` (rank 0's Info) and `autoconfig` (the startup report) fill /info;
+    `clock` times the tenants' quotas. The app closes the engine on shutdown.
     """
+    tenants = Tenants.from_config(config, clock)
     validator = Validator(config, tokenizer, adapters=engine.adapters)
     state = RouterState(
         config, shards, tokenizer, validator, engine, shard_info, metrics, autoconfig
@@ -92,14 +100,15 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        yield
+        with _reloads_on_sighup(tenants):
+            yield
         await engine.close()
         validator.close()
 
     drain = Drain()
     app = Starlette(
         routes=routes,
-        middleware=_middleware(config, drain),
+        middleware=_middleware(config, drain, tenants, metrics),
         exception_handlers={
             **dict.fromkeys(TYPED_ERRORS, _typed_error),
             HTTPException: _http_error,
@@ -110,12 +119,28 @@ def build_app(
     app.state.engine = engine
     app.state.drain = drain
     app.state.router = state
+    app.state.tenants = tenants
     return app
 
 
+@contextlib.contextmanager
+def _reloads_on_sighup(tenants: Tenants | None) -> Iterator[None]:
+    """While serving, SIGHUP re-reads the key file (requests in flight carry on)."""
+    if tenants is None or tenants.path is None:
+        yield
+        return
+    loop = asyncio.get_running_loop()
+    previous = signal.getsignal(signal.SIGHUP)
+    loop.add_signal_handler(signal.SIGHUP, tenants.reload)
+    try:
+        yield
+    finally:
+        loop.remove_signal_handler(signal.SIGHUP)
+        signal.signal(signal.SIGHUP, previous)
+
+
 async def _typed_error(request: Request, exc: Exception) -> Response:
-    error_type = getattr(exc, "error_type", "generation")
-    return error_response(str(exc), error_type, api=error_api(request.url.path))
+    return typed_error_response(exc, request.url.path)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -132,7 +157,9 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     return error_response("Internal server error", "internal", 500, api=error_api(request.url.path))
 
 
-def _middleware(config: RouterConfig, drain: Drain) -> list[Middleware]:
+def _middleware(
+    config: RouterConfig, drain: Drain, tenants: Tenants | None, metrics: Metrics
+) -> list[Middleware]:
     # Outermost: every answer is logged, a 401 or a CORS preflight included.
     # The span closes inside the access log's scope, so it can read the request's record.
     middleware = [Middleware(AccessLogMiddleware), Middleware(TracingMiddleware)]
@@ -148,37 +175,11 @@ def _middleware(config: RouterConfig, drain: Drain) -> list[Middleware]:
                 allow_headers=["content-type", "authorization"],
             )
         )
-    if config.api_key is not None:
-        middleware.append(Middleware(ApiKeyMiddleware, api_key=config.api_key))
+    if tenants is not None:
+        middleware.append(
+            Middleware(AuthMiddleware, tenants=tenants, metrics=metrics, guarded=_guarded)
+        )
     return middleware
-
-
-class ApiKeyMiddleware:
-    """Answers 401 unless a generating request carries `Authorization: Bearer <api_key>`
-    (or, on Anthropic's routes, `x-api-key: <api_key>`, as its SDKs send it)."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self._app = app
-        self._expected = f"Bearer {api_key}".encode()
-        self._key = api_key.encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and _guarded(scope) and not self._authorized(scope):
-            api = error_api(scope.get("path", ""))
-            response = error_response("Unauthorized", "unauthorized", 401, api=api)
-            await response(scope, receive, send)
-            return
-        await self._app(scope, receive, send)
-
-    def _authorized(self, scope: Scope) -> bool:
-        headers: list[tuple[bytes, bytes]] = scope.get("headers", [])
-        given = next((v for k, v in headers if k == b"authorization"), b"")
-        if hmac.compare_digest(given, self._expected):
-            return True
-        if error_api(scope.get("path", "")) != "anthropic":
-            return False
-        key = next((v for k, v in headers if k == b"x-api-key"), b"")
-        return hmac.compare_digest(key, self._key)
 
 
 def _guarded(scope: Scope) -> bool:

@@ -95,6 +95,10 @@ class RouterConfig:
     """Tokens a stream may hold unread before its request is cancelled with an error event."""
     api_key: str | None = None
     """When set, every route requires `Authorization: Bearer <api_key>`."""
+    api_keys_file: str | None = None
+    """YAML or JSON file of API keys, each of a tenant with optional limits
+    (docs/tenancy.md); reloaded on SIGHUP. With `api_key` too, that key is the tenant
+    "default"'s."""
     cors_allow_origin: tuple[str, ...] = ()
     """Origins allowed by CORS; empty = no CORS headers."""
     payload_limit: int = 2_000_000

@@ -122,6 +122,7 @@ class Metrics:
         self._adapters: _AdapterCollector | None = None
         self._define_request_metrics(max_input_tokens, max_total_tokens)
         self._define_batch_metrics()
+        self._define_tenant_metrics()
 
     # ---- requests (HTTP handlers) ----
 
@@ -169,6 +170,22 @@ class Metrics:
         """Tokens one step generated per LoRA adapter."""
         for adapter, count in tokens.items():
             self._adapter_tokens.labels(adapter=adapter).inc(count)
+
+    # ---- tenants (API keys, router/http/tenants.py) ----
+
+    def tenant_request(self, tenant: str) -> None:
+        """A request with `tenant`'s API key arrived (counted before its quota is checked)."""
+        _note(tenant=tenant)
+        self._tenant_requests.labels(tenant=tenant).inc()
+
+    def tenant_tokens(self, tenant: str, generated_tokens: int) -> None:
+        """One of `tenant`'s requests ended having generated `generated_tokens`."""
+        self._tenant_tokens.labels(tenant=tenant).inc(generated_tokens)
+
+    def tenant_rate_limited(self, tenant: str, limit: str) -> None:
+        """A 429 for `tenant` over `limit` (requests_per_minute, tokens_per_minute,
+        max_concurrent)."""
+        self._tenant_rate_limited.labels(tenant=tenant, limit=limit).inc()
 
     @contextlib.contextmanager
     def count_failures(self) -> Iterator[None]:
@@ -344,6 +361,24 @@ class Metrics:
         )
         self._vllm_running = Gauge(
             "vllm:num_requests_running", "Requests in the running batch", registry=r
+        )
+
+    def _define_tenant_metrics(self) -> None:
+        r = self.registry
+        self._tenant_requests = Counter(
+            "textgate_tenant_request_count", "Requests per tenant (API key)", ["tenant"], registry=r
+        )
+        self._tenant_tokens = Counter(
+            "textgate_tenant_generated_tokens",
+            "Tokens generated per tenant (API key)",
+            ["tenant"],
+            registry=r,
+        )
+        self._tenant_rate_limited = Counter(
+            "textgate_tenant_rate_limited",
+            "Requests answered 429 per tenant and the limit they were over",
+            ["tenant", "limit"],
+            registry=r,
         )
 
 

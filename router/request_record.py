@@ -27,6 +27,8 @@ class RequestRecord:
     cancelled: str | None = None
     adapter: str | None = None
     """The LoRA adapter it ran with; None: the base model."""
+    tenant: str | None = None
+    """The tenant of its API key; None: no keys are required."""
 
     def fields(self) -> dict[str, Any]:
         """The facts known, without the unset ones."""

@@ -17,6 +17,8 @@ import asyncio
 import dataclasses
 import logging
 import signal
+import time
+from collections.abc import Callable
 from typing import Any, cast
 
 import uvicorn
@@ -57,11 +59,16 @@ async def serve(config: RouterConfig) -> None:
 
 
 async def build_router(
-    config: RouterConfig, shards: ShardedClient, tokenizer: Tokenizer
+    config: RouterConfig,
+    shards: ShardedClient,
+    tokenizer: Tokenizer,
+    *,
+    clock: Callable[[], float] = time.monotonic,
 ) -> Starlette:
     """Warm the shards up, then build the app over the engine they call for.
 
-    The budgets left unset are resolved from what the shards report (Info, Warmup).
+    The budgets left unset are resolved from what the shards report (Info, Warmup);
+    `clock` times the tenants' quotas (tests inject one).
     """
     await shards.clear_cache()
     info = await shards.info()
@@ -91,6 +98,7 @@ async def build_router(
         metrics=metrics,
         shard_info=info,
         autoconfig=autoconfig_report,
+        clock=clock,
     )
 
 

@@ -138,7 +138,15 @@ class RequestTrace:
         assert _tracer is not None
         span = self.span
         span.set_attribute("http.response.status_code", status)
-        for key in ("input_tokens", "max_new_tokens", "generated_tokens", "cancelled", "adapter"):
+        keys = (
+            "input_tokens",
+            "max_new_tokens",
+            "generated_tokens",
+            "cancelled",
+            "adapter",
+            "tenant",
+        )
+        for key in keys:
             if key in record:
                 span.set_attribute(f"textgate.{key}", record[key])
         error_type = record.get("error_type")

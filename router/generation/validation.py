@@ -16,6 +16,7 @@ from typing import Any, Protocol, cast
 
 from textgate.router.config import RouterConfig
 from textgate.router.engine.lora_registry import LoraRegistry
+from textgate.router.engine.quota import Limits, ModelNotAllowedError, current_lease
 from textgate.router.engine.request import GrammarSpec, ValidRequest
 from textgate.router.generation.parameters import (
     MAX_CHARS_PER_TOKEN,
@@ -92,6 +93,9 @@ class Validator:
         tokenizing `request.inputs` (then only its text for echoing). `wording` names
         the route's own fields in the length errors."""
         params = request.parameters
+        lease = current_lease()
+        limits = lease.quota.limits if lease is not None else Limits()
+        self._check_model_allowed(limits, params.adapter_id)
         check_unsupported(params)
         check_stream(params, stream)
         best_of = check_best_of(params, self._config.max_best_of)
@@ -112,6 +116,9 @@ class Validator:
         if truncate is not None:
             ids = ids[-truncate:]
         max_new_tokens = self._check_lengths(len(ids), params.max_new_tokens, wording)
+        max_new_tokens = _check_key_max_new_tokens(
+            max_new_tokens, params.max_new_tokens is None, limits, wording
+        )
         return ValidRequest(
             inputs=request.inputs,
             input_ids=tuple(ids),
@@ -137,6 +144,15 @@ class Validator:
     def adapters(self) -> tuple[str, ...]:
         """The LoRA adapters the shards hold now (`adapter_id` must name one)."""
         return self._adapters.names
+
+    def _check_model_allowed(self, limits: Limits, adapter_id: str | None) -> None:
+        """ModelNotAllowedError unless the request's API key may use its model (the base
+        goes by its model id and that id's last part, as `/v1/models` clients shorten it)."""
+        model_id = self._config.model_id
+        base_names = (model_id, model_id.rstrip("/").split("/")[-1])
+        model = adapter_id or model_id
+        if not limits.allows(model, base_names):
+            raise ModelNotAllowedError(model)
 
     def _check_adapter(self, adapter_id: str | None) -> str | None:
         if adapter_id is None or adapter_id in self._adapters:
@@ -249,6 +265,22 @@ class Validator:
                 f"fit after this prompt (the server's `--max-total-tokens`)."
             )
         return max_new_tokens
+
+
+def _check_key_max_new_tokens(
+    max_new_tokens: int, defaulted: bool, limits: Limits, wording: Wording
+) -> int:
+    """The request's length under its API key's `max_new_tokens`: a default is lowered to
+    it, a length asked for beyond it is refused."""
+    cap = limits.max_new_tokens
+    if cap is None or max_new_tokens <= cap:
+        return max_new_tokens
+    if defaulted:
+        return cap
+    raise ValidationError(
+        f"`{wording.max_new_tokens}` must be <= {cap} for this API key (its `max_new_tokens` "
+        f"limit). Given: {max_new_tokens}"
+    )
 
 
 def token_spans(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[SimpleToken]:

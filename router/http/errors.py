@@ -25,6 +25,7 @@ STATUS_BY_ERROR_TYPE = {
     "validation": 422,
     "generation": 424,
     "overloaded": 429,
+    "rate_limited": 429,
     "incomplete_generation": 500,
     "healthcheck": 503,
     "payload_too_large": 413,
@@ -39,9 +40,17 @@ OPENAI_TYPE_BY_ERROR_TYPE = {
     "model_not_found": "invalid_request_error",
     "unauthorized": "authentication_error",
     "overloaded": "rate_limit_error",
+    "rate_limited": "rate_limit_error",
     "generation": "server_error",
     "incomplete_generation": "server_error",
     "internal": "server_error",
+}
+
+# OpenAI's `code` for the error types it has one for.
+OPENAI_CODE_BY_ERROR_TYPE = {
+    "model_not_found": "model_not_found",
+    "unauthorized": "invalid_api_key",
+    "rate_limited": "rate_limit_exceeded",
 }
 
 # Anthropic's status for TGI's error types (the others: TGI's own).
@@ -163,9 +172,7 @@ def anthropic_status(error_type: str) -> int:
 
 def openai_error(message: str, error_type: str) -> OpenAIErrorResponse:
     """OpenAI's error body; `code` names what failed where OpenAI has a code for it."""
-    code = error_type if error_type in ("model_not_found", "unauthorized") else None
-    if error_type == "unauthorized":
-        code = "invalid_api_key"
+    code = OPENAI_CODE_BY_ERROR_TYPE.get(error_type)
     detail = OpenAIError(
         message=message,
         type=OPENAI_TYPE_BY_ERROR_TYPE.get(error_type, error_type),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -74,13 +75,19 @@ class _QuietServer(uvicorn.Server):
 async def start_router(
     sharded: ShardedClient, make_config: Callable[..., RouterConfig]
 ) -> AsyncIterator[Callable[..., Awaitable[str]]]:
-    """`await start_router(tokenizer=None, **config_overrides)` serves the app on a free port
-    (FakeTokenizer by default); gives its URL."""
+    """`await start_router(tokenizer=None, clock=time.monotonic, **config_overrides)` serves
+    the app on a free port (FakeTokenizer by default; `clock` times the tenants' quotas);
+    gives its URL."""
     servers: list[tuple[uvicorn.Server, asyncio.Task[None]]] = []
 
-    async def start(tokenizer: FakeTokenizer | None = None, **overrides: Any) -> str:
+    async def start(
+        tokenizer: FakeTokenizer | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        **overrides: Any,
+    ) -> str:
         config = make_config(**overrides)
-        app = await build_router(config, sharded, tokenizer or FakeTokenizer())
+        app = await build_router(config, sharded, tokenizer or FakeTokenizer(), clock=clock)
         server = _QuietServer(
             uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, ws="none", lifespan="on")
         )

@@ -154,6 +154,22 @@ async def test_a_refused_request_has_an_error_span_without_inference(
     assert dict(request.attributes or {})["error.type"] == "validation"
 
 
+async def test_the_span_names_the_tenant_of_the_api_key(
+    start_router: Callable[..., Awaitable[str]], exporter: InMemorySpanExporter
+) -> None:
+    base_url = await start_router(api_key="secret")
+    body = {"inputs": "w5", "parameters": {"max_new_tokens": 2}}
+    async with httpx.AsyncClient(base_url=base_url, timeout=10) as client:
+        response = await client.post(
+            "/generate", json=body, headers={"Authorization": "Bearer secret"}
+        )
+    assert response.status_code == 200
+    (request,) = [
+        s for s in await _spans_once(exporter, "POST /generate") if s.name == "POST /generate"
+    ]
+    assert dict(request.attributes or {})["textgate.tenant"] == "default"
+
+
 async def test_tracing_off_adds_no_metadata(
     start_router: Callable[..., Awaitable[str]], shard_metadata: list[tuple[str, dict]]
 ) -> None:
