@@ -197,3 +197,16 @@ def test_lora_limits_reach_the_shard_and_are_checked(tmp_path: Path) -> None:
     for argv in (["--max-loras", "0"], ["--lora-adapters", "a=/1,b=/2", "--max-loras", "1"]):
         with pytest.raises(SystemExit):
             launcher.parse_args(argv, env={})
+
+
+def test_api_keys_file_is_read_before_the_model_and_reaches_the_router(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("keys:\n  - {key: sk-a, tenant: a}\n")
+    config = launcher.parse_args(["--api-keys-file", str(keys)], env={})
+    assert launcher.router_config(tiny_model_dir, config)["api_keys_file"] == str(keys)
+    keys.write_text("keys:\n  - {key: sk-a}\n")
+    with pytest.raises(SystemExit):
+        launcher.parse_args([], env={"API_KEYS_FILE": str(keys)})
+    assert "keys.0.tenant: Field required" in capsys.readouterr().err
