@@ -120,6 +120,7 @@ def test_lora_sgmv_add_matches_the_lora_layers_loop(device, dtype, monkeypatch):
     assert len(SLOTS) == NUM_ROWS
     layer, x, base, rows, (a, b) = layer_step((8, 4, 16), SLOTS, dtype, device)
     monkeypatch.setattr(lora, "GROUPED_MM", None)  # the layer's per-adapter loop
+    monkeypatch.setattr(lora, "DENSE_MAX_ROWS", 0)
     with lora_rows(rows):
         want = layer.add(x, base.clone())
     got = lora_sgmv.lora_sgmv_add(x, base.clone(), rows.order, rows.ends, a, b)
@@ -129,7 +130,8 @@ def test_lora_sgmv_add_matches_the_lora_layers_loop(device, dtype, monkeypatch):
     assert torch.equal(got[untouched], base[untouched])
 
 
-def test_lora_sgmv_add_with_a_slot_the_layer_lacks_in_float16(device):
+def test_lora_sgmv_add_with_a_slot_the_layer_lacks_in_float16(device, monkeypatch):
+    monkeypatch.setattr(lora, "DENSE_MAX_ROWS", 0)  # the layer's sparse paths
     slots = [3, 1, 0, 3, 1, 3, 2, 2, 0]  # slot 2 has rows but no update in this layer
     layer, x, base, rows, (a, b) = layer_step((16, None, 8), slots, torch.float16, device)
     got = lora_sgmv.lora_sgmv_add(x, base.clone(), rows.order, rows.ends, a, b)

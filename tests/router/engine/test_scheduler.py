@@ -216,7 +216,7 @@ def test_a_copy_runs_alone_when_its_original_is_gone_or_not_running() -> None:
     scheduler, model = make()
     add(scheduler, model, 5, [7, 7, 7])
     add(scheduler, model, 6, [1, 2, 3, 4, 5], copies=5)
-    assert scheduler._awaits_prompt(scheduler._requests[6]) is False  # noqa: SLF001
+    assert scheduler._awaits_prompt(scheduler._requests[6]) is False
 
 
 def test_copies_share_nothing_without_prefix_caching() -> None:

@@ -99,14 +99,17 @@ def test_an_adapter_gives_peft_merged_models_logits(base, adapters, name) -> Non
     torch.testing.assert_close(logits, reference_logits(merged, prompt), atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("grouped", [True, False], ids=["grouped-matmul", "per-adapter"])
+@pytest.mark.parametrize("path", ["dense", "grouped-matmul", "per-adapter"])
 def test_a_step_mixing_three_adapters_and_the_base_gives_each_its_own(
-    base, adapters, grouped, monkeypatch
+    base, adapters, path, monkeypatch
 ) -> None:
     from transformers import AutoModelForCausalLM
 
     from textgate.shard_server.layers import lora
 
+    grouped = path != "per-adapter"
+    if path != "dense":  # the step's 60 rows run densely unless told otherwise
+        monkeypatch.setattr(lora, "DENSE_MAX_ROWS", 0)
     if not grouped:
         monkeypatch.setattr(lora, "grouped_mm_runs", lambda dtype, device: False)
     model, slots = native_with(base, adapters)
