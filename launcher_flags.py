@@ -173,6 +173,13 @@ class LauncherConfig:
         "and at load (vLLM's default is 16)",
         int,
     )
+    allow_runtime_lora_updating: bool = flag(
+        False,
+        "Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes; its "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING): they make the shards read folders on their "
+        "disk, so they are off unless asked for, and behind --api-key when one is set",
+        parse_bool,
+    )
     max_logit_bias: float = flag(
         100.0,
         "Largest logit_bias magnitude a request may set (OpenAI's 100; lower it to stop "

@@ -87,7 +87,9 @@ def build_app(
     state = RouterState(
         config, shards, tokenizer, validator, engine, shard_info, metrics, autoconfig
     )
-    routes = [*tgi_routes(state), *openai_routes(state), *lora_routes(state)]
+    routes = [*tgi_routes(state), *openai_routes(state)]
+    if config.allow_runtime_lora_updating:
+        routes += lora_routes(state)
     routes += anthropic_routes(state)
     # TGI's and vLLM's POST /tokenize share the path: the body's shape picks the API.
     routes = merge_by_body(

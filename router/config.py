@@ -78,14 +78,17 @@ class RouterConfig:
     """Paged shards: inter-token latency the batch controller keeps each step under; None =
     derived from the machine (`batch_controller` docstring), 0 = fixed budgets."""
     target_ttft_ms: float | None = None
-    #: `--max-logit-bias`: the largest `logit_bias` magnitude a request may set (OpenAI's
-    #: 100 by default).
-    max_logit_bias: float = 100.0
-    #: `--reasoning-parser`: reads a reasoning model's thinking into `reasoning_content`
-    #: (router/generation/reasoning.py); None: the text is all answer.
-    reasoning_parser: str | None = None
     """Paged shards: time to first token the batch controller defends; None = 16 inter-token
     targets."""
+    max_logit_bias: float = 100.0
+    """`--max-logit-bias`: the largest `logit_bias` magnitude a request may set (OpenAI's
+    100 by default)."""
+    reasoning_parser: str | None = None
+    """`--reasoning-parser`: reads a reasoning model's thinking apart from its answer
+    (router/generation/reasoning.py); None: the text is all answer."""
+    allow_runtime_lora_updating: bool = False
+    """Serve vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (off: they are
+    not routes, as in vLLM without VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
     stream_interval: int = 1
     """Tokens per SSE write after a stream's first (vLLM's --stream-interval); 1 = each
     token as soon as the client can take it."""

@@ -106,6 +106,7 @@ def test_adapters_load_unload_and_reload_while_other_streams_run(
         "--dtype", "float32",
         "--lora-adapters", f"attn={tmp_path / 'attn'}",
         "--max-loras", "2",
+        "--allow-runtime-lora-updating",
     )  # fmt: skip
     try:
         server.wait_ready()
@@ -150,6 +151,7 @@ def _shard_answers(launch_server: Any, folder: Path, base: Path, num_shard: int)
         "--num-shard", str(num_shard),
         "--master-port", str(free_port()),
         "--lora-adapters", f"attn={folder / 'attn'}",
+        "--allow-runtime-lora-updating",
     )  # fmt: skip
     try:
         server.wait_ready()

@@ -24,7 +24,9 @@ from textgate.tests.router.openai.routes_helpers import ChatFakeTokenizer, Start
 @pytest.fixture
 async def client(start_router: StartRouter, fake: FakeShard) -> httpx.AsyncClient:
     fake.lora_adapters = ["sql", "poet"]
-    async with httpx.AsyncClient(base_url=await start_router(ChatFakeTokenizer())) as http:
+    async with httpx.AsyncClient(
+        base_url=await start_router(ChatFakeTokenizer(), allow_runtime_lora_updating=True)
+    ) as http:
         yield http
 
 
@@ -200,7 +202,9 @@ async def test_requests_and_tokens_are_counted_per_adapter(client, caplog) -> No
 
 async def test_the_api_key_guards_loading_and_unloading(start_router, fake, tmp_path) -> None:
     fake.lora_adapters = ["sql"]
-    base_url = await start_router(ChatFakeTokenizer(), api_key="secret")
+    base_url = await start_router(
+        ChatFakeTokenizer(), api_key="secret", allow_runtime_lora_updating=True
+    )
     async with httpx.AsyncClient(base_url=base_url) as http:
         assert (await _load(http, "haiku", tmp_path)).status_code == 401
         assert (await _unload(http, "sql")).status_code == 401
@@ -219,3 +223,11 @@ def test_each_load_of_a_name_has_its_own_cache_salt() -> None:
         adapters.cache_salt("sql")
     adapters.add("sql")
     assert adapters.cache_salt("sql") not in (first, "")
+
+
+async def test_runtime_loading_is_off_unless_asked_for(start_router, fake, tmp_path) -> None:
+    fake.lora_adapters = ["sql"]
+    async with httpx.AsyncClient(base_url=await start_router(ChatFakeTokenizer())) as http:
+        assert (await _load(http, "haiku", tmp_path)).status_code == 404
+        assert (await _unload(http, "sql")).status_code == 404
+    assert not fake.calls_to("LoadAdapter") and not fake.calls_to("UnloadAdapter")
