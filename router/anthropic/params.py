@@ -35,4 +35,5 @@ def generate_parameters(body: MessagesRequest, tools: ToolPlan | None) -> Genera
         max_new_tokens=body.max_tokens,
         stop=list(body.stop_sequences or []),
         grammar=None if tools is None else tools.grammar,
+        timeout=body.timeout,
     )

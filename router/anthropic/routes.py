@@ -28,7 +28,7 @@ from textgate.router.generation.reasoning import reasoning_parser
 from textgate.router.generation.schemas import GenerateRequest
 from textgate.router.generation.stop_text import TextOptions
 from textgate.router.generation.tools import ToolPlan
-from textgate.router.http.request_io import read_json
+from textgate.router.http.request_io import read_json, with_request_timeout
 from textgate.router.http.served_model import served_model, with_adapter
 from textgate.router.http.serving import CLIENT_CLOSED_REQUEST, Serving
 from textgate.router.http.state import RouterState
@@ -77,6 +77,7 @@ class _MessagesHandlers:
         model = served_model(body.model, self._config.model_id, adapters)
         tools = tool_plan(body)
         params = with_adapter(model, adapters, generate_parameters(body, tools))
+        params = with_request_timeout(params, request)
         prompt = await self._render(body, tools)
         # The template already holds the special tokens the model expects (BOS, markers).
         inputs = GenerateRequest(inputs=prompt, parameters=params, add_special_tokens=False)

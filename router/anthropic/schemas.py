@@ -98,6 +98,9 @@ class MessagesRequest(CountTokensRequest):
     thinking: dict[str, Any] | None = None
     """Accepted and ignored (`{"type": "enabled", "budget_tokens": N}`): whether the model
     thinks is its own and its template's doing; --reasoning-parser reads the thinking out."""
+    timeout: float | None = None
+    """textgate extra: seconds it may take from admission (the `timeout` of
+    docs/tenancy.md); unset: the `X-Request-Timeout` header's, else the API key's."""
 
 
 class TextBlock(BaseModel):

@@ -9,12 +9,13 @@ those requests itself, in its own step.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from textgate.proto import generate_pb2 as pb
-from textgate.router.engine.channel import Channel, ErrorEvent, StepEvent
+from textgate.router.engine.channel import Channel, ErrorEvent, Finished, StepEvent
 from textgate.router.engine.quota import current_lease
 from textgate.router.engine.request import ValidRequest
 from textgate.router.tracing import RequestTrace, current_request
@@ -38,6 +39,14 @@ class Entry:
     channel: Channel
     trace: RequestTrace | None = None
     """The HTTP request's span (router/tracing.py); None while tracing is off."""
+    out_of_time: bool = False
+    """Its deadline passed while it ran: its next token is its last (finish reason length)."""
+
+    @property
+    def deadline(self) -> float | None:
+        """When (time.monotonic()) its `timeout_s` from admission runs out; None: never."""
+        timeout_s = self.request.timeout_s
+        return None if timeout_s is None else self.channel.queued_at + timeout_s
 
     @property
     def input_length(self) -> int:
@@ -152,6 +161,8 @@ class Admitted:
                 routed.failed += self.fail([entry], generation.error, "validation")
                 continue
             event = StepEvent.from_pb(generation, entry.request.skip_special_tokens)
+            if entry.out_of_time and event.finished is None and event.tokens:
+                event = _ended_by_deadline(entry, event)
             entry.channel.push(event)
             routed.sampled[entry.id] = list(generation.tokens.ids)
             adapter = entry.request.adapter_id
@@ -167,3 +178,15 @@ class Admitted:
         lost = [i for i in expected_ids if i not in routed.finished and i not in kept]
         routed.failed += self.fail_ids(lost, "Incomplete generation", "incomplete_generation")
         return routed
+
+
+def _ended_by_deadline(entry: Entry, event: StepEvent) -> StepEvent:
+    """`event` as the request's last: finished by length with the tokens it has. The text
+    is left to the readers, whose `TextLedger` spells the tokens' text into it."""
+    finished = Finished(
+        text="",
+        generated_tokens=entry.channel.num_generated + len(event.tokens),
+        finish_reason="length",
+        seed=entry.request.sampling.seed,
+    )
+    return dataclasses.replace(event, finished=finished)

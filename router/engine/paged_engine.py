@@ -38,6 +38,9 @@ log = logging.getLogger("textgate.router")
 IDLE_WAIT_S = 0.05
 """How long a step that could schedule nothing waits for a request to come or go."""
 
+TIMEOUT_MESSAGE = "Request timed out: its deadline passed while it waited in the queue"
+"""The error of a request still queued when its `timeout_s` ran out (error type `timeout`)."""
+
 
 class PagedEngine:
     """Owns the scheduler; one task steps the shards while requests are in flight."""
@@ -95,6 +98,7 @@ class PagedEngine:
                     request.max_new_tokens,
                     salt,
                     copies=None if original == entry.id else original,
+                    priority=request.priority,
                 )
             except ValueError as exc:
                 self._admitted.fail([entry], str(exc), "validation")
@@ -119,6 +123,7 @@ class PagedEngine:
         """One step: schedule, run on the shards, route the tokens, update the scheduler."""
         started = time.monotonic()
         self._forget(entry for entry in self._admitted if entry.channel.cancelled)
+        self._expire(started)
         output = self.scheduler.schedule()
         self._finished_for_shards.extend(output.finished_ids)
         if not output.scheduled:
@@ -207,6 +212,22 @@ class PagedEngine:
             if entry.id in self._in_shards:
                 # A preempted request waits without blocks, but the shards still hold it.
                 self._finished_for_shards.append(entry.id)
+
+    def _expire(self, now: float) -> None:
+        """Requests past their deadline: one still queued with nothing generated fails with
+        a `timeout` error and frees its slot; one that runs (or was preempted with tokens)
+        ends with its next token, finish reason length (`Entry.out_of_time`)."""
+        queued = []
+        for entry in self._admitted:
+            deadline = entry.deadline
+            if deadline is None or now < deadline or entry.out_of_time:
+                continue
+            if self.scheduler.is_waiting(entry.id) and entry.channel.num_generated == 0:
+                queued.append(entry)
+            else:
+                entry.out_of_time = True
+        if queued:
+            self._forget(self._admitted.fail(queued, TIMEOUT_MESSAGE, "timeout"))
 
     def _fail_all(self, message: str) -> None:
         self._admitted.fail(self._admitted, message)

@@ -46,7 +46,9 @@ class Limits:
     max_new_tokens: int | None = None
     """A request asking for more is refused (422); one asking for none gets at most this."""
     priority: int | None = None
-    """The best priority its requests may ask for (kept for scheduling; not used yet)."""
+    """The best (lowest) priority its requests may ask for; None: any."""
+    timeout_s: float | None = None
+    """The deadline of its requests that set none (seconds from admission); None: none."""
     weight: float = 1.0
     """Its share under fair scheduling (kept for scheduling; not used yet)."""
     models: frozenset[str] | None = None

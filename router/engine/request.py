@@ -116,6 +116,11 @@ class ValidRequest:
     """The LoRA adapter it runs with; None: the base model."""
     skip_special_tokens: bool = True
     """Special tokens add nothing to the text (False: their text is kept)."""
+    priority: int = 0
+    """Lower is admitted first (vLLM's `priority`); within one priority, first come first."""
+    timeout_s: float | None = None
+    """Seconds from admission it may take: still queued past it, it fails (`timeout`);
+    running past it, it ends with what it has (finish reason `length`). None: no deadline."""
 
     @property
     def input_length(self) -> int:

@@ -10,6 +10,11 @@ copy waits at the head of the queue while the request it copies is running and s
 computing that prompt, then joins on a prefix-cache hit of the prompt's full blocks
 (`add_request`'s `copies`).
 
+The waiting queue is ordered by `priority` (lower first) and is first come, first served
+within one priority: a request joins behind every waiting one of its priority or better,
+and a preempted one goes back ahead of every waiting one of its priority. Only admission
+follows priority; a running request is never preempted for a better one.
+
 The engine step reads in three lines::
 
     output = scheduler.schedule()      # data only: what to compute, where the KV goes
@@ -61,6 +66,8 @@ class _Request:
     hits only come from requests with the same salt."""
     copies: int | None = None
     """The request whose prompt (and salt) this one repeats, if any."""
+    priority: int = 0
+    """Lower is admitted first (vLLM's `priority`)."""
 
     @property
     def num_tokens(self) -> int:
@@ -146,6 +153,11 @@ class Scheduler:
         """Whether the request is waiting or running (not finished, not aborted)."""
         return request_id in self._requests
 
+    def is_waiting(self, request_id: int) -> bool:
+        """Whether the request is in the waiting queue (new, or preempted)."""
+        request = self._requests.get(request_id)
+        return request is not None and request not in self._running
+
     def output_token_ids(self, request_id: int) -> tuple[int, ...]:
         """Tokens generated so far for a live request."""
         request = self._requests[request_id]
@@ -160,11 +172,13 @@ class Scheduler:
         max_new_tokens: int,
         cache_salt: str = "",
         copies: int | None = None,
+        priority: int = 0,
     ) -> None:
         """Queue a request; ValueError if it is malformed or could never fit the KV cache.
 
         `copies`: an earlier request with the same prompt and salt, whose prefill this one
-        waits for and then reuses through the prefix cache."""
+        waits for and then reuses through the prefix cache. `priority`: lower joins the
+        queue ahead (behind every waiting request of the same priority or better)."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id} is already scheduled")
         if not prompt_token_ids:
@@ -188,9 +202,10 @@ class Scheduler:
             added_at_s=self.controller.clock_s,
             cache_salt=cache_salt,
             copies=copies,
+            priority=priority,
         )
         self._requests[request_id] = request
-        self._waiting.append(request)
+        self._enqueue(request)
 
     def abort(self, request_id: int) -> bool:
         """Drop a request (client went away) and free its blocks now; False if unknown."""
@@ -211,7 +226,8 @@ class Scheduler:
         """Plan the next step.
 
         Running requests first (their decodes, then the one unfinished prefill), then
-        waiting requests in arrival order as the budget and free blocks allow.
+        waiting requests in queue order (priority, then arrival) as the budget and free
+        blocks allow.
         """
         if self._in_flight:
             raise RuntimeError("schedule() called again before update() of the previous step")
@@ -362,7 +378,7 @@ class Scheduler:
         self._running.remove(request)
         self.allocator.free(request.request_id)
         request.num_computed_tokens = 0
-        self._waiting.appendleft(request)
+        self._requeue(request)
         draft.preempted_ids.append(request.request_id)
         self.num_preemptions += 1
 
@@ -386,13 +402,28 @@ class Scheduler:
                 request.request_id, request.token_ids, num_tokens, salt=request.cache_salt
             )
             if num_cached is None:
-                return  # first come, first served: nobody overtakes the head of the queue
+                return  # queue order: nobody overtakes the head of the queue
             self._waiting.popleft()
             self._running.append(request)
             request.num_computed_tokens = num_cached
             num_new = min(request.num_tokens - num_cached, draft.budget)
             self._add_to_step(request, num_new, draft)
             draft.new_request_ids.append(request.request_id)
+
+    def _enqueue(self, request: _Request) -> None:
+        """Behind every waiting request of its priority or better (from the back: most
+        requests share one priority, so this is usually an append)."""
+        index = len(self._waiting)
+        while index > 0 and self._waiting[index - 1].priority > request.priority:
+            index -= 1
+        self._waiting.insert(index, request)
+
+    def _requeue(self, request: _Request) -> None:
+        """A preempted request: ahead of every waiting request of its priority or worse."""
+        index = 0
+        while index < len(self._waiting) and self._waiting[index].priority < request.priority:
+            index += 1
+        self._waiting.insert(index, request)
 
     def _awaits_prompt(self, request: _Request) -> bool:
         """Whether `request` is a copy whose original is running and has not computed the
@@ -470,6 +501,8 @@ class Scheduler:
             assert request.num_computed_tokens < request.num_tokens, (
                 "running request has nothing to compute"
             )
+        priorities = [request.priority for request in self._waiting]
+        assert priorities == sorted(priorities), "the waiting queue is out of priority order"
         for request in self._waiting:
             assert not self.allocator.has_table(request.request_id), "waiting request holds blocks"
             assert request.num_computed_tokens == 0

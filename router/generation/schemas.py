@@ -73,6 +73,13 @@ class GenerateParameters(BaseModel):
     """Leave special tokens (end of sequence, chat-template markers) out of the text; false
     keeps their text in it, and the tokens then all show `special: false` (vLLM's; not in
     TGI)."""
+    priority: int | None = None
+    """Lower is admitted first; no better than the API key's `priority`. Unset: 0, or the
+    key's `priority` when that is worse (vLLM's; not in TGI)."""
+    timeout: float | None = None
+    """Seconds the request may take from admission, > 0: still queued past it, it fails
+    with a `timeout` error; running, it ends with what it has (finish reason `length`).
+    Unset: the `X-Request-Timeout` header's, else the API key's `timeout_s` (not in TGI)."""
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -130,6 +130,8 @@ class Validator:
             grammar=self._grammar(params, wording),
             adapter_id=self._check_adapter(params.adapter_id),
             skip_special_tokens=params.skip_special_tokens,
+            priority=_check_key_priority(params.priority, limits),
+            timeout_s=_timeout(params.timeout, limits),
         )
 
     def _grammar(self, params: GenerateParameters, wording: Wording) -> GrammarSpec | None:
@@ -281,6 +283,30 @@ def _check_key_max_new_tokens(
         f"`{wording.max_new_tokens}` must be <= {cap} for this API key (its `max_new_tokens` "
         f"limit). Given: {max_new_tokens}"
     )
+
+
+def _check_key_priority(priority: int | None, limits: Limits) -> int:
+    """The request's priority, refused when better (lower) than its API key allows; unset,
+    vLLM's 0, or the key's bound when that is worse."""
+    bound = limits.priority
+    if priority is None:
+        return 0 if bound is None else max(0, bound)
+    if bound is not None and priority < bound:
+        raise ValidationError(
+            f"`priority` must be >= {bound} for this API key (its `priority` limit; lower "
+            f"is served first). Given: {priority}"
+        )
+    return priority
+
+
+def _timeout(timeout: float | None, limits: Limits) -> float | None:
+    """The request's deadline in seconds: its own (the body's, else its header's), else its
+    API key's `timeout_s`; None: none."""
+    if timeout is None:
+        return limits.timeout_s
+    if not timeout > 0:
+        raise ValidationError(f"`timeout` must be > 0 seconds. Given: {timeout}")
+    return timeout
 
 
 def token_spans(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[SimpleToken]:

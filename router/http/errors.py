@@ -31,6 +31,9 @@ STATUS_BY_ERROR_TYPE = {
     "payload_too_large": 413,
     "unauthorized": 401,
     "model_not_found": 404,
+    # A request's own deadline (`timeout`) ran out while it was queued; 408 as for a body
+    # that did not arrive in time (request_io.read_body).
+    "timeout": 408,
 }
 
 # OpenAI's `type` for TGI's error types it has a name for; the others keep TGI's.
@@ -44,6 +47,7 @@ OPENAI_TYPE_BY_ERROR_TYPE = {
     "generation": "server_error",
     "incomplete_generation": "server_error",
     "internal": "server_error",
+    "timeout": "timeout_error",
 }
 
 # OpenAI's `code` for the error types it has one for.
@@ -51,6 +55,7 @@ OPENAI_CODE_BY_ERROR_TYPE = {
     "model_not_found": "model_not_found",
     "unauthorized": "invalid_api_key",
     "rate_limited": "rate_limit_exceeded",
+    "timeout": "request_timeout",
 }
 
 # Anthropic's status for TGI's error types (the others: TGI's own).
@@ -66,6 +71,7 @@ ANTHROPIC_TYPE_BY_STATUS = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    408: "timeout_error",
     413: "request_too_large",
     429: "rate_limit_error",
     503: "overloaded_error",

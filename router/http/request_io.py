@@ -1,4 +1,5 @@
-"""Request plumbing every route module shares: bounded JSON bodies, client disconnects."""
+"""Request plumbing every route module shares: bounded JSON bodies, the deadline header,
+client disconnects."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import Receive
 
+from textgate.router.generation.schemas import GenerateParameters
 from textgate.router.generation.validation import ValidationError
 from textgate.router.http.errors import PayloadTooLargeError
 
@@ -26,6 +28,9 @@ BODY_TIMEOUT_STATE_KEY = "textgate.body_timeout_s"
 """Where the HTTP server puts its body deadline in each request's ASGI `state`
 (`guarded_h11.GuardedH11Protocol`); a request without it gets BODY_TIMEOUT_S."""
 M = TypeVar("M", bound=pydantic.BaseModel)
+REQUEST_TIMEOUT_HEADER = "x-request-timeout"
+"""Seconds a request may take from admission, on every generating route; a `timeout` in
+the body wins over it."""
 
 
 class ClientDisconnectedError(Exception):
@@ -87,6 +92,21 @@ def _finite_float(text: str) -> float:
 _STANDARD_JSON = json.JSONDecoder(
     object_pairs_hook=_unique_keys, parse_constant=_no_constant, parse_float=_finite_float
 )
+
+
+def with_request_timeout(params: GenerateParameters, request: Request) -> GenerateParameters:
+    """`params` with the `X-Request-Timeout` header's seconds as its `timeout`, unless the
+    body gave one (ValidationError when the header is not a finite number)."""
+    header = request.headers.get(REQUEST_TIMEOUT_HEADER)
+    if header is None or params.timeout is not None:
+        return params
+    try:
+        timeout = float(header)
+    except ValueError:
+        timeout = math.nan
+    if not math.isfinite(timeout):
+        raise ValidationError(f"`X-Request-Timeout` must be a number of seconds. Given: {header}")
+    return params.model_copy(update={"timeout": timeout})
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -50,6 +50,7 @@ class KeyEntry(BaseModel):
     max_new_tokens: PositiveInt | None = None
     priority: int | None = None
     weight: PositiveFloat = 1.0
+    timeout_s: PositiveFloat | None = None
     models: list[str] | None = Field(None, min_length=1)
 
     @model_validator(mode="after")
@@ -75,6 +76,7 @@ class KeyEntry(BaseModel):
             max_new_tokens=self.max_new_tokens,
             priority=self.priority,
             weight=self.weight,
+            timeout_s=self.timeout_s,
             models=None if self.models is None else frozenset(self.models),
         )
 

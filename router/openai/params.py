@@ -199,6 +199,8 @@ def _parameters(
         stop_token_ids=body.stop_token_ids,
         truncate=body.truncate_prompt_tokens,
         skip_special_tokens=body.skip_special_tokens,
+        priority=body.priority,
+        timeout=body.timeout,
     )
 
 

@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response
 from textgate.router.generation.reasoning import reasoning_parser
 from textgate.router.generation.schemas import GenerateRequest
 from textgate.router.generation.validation import Wording
-from textgate.router.http.request_io import read_json
+from textgate.router.http.request_io import read_json, with_request_timeout
 from textgate.router.http.served_model import served_model, with_adapter
 from textgate.router.http.serving import CLIENT_CLOSED_REQUEST, Serving
 from textgate.router.http.state import RouterState
@@ -63,6 +63,7 @@ class ResponsesHandler:
         tools = tool_plan(body)
         grammar = tools.grammar if tools is not None else format_grammar(body)
         params = with_adapter(model, adapters, generate_parameters(body, config, grammar))
+        params = with_request_timeout(params, request)
         prompt = await self._serving.render(input_messages(body), tools)
         # The template already holds the special tokens the model expects (BOS, markers).
         inputs = GenerateRequest(inputs=prompt, parameters=params, add_special_tokens=False)

@@ -116,6 +116,8 @@ def generate_parameters(
         temperature=body.temperature,
         top_p=body.top_p,
         max_completion_tokens=body.max_output_tokens,
+        priority=body.priority,
+        timeout=body.timeout,
     )
     params = chat_parameters(sampling, config)
     return params if grammar is None else params.model_copy(update={"grammar": grammar})

@@ -71,6 +71,12 @@ class ResponsesRequest(NullMeansUnset):
     """Echoed in the response."""
     top_logprobs: int | None = None
     """Refused when above 0: logprobs are not returned on this route."""
+    priority: int | None = None
+    """vLLM extra: lower is admitted first (unset: 0); no better than the API key's
+    `priority`."""
+    timeout: float | None = None
+    """textgate extra: seconds it may take from admission (docs/tenancy.md); unset: the
+    `X-Request-Timeout` header's, else the API key's `timeout_s`."""
 
 
 class OutputText(BaseModel):

@@ -29,7 +29,7 @@ from textgate.router.generation.schemas import GenerateRequest
 from textgate.router.generation.stop_text import TextOptions
 from textgate.router.generation.tools import ToolPlan
 from textgate.router.generation.validation import Wording
-from textgate.router.http.request_io import read_json
+from textgate.router.http.request_io import read_json, with_request_timeout
 from textgate.router.http.served_model import served_model, with_adapter
 from textgate.router.http.serving import CLIENT_CLOSED_REQUEST, Serving
 from textgate.router.http.state import RouterState
@@ -152,6 +152,7 @@ class _OpenAIHandlers:
         model = served_model(body.model, self._config.model_id, adapters)
         tools = tool_plan(body)
         params = with_adapter(model, adapters, chat_parameters(body, self._config, tools))
+        params = with_request_timeout(params, request)
         fanout = chat_fanout(body, self._config)
         prompt = await self._render(body, tools)
         # The template already holds the special tokens the model expects (BOS, markers).
@@ -194,6 +195,7 @@ class _OpenAIHandlers:
         model = served_model(body.model, self._config.model_id, adapters)
         given = prompt_list(body)
         params = with_adapter(model, adapters, completion_parameters(body, self._config))
+        params = with_request_timeout(params, request)
         fanout = completion_fanout(body, self._config)
         validator = self._state.validator
         # Token-id prompts keep their ids; their text is what `echo` returns.

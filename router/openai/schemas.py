@@ -94,6 +94,12 @@ class SamplingRequest(NullMeansUnset):
     prompt_logprobs: int | None = None
     """vLLM extra: each prompt token's logprob and this many likeliest alternatives
     (`prompt_logprobs` of each completion choice, or of the chat answer)."""
+    priority: int | None = None
+    """vLLM extra: lower is admitted first (unset: 0); no better than the API key's
+    `priority`."""
+    timeout: float | None = None
+    """textgate extra: seconds it may take from admission (docs/tenancy.md); unset: the
+    `X-Request-Timeout` header's, else the API key's `timeout_s`."""
 
 
 class ContentPart(BaseModel):

@@ -31,7 +31,12 @@ from textgate.router.http.delivery import (
     guard_stream,
 )
 from textgate.router.http.errors import error_response
-from textgate.router.http.request_io import ClientDisconnectedError, read_json, unless_disconnected
+from textgate.router.http.request_io import (
+    ClientDisconnectedError,
+    read_json,
+    unless_disconnected,
+    with_request_timeout,
+)
 from textgate.router.http.sse import SseResponse
 from textgate.router.http.state import RouterState
 from textgate.router.metrics import CONTENT_TYPE, RequestTimings
@@ -126,7 +131,9 @@ class TgiHandlers:
         return Response(self._metrics.render(), headers={"content-type": CONTENT_TYPE})
 
     async def _read(self, request: Request) -> GenerateRequest:
-        return await read_json(request, GenerateRequest, self._state.config.payload_limit)
+        body = await read_json(request, GenerateRequest, self._state.config.payload_limit)
+        parameters = with_request_timeout(body.parameters, request)
+        return body.model_copy(update={"parameters": parameters})
 
     async def _validate(self, body: GenerateRequest, *, stream: bool = False) -> ValidRequest:
         valid = await self._state.validator.validate(body, stream=stream)

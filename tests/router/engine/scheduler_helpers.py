@@ -97,8 +97,9 @@ def add(
     prompt: list[int],
     max_new: int = 8,
     copies: int | None = None,
+    priority: int = 0,
 ) -> None:
-    scheduler.add_request(rid, prompt, max_new, copies=copies)
+    scheduler.add_request(rid, prompt, max_new, copies=copies, priority=priority)
     model.add(rid, prompt)
 
 

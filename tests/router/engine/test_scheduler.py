@@ -317,6 +317,75 @@ def test_a_preempted_request_goes_back_to_the_head_of_the_queue() -> None:
     assert model.outputs(2)[: len(generated)] == list(generated)
 
 
+# ---- priority ----
+
+
+def first_tokens(scheduler: Scheduler, model: FakeModel) -> list[int]:
+    """Requests in the order they got their first token, until all are done."""
+    order: list[int] = []
+    for output in run_until_done(scheduler, model):
+        order += [
+            s.request_id for s in output.scheduled if s.produces_token and s.request_id not in order
+        ]
+    return order
+
+
+def test_a_better_priority_is_admitted_ahead_of_requests_queued_earlier() -> None:
+    scheduler, model = make(max_num_seqs=2)
+    for rid in (1, 2, 3, 4, 5):  # 1 and 2 run; 3, 4, 5 queue
+        add(scheduler, model, rid, [rid], max_new=3)
+    step(scheduler, model)
+    add(scheduler, model, 6, [6], max_new=3, priority=-1)
+    add(scheduler, model, 7, [7], max_new=3, priority=-1)
+    assert first_tokens(scheduler, model) == [1, 2, 6, 7, 3, 4, 5]
+
+
+def test_equal_priorities_stay_first_come_first_served() -> None:
+    scheduler, model = make(max_num_seqs=1)
+    for rid, priority in ((1, 0), (2, 5), (3, 2), (4, 5), (5, 2), (6, 0)):
+        add(scheduler, model, rid, [rid], max_new=2, priority=priority)
+    assert first_tokens(scheduler, model) == [1, 6, 3, 5, 2, 4]
+
+
+def test_the_head_of_the_queue_is_not_overtaken_within_a_priority() -> None:
+    scheduler, model = make(num_blocks=4)
+    add(scheduler, model, 1, list(range(8)), max_new=2)  # 2 blocks
+    add(scheduler, model, 2, list(range(50, 62)), max_new=2, priority=1)  # 3 blocks: waits
+    add(scheduler, model, 3, [1], max_new=2, priority=1)  # fits, but 2 is ahead
+    add(scheduler, model, 4, [2], max_new=2, priority=2)
+    assert step(scheduler, model).new_request_ids == (1,)
+    assert step(scheduler, model).new_request_ids == ()
+    assert step(scheduler, model).new_request_ids == (2, 3)
+
+
+def test_a_preempted_request_goes_first_within_its_priority_only() -> None:
+    scheduler, model = make(num_blocks=4, max_num_seqs=2)
+    add(scheduler, model, 1, [1, 2, 3, 4], max_new=8)
+    add(scheduler, model, 2, [5, 6, 7, 8], max_new=8)
+    add(scheduler, model, 3, [9], max_new=1)  # waits: max_num_seqs
+    step(scheduler, model)
+    add(scheduler, model, 4, [10], max_new=1, priority=-1)  # better than the preempted 2
+    while not (output := step(scheduler, model)).preempted_ids:
+        pass
+    assert output.preempted_ids == (2,)
+    # Ahead of 3 (its priority, queued earlier), behind 4 (a better one).
+    assert [r.request_id for r in scheduler._waiting] == [4, 2, 3]
+    admitted = [rid for o in run_until_done(scheduler, model) for rid in o.new_request_ids]
+    assert admitted == [4, 2, 3]
+
+
+def test_a_copy_still_waits_for_its_originals_prefill_behind_a_better_priority() -> None:
+    scheduler, model = make(max_num_batched_tokens=6, max_num_seqs=3)
+    prompt = list(range(1, 12))
+    add(scheduler, model, 1, prompt)
+    add(scheduler, model, 2, prompt, copies=1)
+    assert spans(step(scheduler, model)) == {1: (0, 6, False)}
+    add(scheduler, model, 3, [30, 31], priority=-1)
+    # 3 goes ahead of the copy; the copy still waits for the shared blocks.
+    assert spans(step(scheduler, model)) == {1: (6, 11, True), 3: (0, 1, False)}
+    assert spans(step(scheduler, model)) == {1: (11, 12, True), 3: (1, 2, True), 2: (8, 11, True)}
+
+
 # ---- step protocol ----
 
 

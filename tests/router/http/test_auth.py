@@ -1,6 +1,6 @@
 """API keys over real HTTP: 401 in each API's shape, per-tenant quotas answered 429 with an
 honest Retry-After, tokens settled to what was generated, max_new_tokens and models limits,
-SIGHUP reloads under a running stream, and what /metrics and the access log show."""
+priority classes and deadlines, SIGHUP reloads under a running stream, and what /metrics and the access log show."""
 
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ keys:
   - {key: sk-short, tenant: short, max_new_tokens: 5}
   - {key: sk-adapter, tenant: adapter-only, models: [sql]}
   - {key: sk-base, tenant: base-only, models: [fake-model]}
+  - {key: sk-low, tenant: low, priority: 1}
+  - {key: sk-hurry, tenant: hurry, timeout_s: 0.25}
 """
 
 
@@ -307,3 +309,89 @@ async def test_metrics_and_the_access_log_show_each_tenant(
     tenants = [r.request["tenant"] for r in records if r.request["path"] == "/generate"]  # type: ignore[attr-defined]
     assert tenants == ["rpm"] * 3 + ["tpm"] * 2
     assert "tenant=rpm" in records[0].getMessage()
+
+
+async def serial_router(start_router: StartRouter, keys_file: Path, fake: FakeShard) -> str:
+    """A router that runs one request at a time over slow steps: the others queue."""
+    fake.step_delay_s = 0.02
+    return await start_router(ChatFakeTokenizer(), api_keys_file=str(keys_file), max_batch_size=1)
+
+
+async def test_priority_is_bounded_by_the_key_and_a_better_one_is_served_first(
+    start_router: StartRouter, keys_file: Path, fake: FakeShard
+) -> None:
+    url = await serial_router(start_router, keys_file, fake)
+    async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+        over = await client.post("/generate", json=tgi(priority=0), headers=auth("sk-low"))
+        assert over.status_code == 422 and over.json()["error"] == (
+            "`priority` must be >= 1 for this API key (its `priority` limit; lower is served "
+            "first). Given: 0"
+        )
+        openai = await client.post(
+            "/v1/chat/completions", json=chat(priority=0), headers=auth("sk-low")
+        )
+        assert openai.status_code == 422 and "`priority` must be >= 1" in openai.text
+        # Unset, a request takes its key's bound.
+        assert (await client.post("/generate", json=tgi(), headers=auth("sk-low"))).is_success
+        done: list[str] = []
+
+        async def post(name: str, path: str, body: dict[str, Any], key: str) -> None:
+            answer = await client.post(path, json=body, headers=auth(key))
+            assert answer.status_code == 200, answer.text
+            done.append(name)
+
+        tasks = [asyncio.create_task(post("long", "/generate", tgi(15), "sk-open"))]
+        await asyncio.sleep(0.1)
+        for name in ("low1", "low2", "low3"):
+            tasks.append(asyncio.create_task(post(name, "/generate", tgi(priority=5), "sk-low")))
+            await asyncio.sleep(0.03)
+        best = chat(max_tokens=3, priority=1)
+        tasks.append(asyncio.create_task(post("best", "/v1/chat/completions", best, "sk-low")))
+        await asyncio.gather(*tasks)
+    assert done == ["long", "best", "low1", "low2", "low3"]
+
+
+async def test_a_deadline_passed_in_the_queue_is_408_in_each_shape(
+    start_router: StartRouter, keys_file: Path, fake: FakeShard
+) -> None:
+    url = await serial_router(start_router, keys_file, fake)
+    async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+        zero = await client.post("/generate", json=tgi(timeout=0), headers=auth("sk-open"))
+        assert zero.status_code == 422
+        assert zero.json()["error"] == "`timeout` must be > 0 seconds. Given: 0.0"
+        long = asyncio.create_task(client.post("/generate", json=tgi(40), headers=auth("sk-open")))
+        await asyncio.sleep(0.1)
+        quick = {"X-Request-Timeout": "0.2"}
+        tgi_answer, openai, anthropic, stream, patient, bad = await asyncio.gather(
+            client.post("/generate", json=tgi(timeout=0.2), headers=auth("sk-open")),
+            client.post("/v1/chat/completions", json=chat(), headers=auth("sk-open") | quick),
+            # The key's `timeout_s` (0.25) when the request gives none.
+            client.post("/v1/messages", json=message(), headers={"x-api-key": "sk-hurry"}),
+            client.post("/generate_stream", json=tgi(timeout=0.2), headers=auth("sk-open")),
+            # The body's timeout wins over the header's.
+            client.post("/generate", json=tgi(timeout=30.0), headers=auth("sk-open") | quick),
+            client.post(
+                "/generate", json=tgi(), headers=auth("sk-open") | {"x-request-timeout": "soon"}
+            ),
+        )
+        assert (await long).status_code == 200
+    message_text = "Request timed out: its deadline passed while it waited in the queue"
+    assert tgi_answer.status_code == 408
+    assert tgi_answer.json() == {"error": message_text, "error_type": "timeout"}
+    assert openai.status_code == 408
+    assert openai.json()["error"] == {
+        "message": message_text,
+        "type": "timeout_error",
+        "param": None,
+        "code": "request_timeout",
+    }
+    assert anthropic.status_code == 408
+    assert anthropic.json()["error"] == {"type": "timeout_error", "message": message_text}
+    assert stream.status_code == 200
+    assert json.loads(stream.text.strip().removeprefix("data:")) == {
+        "error": message_text,
+        "error_type": "timeout",
+    }
+    assert patient.status_code == 200
+    assert bad.status_code == 422
+    assert bad.json()["error"] == "`X-Request-Timeout` must be a number of seconds. Given: soon"
