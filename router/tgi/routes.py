@@ -109,7 +109,7 @@ class TgiHandlers:
 
     async def tokenize(self, request: Request) -> Response:
         """POST /tokenize: the prompt's tokens as `[{id, text, start, stop}]`."""
-        body = await self._read(request)
+        body = await read_json(request, GenerateRequest, self._state.config.payload_limit)
         tokens = await self._state.validator.tokenize(body)
         return JSONResponse([token.model_dump(mode="json") for token in tokens])
 
@@ -131,6 +131,7 @@ class TgiHandlers:
         return Response(self._metrics.render(), headers={"content-type": CONTENT_TYPE})
 
     async def _read(self, request: Request) -> GenerateRequest:
+        """A generating route's body, with the `X-Request-Timeout` header's deadline."""
         body = await read_json(request, GenerateRequest, self._state.config.payload_limit)
         parameters = with_request_timeout(body.parameters, request)
         return body.model_copy(update={"parameters": parameters})

@@ -87,7 +87,7 @@ async def test_queued_requests_past_their_deadline_fail_and_free_everything(
 async def test_a_running_request_past_its_deadline_ends_with_what_it_has(
     shard_and_engine: tuple[FakeShard, PagedEngine],
 ) -> None:
-    _, paged = shard_and_engine
+    shard, paged = shard_and_engine
     deadline_s = 0.2
     submitted = time.monotonic()
     hurried, calm = paged.submit([request(200, timeout_s=deadline_s), request(30)])
@@ -103,3 +103,5 @@ async def test_a_running_request_past_its_deadline_ends_with_what_it_has(
     while paged.scheduler.has_unfinished_requests():
         await asyncio.sleep(0.01)
     assert paged.scheduler.allocator.num_used_blocks == 0
+    # Dropped by the shards too (the calm one finished there on its own).
+    assert shard.held_request_ids() == set()
