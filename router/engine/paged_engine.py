@@ -99,6 +99,8 @@ class PagedEngine:
                     salt,
                     copies=None if original == entry.id else original,
                     priority=request.priority,
+                    tenant=request.tenant,
+                    weight=request.tenant_weight,
                 )
             except ValueError as exc:
                 self._admitted.fail([entry], str(exc), "validation")

@@ -50,7 +50,7 @@ class Limits:
     timeout_s: float | None = None
     """The deadline of its requests that set none (seconds from admission); None: none."""
     weight: float = 1.0
-    """Its share under fair scheduling (kept for scheduling; not used yet)."""
+    """Its share under fair scheduling, relative to other tenants' (router/engine/fairness.py)."""
     models: frozenset[str] | None = None
     """Base model and adapter names it may use; None: all."""
 

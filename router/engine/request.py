@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from textgate.proto import generate_pb2 as pb
+from textgate.router.engine.fairness import ANONYMOUS_TENANT
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,11 @@ class ValidRequest:
     timeout_s: float | None = None
     """Seconds from admission it may take: still queued past it, it fails (`timeout`);
     running past it, it ends with what it has (finish reason `length`). None: no deadline."""
+    tenant: str = ANONYMOUS_TENANT
+    """Whose fair share of the scheduler serves it: its API key's tenant, or the anonymous
+    one for every request without a key file."""
+    tenant_weight: float = 1.0
+    """Its tenant's `weight` (the key file's): its share relative to other tenants'."""
 
     @property
     def input_length(self) -> int:

@@ -15,6 +15,13 @@ within one priority: a request joins behind every waiting one of its priority or
 and a preempted one goes back ahead of every waiting one of its priority. Only admission
 follows priority; a running request is never preempted for a better one.
 
+Within the best waiting priority class, tenants share fairly (`fairness`, the Virtual
+Token Counter): the next request is the first of the backlogged tenant whose weighted
+service so far is smallest, first come first served inside a tenant. Preempted requests
+still go first within their priority, and the head of this order is never overtaken: when
+it does not fit, nobody joins. With one tenant (or none: every request is anonymous) the
+order is the queue's.
+
 The engine step reads in three lines::
 
     output = scheduler.schedule()      # data only: what to compute, where the KV goes
@@ -34,12 +41,13 @@ Pure Python: no torch, no I/O, no asyncio. Not thread-safe; one task drives it, 
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from textgate.router.engine.batch_controller import BatchController, StepSample
 from textgate.router.engine.block_allocator import BlockAllocator
+from textgate.router.engine.fairness import ANONYMOUS_TENANT, VirtualCounters
 from textgate.router.engine.first_token import Backlog
 from textgate.router.engine.step_cost import attention_pairs
 from textgate.router.engine.step_types import (
@@ -68,6 +76,13 @@ class _Request:
     """The request whose prompt (and salt) this one repeats, if any."""
     priority: int = 0
     """Lower is admitted first (vLLM's `priority`)."""
+    tenant: str = ANONYMOUS_TENANT
+    """Whose fair share it is served from."""
+    preempted: bool = False
+    """It ran and was preempted (it goes first within its priority)."""
+    num_prompt_charged: int = 0
+    """Prompt tokens already added to its tenant's counter (a recompute is not charged
+    twice, a prefix-cache hit not at all)."""
 
     @property
     def num_tokens(self) -> int:
@@ -111,6 +126,8 @@ class Scheduler:
             config.num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.controller = controller or BatchController(config.controller_config())
+        self.fairness = VirtualCounters()
+        """Each tenant's virtual token counter (who is admitted next)."""
         self._requests: dict[int, _Request] = {}
         self._waiting: deque[_Request] = deque()
         # Admission order: the last one is the first to be preempted.
@@ -173,12 +190,15 @@ class Scheduler:
         cache_salt: str = "",
         copies: int | None = None,
         priority: int = 0,
+        tenant: str = ANONYMOUS_TENANT,
+        weight: float = 1.0,
     ) -> None:
         """Queue a request; ValueError if it is malformed or could never fit the KV cache.
 
         `copies`: an earlier request with the same prompt and salt, whose prefill this one
         waits for and then reuses through the prefix cache. `priority`: lower joins the
-        queue ahead (behind every waiting request of the same priority or better)."""
+        queue ahead (behind every waiting request of the same priority or better).
+        `tenant`, `weight`: whose fair share serves it, and that tenant's weight (> 0)."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id} is already scheduled")
         if not prompt_token_ids:
@@ -188,6 +208,8 @@ class Scheduler:
                 f"request {request_id}: max_new_tokens must be at least 1, got {max_new_tokens}"
             )
         total = len(prompt_token_ids) + max_new_tokens
+        if weight <= 0:
+            raise ValueError(f"request {request_id}: weight must be > 0, got {weight}")
         if total > self.config.max_num_cached_tokens:
             raise ValueError(
                 f"request {request_id} needs {total} tokens of KV cache (prompt "
@@ -203,8 +225,10 @@ class Scheduler:
             cache_salt=cache_salt,
             copies=copies,
             priority=priority,
+            tenant=tenant,
         )
         self._requests[request_id] = request
+        self.fairness.arrive(tenant, weight)
         self._enqueue(request)
 
     def abort(self, request_id: int) -> bool:
@@ -217,7 +241,7 @@ class Scheduler:
             self.allocator.free(request_id)
             self._finished_ids.append(request_id)
         else:
-            self._waiting.remove(request)
+            self._unqueue(request)
         return True
 
     # ---- the step ----
@@ -226,8 +250,8 @@ class Scheduler:
         """Plan the next step.
 
         Running requests first (their decodes, then the one unfinished prefill), then
-        waiting requests in queue order (priority, then arrival) as the budget and free
-        blocks allow.
+        waiting requests in admission order (priority, preempted first, then the tenant
+        furthest behind its fair share, then arrival) as the budget and free blocks allow.
         """
         if self._in_flight:
             raise RuntimeError("schedule() called again before update() of the previous step")
@@ -378,12 +402,14 @@ class Scheduler:
         self._running.remove(request)
         self.allocator.free(request.request_id)
         request.num_computed_tokens = 0
+        request.preempted = True
         self._requeue(request)
         draft.preempted_ids.append(request.request_id)
         self.num_preemptions += 1
 
     def _schedule_waiting(self, draft: _StepDraft) -> None:
-        """Admit from the head of the queue while budget, blocks and the batch limit allow.
+        """Admit in admission order (`_next_waiting`) while budget, blocks and the batch
+        limit allow.
 
         The max-waiting rule: once nobody joined for max_waiting_steps steps, the head
         joins past the batch limit (one request; max_num_seqs and blocks still hold).
@@ -394,7 +420,7 @@ class Scheduler:
             if len(self._running) >= self.batch_limit and not overdue:
                 return
             overdue = False
-            request = self._waiting[0]
+            request = self._next_waiting()
             if self._awaits_prompt(request):
                 return  # its prompt is being computed: next step it joins on a prefix hit
             num_tokens = min(request.num_tokens + reserve, request.max_total_tokens)
@@ -402,13 +428,37 @@ class Scheduler:
                 request.request_id, request.token_ids, num_tokens, salt=request.cache_salt
             )
             if num_cached is None:
-                return  # queue order: nobody overtakes the head of the queue
-            self._waiting.popleft()
+                return  # admission order: nobody overtakes the request it chose
+            self._unqueue(request)
             self._running.append(request)
             request.num_computed_tokens = num_cached
             num_new = min(request.num_tokens - num_cached, draft.budget)
             self._add_to_step(request, num_new, draft)
             draft.new_request_ids.append(request.request_id)
+
+    def _next_waiting(self) -> _Request:
+        """The request admission considers next: the head of the queue when it was
+        preempted; else, among the waiting requests of the head's priority, the first of
+        the tenant with the smallest virtual counter (the earliest tenant on a tie)."""
+        head = self._waiting[0]
+        if head.preempted:
+            return head
+        chosen, lowest = head, self.fairness.counter(head.tenant)
+        seen = {head.tenant}
+        for request in self._waiting:
+            if request.priority != head.priority or len(seen) == self.fairness.num_backlogged:
+                break
+            if request.tenant in seen:
+                continue
+            seen.add(request.tenant)
+            counter = self.fairness.counter(request.tenant)
+            if counter < lowest:
+                chosen, lowest = request, counter
+        return chosen
+
+    def _unqueue(self, request: _Request) -> None:
+        self._waiting.remove(request)
+        self.fairness.leave(request.tenant)
 
     def _enqueue(self, request: _Request) -> None:
         """Behind every waiting request of its priority or better (from the back: most
@@ -417,6 +467,7 @@ class Scheduler:
         while index > 0 and self._waiting[index - 1].priority > request.priority:
             index -= 1
         self._waiting.insert(index, request)
+        self.fairness.join(request.tenant)
 
     def _requeue(self, request: _Request) -> None:
         """A preempted request: ahead of every waiting request of its priority or worse."""
@@ -424,6 +475,7 @@ class Scheduler:
         while index < len(self._waiting) and self._waiting[index].priority < request.priority:
             index += 1
         self._waiting.insert(index, request)
+        self.fairness.join(request.tenant)
 
     def _awaits_prompt(self, request: _Request) -> bool:
         """Whether `request` is a copy whose original is running and has not computed the
@@ -470,10 +522,16 @@ class Scheduler:
         self.allocator.cache_blocks(
             request.request_id, request.token_ids, request.num_computed_tokens
         )
+        prompt_end = min(step.end_position, request.num_prompt_tokens)
+        num_prompt = max(0, prompt_end - max(step.start_position, request.num_prompt_charged))
+        request.num_prompt_charged = max(request.num_prompt_charged, prompt_end)
         if not step.produces_token:
+            self.fairness.charge(request.tenant, num_prompt, 0)
             return
         room = request.max_new_tokens - request.num_output_tokens
-        request.token_ids.extend(result.sampled_token_ids[request.request_id][:room])
+        sampled = result.sampled_token_ids[request.request_id][:room]
+        request.token_ids.extend(sampled)
+        self.fairness.charge(request.tenant, num_prompt, len(sampled))
         if (
             request.request_id in result.finished_ids
             or request.num_output_tokens >= request.max_new_tokens
@@ -501,6 +559,8 @@ class Scheduler:
             assert request.num_computed_tokens < request.num_tokens, (
                 "running request has nothing to compute"
             )
+        tenants = Counter(request.tenant for request in self._waiting)
+        assert self.fairness.backlog() == dict(tenants), "tenant backlog out of step"
         priorities = [request.priority for request in self._waiting]
         assert priorities == sorted(priorities), "the waiting queue is out of priority order"
         for request in self._waiting:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 from textgate.router.config import RouterConfig
+from textgate.router.engine.fairness import ANONYMOUS_TENANT
 from textgate.router.engine.lora_registry import LoraRegistry
 from textgate.router.engine.quota import Limits, ModelNotAllowedError, current_lease
 from textgate.router.engine.request import GrammarSpec, ValidRequest
@@ -132,6 +133,8 @@ class Validator:
             skip_special_tokens=params.skip_special_tokens,
             priority=_check_key_priority(params.priority, limits),
             timeout_s=_timeout(params.timeout, limits),
+            tenant=lease.quota.name if lease is not None else ANONYMOUS_TENANT,
+            tenant_weight=limits.weight,
         )
 
     def _grammar(self, params: GenerateParameters, wording: Wording) -> GrammarSpec | None:

@@ -98,8 +98,12 @@ def add(
     max_new: int = 8,
     copies: int | None = None,
     priority: int = 0,
+    tenant: str = "",
+    weight: float = 1.0,
 ) -> None:
-    scheduler.add_request(rid, prompt, max_new, copies=copies, priority=priority)
+    scheduler.add_request(
+        rid, prompt, max_new, copies=copies, priority=priority, tenant=tenant, weight=weight
+    )
     model.add(rid, prompt)
 
 

@@ -1,6 +1,7 @@
 """API keys over real HTTP: 401 in each API's shape, per-tenant quotas answered 429 with an
 honest Retry-After, tokens settled to what was generated, max_new_tokens and models limits,
-priority classes and deadlines, SIGHUP reloads under a running stream, and what /metrics and the access log show."""
+priority classes, deadlines and fair shares between tenants, SIGHUP reloads under a
+running stream, and what /metrics and the access log show."""
 
 from __future__ import annotations
 
@@ -395,3 +396,28 @@ async def test_a_deadline_passed_in_the_queue_is_408_in_each_shape(
     assert patient.status_code == 200
     assert bad.status_code == 422
     assert bad.json()["error"] == "`X-Request-Timeout` must be a number of seconds. Given: soon"
+
+
+async def test_a_light_tenant_is_not_starved_behind_a_heavy_tenants_backlog(
+    start_router: StartRouter, tmp_path: Path, fake: FakeShard
+) -> None:
+    keys = tmp_path / "fair.yaml"
+    keys.write_text("keys:\n  - {key: sk-heavy, tenant: heavy}\n  - {key: sk-light, tenant: light}")
+    url = await serial_router(start_router, keys, fake)
+    done: list[str] = []
+    async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+
+        async def post(name: str, key: str) -> None:
+            answer = await client.post("/generate", json=tgi(3), headers=auth(key))
+            assert answer.status_code == 200, answer.text
+            done.append(name)
+
+        heavy = [asyncio.create_task(post(f"heavy{i}", "sk-heavy")) for i in range(8)]
+        # All of the heavy tenant's requests queue (one runs) before the light one's.
+        while metric((await client.get("/metrics")).text, "tgi_queue_size") < 7:
+            await asyncio.sleep(0.01)
+        light = [asyncio.create_task(post(f"light{i}", "sk-light")) for i in range(2)]
+        await asyncio.gather(*heavy, *light)
+    # First come, first served ends them last (9th and 10th); by fair shares they alternate
+    # with the heavy tenant's (measured: heavy, light, heavy, light, heavy, ...).
+    assert {"light0", "light1"} <= set(done[:5]), done
