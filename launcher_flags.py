@@ -238,6 +238,17 @@ class LauncherConfig:
         "YAML or JSON file of API keys, each of a tenant with optional quotas (requests and "
         "tokens per minute, concurrency, max_new_tokens, models); reloaded on SIGHUP",
     )
+    audit_log: str | None = flag(
+        None,
+        "File of one JSON line per finished request (time, tenant, route, model, tokens, "
+        "status, latency, finish reason), rotated by size; unset = no audit log",
+    )
+    audit_log_content: bool = flag(
+        False, "Put each request's prompt and output text in the audit log too", parse_bool
+    )
+    audit_log_max_bytes: int = flag(
+        100 * 1024 * 1024, "Size in bytes past which the audit log is rotated (5 kept)", int
+    )
     cors_allow_origin: tuple[str, ...] = flag(
         (), "Comma-separated origins allowed by CORS", _origins
     )

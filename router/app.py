@@ -35,6 +35,7 @@ from textgate.router.anthropic.routes import anthropic_routes
 from textgate.router.config import RouterConfig
 from textgate.router.generation.validation import Tokenizer, Validator
 from textgate.router.http.access_log import AccessLogMiddleware
+from textgate.router.http.audit_log import AuditLog
 from textgate.router.http.auth import AuthMiddleware
 from textgate.router.http.body_dispatch import merge_by_body
 from textgate.router.http.drain import Drain, DrainMiddleware
@@ -102,15 +103,20 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if audit is not None:
+            audit.start()
         with _reloads_on_sighup(tenants):
             yield
         await engine.close()
         validator.close()
+        if audit is not None:
+            audit.close()  # after the engine: the last requests' lines are written
 
     drain = Drain()
+    audit = _audit_log(config)
     app = Starlette(
         routes=routes,
-        middleware=_middleware(config, drain, tenants, metrics),
+        middleware=_middleware(config, drain, tenants, metrics, audit),
         exception_handlers={
             **dict.fromkeys(TYPED_ERRORS, _typed_error),
             HTTPException: _http_error,
@@ -123,6 +129,16 @@ def build_app(
     app.state.router = state
     app.state.tenants = tenants
     return app
+
+
+def _audit_log(config: RouterConfig) -> AuditLog | None:
+    if config.audit_log is None:
+        return None
+    return AuditLog(
+        config.audit_log,
+        max_bytes=config.audit_log_max_bytes,
+        content=config.audit_log_content,
+    )
 
 
 @contextlib.contextmanager
@@ -160,11 +176,18 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 
 
 def _middleware(
-    config: RouterConfig, drain: Drain, tenants: Tenants | None, metrics: Metrics
+    config: RouterConfig,
+    drain: Drain,
+    tenants: Tenants | None,
+    metrics: Metrics,
+    audit: AuditLog | None,
 ) -> list[Middleware]:
     # Outermost: every answer is logged, a 401 or a CORS preflight included.
     # The span closes inside the access log's scope, so it can read the request's record.
-    middleware = [Middleware(AccessLogMiddleware), Middleware(TracingMiddleware)]
+    middleware = [
+        Middleware(AccessLogMiddleware, audit=audit, model_id=config.model_id),
+        Middleware(TracingMiddleware),
+    ]
     # Inside the access log: the 503s of a draining router are logged too.
     middleware.append(Middleware(DrainMiddleware, drain=drain))
     if config.cors_allow_origin:

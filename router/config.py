@@ -102,6 +102,13 @@ class RouterConfig:
     """YAML or JSON file of API keys, each of a tenant with optional limits
     (docs/tenancy.md); reloaded on SIGHUP. With `api_key` too, that key is the tenant
     "default"'s."""
+    audit_log: str | None = None
+    """File that gets one JSON line per finished request: tenant, route, model, tokens,
+    status, latency (router/http/audit_log.py); None: no audit log."""
+    audit_log_content: bool = False
+    """Put each request's prompt and output text in its audit-log line too."""
+    audit_log_max_bytes: int = 100 * 1024 * 1024
+    """Size past which the audit log is rotated (5 old files are kept)."""
     cors_allow_origin: tuple[str, ...] = ()
     """Origins allowed by CORS; empty = no CORS headers."""
     payload_limit: int = 2_000_000
@@ -140,6 +147,7 @@ class RouterConfig:
             "max_client_batch_size",
             "validation_workers",
             "payload_limit",
+            "audit_log_max_bytes",
         ):
             _require_positive(name, getattr(self, name))
         if self.target_itl_ms is not None and not self.target_itl_ms >= 0:

@@ -59,6 +59,8 @@ class RequestTimings:
     started_at: float
     ended_at: float
     generated_tokens: int
+    first_token_at: float | None = None
+    """When its first generated token arrived; None: unknown, or it generated none."""
 
 
 class BatchControllerState(Protocol):
@@ -154,6 +156,17 @@ class Metrics:
         self._inference_duration.observe(inference)
         self._time_per_token.observe(inference / max(timings.generated_tokens, 1))
         self._generated_tokens.observe(timings.generated_tokens)
+        record = current_request()
+        if record is not None and record.tenant is not None:
+            self._tenant_timings(record.tenant, timings)
+
+    def _tenant_timings(self, tenant: str, timings: RequestTimings) -> None:
+        """The queue time and time to first token of a request with `tenant`'s API key."""
+        queued = max(timings.started_at - timings.queued_at, 0.0)
+        self._tenant_queue_duration.labels(tenant=tenant).observe(queued)
+        if timings.first_token_at is not None:
+            ttft = max(timings.first_token_at - timings.received_at, 0.0)
+            self._tenant_time_to_first_token.labels(tenant=tenant).observe(ttft)
 
     def request_cancelled(self, reason: str) -> None:
         """The router stopped a request before its end: its client left
@@ -379,6 +392,18 @@ class Metrics:
             "Requests answered 429 per tenant and the limit they were over",
             ["tenant", "limit"],
             registry=r,
+        )
+        self._tenant_queue_duration = _seconds(
+            "textgate_tenant_request_queue_duration",
+            "Time spent in the queue per request, per tenant (API key)",
+            r,
+            ["tenant"],
+        )
+        self._tenant_time_to_first_token = _seconds(
+            "textgate_tenant_request_time_to_first_token",
+            "Time from a request's arrival to its first generated token, per tenant (API key)",
+            r,
+            ["tenant"],
         )
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from contextvars import ContextVar, Token
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 QUIET_PATHS = frozenset({"/health", "/ping", "/metrics", "/info", "/favicon.ico"})
@@ -29,10 +29,20 @@ class RequestRecord:
     """The LoRA adapter it ran with; None: the base model."""
     tenant: str | None = None
     """The tenant of its API key; None: no keys are required."""
+    finish_reason: str | None = None
+    """Why its (last) generation ended: stop, length, ..."""
+    prompt: str | None = field(default=None, metadata={"text": True})
+    """Its prompt text, for the audit log's `--audit-log-content` only (never logged here)."""
+    outputs: list[str] = field(default_factory=list, metadata={"text": True})
+    """The text each of its generations ended with, likewise for the audit log only."""
 
     def fields(self) -> dict[str, Any]:
-        """The facts known, without the unset ones."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        """The facts known, without the unset ones (nor the prompt and output text)."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) is not None and not f.metadata.get("text")
+        }
 
 
 _current: ContextVar[RequestRecord | None] = ContextVar("textgate_request", default=None)

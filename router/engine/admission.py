@@ -18,7 +18,9 @@ from textgate.proto import generate_pb2 as pb
 from textgate.router.engine.channel import Channel, ErrorEvent, Finished, StepEvent
 from textgate.router.engine.quota import current_lease
 from textgate.router.engine.request import ValidRequest
-from textgate.router.tracing import RequestTrace, current_request
+from textgate.router.request_record import RequestRecord, current_request
+from textgate.router.tracing import RequestTrace
+from textgate.router.tracing import current_request as current_trace
 
 
 class OverloadedError(Exception):
@@ -39,6 +41,8 @@ class Entry:
     channel: Channel
     trace: RequestTrace | None = None
     """The HTTP request's span (router/tracing.py); None while tracing is off."""
+    record: RequestRecord | None = None
+    """The HTTP request's access-log record (router/request_record.py), told how it ended."""
     out_of_time: bool = False
     """Its deadline passed while it ran: its next token is its last (finish reason length)."""
 
@@ -106,10 +110,12 @@ class Admitted:
         if lease is not None:
             lease.reserve(requests)
         entries = []
+        record = current_request()
+        if record is not None:
+            record.prompt = requests[0].inputs if requests else None
         for request in requests:
-            entry = Entry(
-                next(self._ids), request, Channel(request.input_length), current_request()
-            )
+            channel = Channel(request.input_length)
+            entry = Entry(next(self._ids), request, channel, current_trace(), record)
             entry.channel.on_cancel(on_cancel)
             self._entries[entry.id] = entry
             entries.append(entry)
@@ -172,6 +178,9 @@ class Admitted:
             if event.finished is not None:
                 if entry.trace is not None:
                     entry.trace.finished(entry.channel, entry.input_length, event.finished)
+                if entry.record is not None:
+                    entry.record.finish_reason = event.finished.finish_reason
+                    entry.record.outputs.append(event.finished.text)
                 routed.finished.add(entry.id)
                 self.release(entry)
         kept = routed.sampled.keys() if running is None else running

@@ -155,6 +155,8 @@ class Channel:
         """When the request was admitted."""
         self.started_at: float | None = None
         """When its first prefill was sent."""
+        self.first_token_at: float | None = None
+        """When its first generated token arrived from the shards."""
         self.num_generated = 0
         """Tokens the shards generated for it so far (those dropped by an overflow too)."""
         self._events: deque[Event] = deque()
@@ -213,6 +215,8 @@ class Channel:
             return
         final = is_final(event)
         num_tokens = 0 if isinstance(event, ErrorEvent) else len(event.tokens)
+        if num_tokens and self.first_token_at is None:
+            self.first_token_at = time.monotonic()
         self.num_generated += num_tokens
         limit = self._max_pending_tokens
         if not final and limit is not None and self._num_pending_tokens + num_tokens > limit:

@@ -41,6 +41,8 @@ class Generated:
     prefill: list[TokenInfo] = field(default_factory=list)
     prefill_top: list[list[TokenInfo]] = field(default_factory=list)
     ended_at: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    """When its first generated token arrived; None: it generated none."""
 
     @property
     def logprob_sum(self) -> float:
@@ -108,6 +110,7 @@ async def collect(channel: Channel) -> Generated:
                 top_tokens=top_tokens,
                 prefill=prefill,
                 prefill_top=prefill_top,
+                first_token_at=channel.first_token_at,
             )
     raise GenerationError(INCOMPLETE)
 

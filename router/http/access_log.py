@@ -4,25 +4,37 @@ Handlers never log requests themselves: the middleware opens a `RequestRecord` f
 request's task, the metrics calls the pipeline already makes fill it (tokens in and
 out, queue and inference time, failure), and the line is written once the response's
 last byte is sent — after the stream, for SSE. Probes and scrapes log at DEBUG only.
+With `--audit-log` the same moment writes the request's audit line (router/http/audit_log.py),
+for every request but probes, scrapes and other GETs.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from textgate.router.request_record import QUIET_PATHS, end_request_record, start_request_record
+from textgate.router.http.audit_log import AuditLog
+from textgate.router.request_record import (
+    QUIET_PATHS,
+    RequestRecord,
+    end_request_record,
+    start_request_record,
+)
 
 log = logging.getLogger("textgate.router.access")
 
 
 class AccessLogMiddleware:
-    """Logs `METHOD path status seconds` plus the request's generation facts."""
+    """Logs `METHOD path status seconds` plus the request's generation facts, and gives
+    `audit` (if any) the request's audit line; `model_id` is the served model's name."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, audit: AuditLog | None = None, model_id: str = "") -> None:
         self._app = app
+        self._audit = audit
+        self._model_id = model_id
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -54,6 +66,9 @@ class AccessLogMiddleware:
                 f" {facts}" if facts else "",
                 extra={"request": fields},
             )
+            if self._audit is not None and not quiet:
+                entry = audit_entry(scope, status, fields["duration_s"], record, self._model_id)
+                self._audit.write(entry)
 
         async def send_and_watch(message: Message) -> None:
             nonlocal status
@@ -72,3 +87,29 @@ class AccessLogMiddleware:
 
 def _short(value: object) -> str:
     return f"{value:.3f}s" if isinstance(value, float) else str(value)
+
+
+def audit_entry(
+    scope: Scope, status: int, duration_s: float, record: RequestRecord, model_id: str
+) -> dict[str, Any]:
+    """The audit log's fields of one request (None ones are left out by the writer)."""
+    headers: list[tuple[bytes, bytes]] = scope.get("headers", [])
+    request_id = next((v.decode("latin-1") for k, v in headers if k == b"x-request-id"), None)
+    outputs = record.outputs
+    return {
+        "tenant": record.tenant,
+        "method": scope.get("method", ""),
+        "route": scope.get("path", ""),
+        "model": model_id,
+        "adapter": record.adapter,
+        "prompt_tokens": record.input_tokens,
+        "generated_tokens": record.generated_tokens,
+        "status": status,
+        "latency_ms": round(duration_s * 1000, 1),
+        "finish_reason": record.finish_reason,
+        "error_type": record.error_type,
+        "cancelled": record.cancelled,
+        "request_id": request_id,
+        "prompt": record.prompt,
+        "output": (outputs[0] if len(outputs) == 1 else outputs) if outputs else None,
+    }

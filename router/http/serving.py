@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from starlette.requests import Request
@@ -98,6 +98,7 @@ class Serving:
                 started_at=min(g.started_at for g in results),
                 ended_at=max(g.ended_at for g in results),
                 generated_tokens=sum(g.finished.generated_tokens for g in results),
+                first_token_at=_earliest(g.first_token_at for g in results),
             )
         )
         return results
@@ -117,10 +118,19 @@ class Serving:
                 return
             queued = min(c.queued_at for c in channels)
             started = min(c.started_at or c.queued_at for c in channels)
-            timings = RequestTimings(received, queued, started, time.monotonic(), generated_tokens)
+            first_token = _earliest(c.first_token_at for c in channels)
+            ended = time.monotonic()
+            timings = RequestTimings(
+                received, queued, started, ended, generated_tokens, first_token
+            )
             self._metrics.request_succeeded(timings)
 
         return on_end
+
+
+def _earliest(times: Iterable[float | None]) -> float | None:
+    """The first of the known `times`; None when none is."""
+    return min((t for t in times if t is not None), default=None)
 
 
 async def _collect_all(channels: Sequence[Channel]) -> list[Generated]:

@@ -175,7 +175,12 @@ class TgiHandlers:
             started = channel.started_at or channel.queued_at
             self._metrics.request_succeeded(
                 RequestTimings(
-                    received, channel.queued_at, started, time.monotonic(), end.generated_tokens
+                    received,
+                    channel.queued_at,
+                    started,
+                    time.monotonic(),
+                    end.generated_tokens,
+                    channel.first_token_at,
                 )
             )
 
@@ -254,6 +259,7 @@ def _timings(received: float, generated: Generated) -> RequestTimings:
         started_at=generated.started_at,
         ended_at=generated.ended_at,
         generated_tokens=generated.finished.generated_tokens,
+        first_token_at=generated.first_token_at,
     )
 
 
