@@ -210,3 +210,23 @@ def test_api_keys_file_is_read_before_the_model_and_reaches_the_router(
     with pytest.raises(SystemExit):
         launcher.parse_args([], env={"API_KEYS_FILE": str(keys)})
     assert "keys.0.tenant: Field required" in capsys.readouterr().err
+
+
+def test_the_audit_log_flags_reach_the_router(tiny_model_dir: Path, tmp_path: Path) -> None:
+    import json
+
+    from textgate.router.config import RouterConfig
+
+    path = str(tmp_path / "audit.jsonl")
+    argv = ["--audit-log", path, "--audit-log-content", "true", "--audit-log-max-bytes", "4096"]
+    config = launcher.parse_args(argv, env={})
+    router = RouterConfig.from_json(json.dumps(launcher.router_config(tiny_model_dir, config)))
+    assert (router.audit_log, router.audit_log_content, router.audit_log_max_bytes) == (
+        path,
+        True,
+        4096,
+    )
+    default = launcher.router_config(tiny_model_dir, launcher.parse_args([], env={}))
+    assert default["audit_log"] is None and default["audit_log_max_bytes"] == 100 * 1024 * 1024
+    with pytest.raises(ValueError, match="audit_log_max_bytes"):
+        RouterConfig(model_id="m", tokenizer_path="t", audit_log_max_bytes=0)
