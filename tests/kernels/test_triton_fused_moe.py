@@ -16,11 +16,9 @@ import torch
 
 from textgate.kernels.triton import fused_moe
 from textgate.shard_server.layers.moe import Routing, SparseMoE, StackedExperts
+from textgate.tests.kernels.triton_helpers import TOLERANCE, randn
 
 HIDDEN, INTERMEDIATE = 40, 24  # neither a multiple of the 16/64 blocks
-# One rounding of the result apart: the sums differ in order, and the interpreter
-# truncates float32 -> bfloat16 where a GPU rounds.
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
 @pytest.fixture
@@ -28,11 +26,6 @@ def device(triton_device, monkeypatch):
     """The device, with the kernel enabled on it (CUDA only by default)."""
     monkeypatch.setattr(fused_moe, "enabled_devices", ("cuda", "cpu"))
     return triton_device
-
-
-def randn(*shape, dtype, device, seed, scale=1.0):
-    values = torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
-    return values.to(dtype).to(device)
 
 
 def experts(num_experts, dtype, device):

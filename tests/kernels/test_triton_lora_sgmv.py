@@ -19,12 +19,10 @@ from textgate.kernels.triton import lora_sgmv
 from textgate.kernels.triton.lora_sgmv import Segments
 from textgate.shard_server.layers import lora
 from textgate.shard_server.layers.lora import LoraLayer, LoraRows, lora_rows
+from textgate.tests.kernels.triton_helpers import TOLERANCE, randn
 
 INPUTS, OUTPUTS = 40, 72  # neither a multiple of the 64 blocks; two column blocks
 NUM_ROWS = 37  # not a multiple of the 16-row block
-# One rounding of the result apart: the sums differ in order, and the interpreter
-# truncates float32 -> bfloat16 where a GPU rounds.
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
 @pytest.fixture
@@ -32,11 +30,6 @@ def device(triton_device, monkeypatch):
     """The device, with the kernels enabled on it (CUDA only by default)."""
     monkeypatch.setattr(lora_sgmv, "enabled_devices", ("cuda", "cpu"))
     return triton_device
-
-
-def randn(*shape, dtype, device, seed, scale=1.0):
-    values = torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
-    return values.to(dtype).to(device)
 
 
 def pairs(ranks, dtype, device, outputs=OUTPUTS):
