@@ -18,7 +18,7 @@ import logging
 import signal
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 from starlette.applications import Starlette
@@ -27,6 +27,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.routing import BaseRoute
 from starlette.types import Scope
 
 import textgate
@@ -88,34 +89,11 @@ def build_app(
     state = RouterState(
         config, shards, tokenizer, validator, engine, shard_info, metrics, autoconfig
     )
-    routes = [*tgi_routes(state), *openai_routes(state)]
-    if config.allow_runtime_lora_updating:
-        routes += lora_routes(state)
-    routes += anthropic_routes(state)
-    # TGI's and vLLM's POST /tokenize share the path: the body's shape picks the API.
-    routes = merge_by_body(
-        routes, "/tokenize", VLLM_TOKENIZE, is_vllm_tokenize, config.payload_limit
-    )
-    routes.append(sagemaker_route(routes, config.payload_limit))
-    routes += docs_routes(routes, textgate.__version__)
-    # After the docs: the playground's page and files are not API routes.
-    routes = with_playground(routes)
-
-    @asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        if audit is not None:
-            audit.start()
-        with _reloads_on_sighup(tenants):
-            yield
-        await engine.close()
-        validator.close()
-        if audit is not None:
-            audit.close()  # after the engine: the last requests' lines are written
-
-    drain = Drain()
     audit = _audit_log(config)
+    lifespan = _lifespan(engine, validator, tenants, audit)
+    drain = Drain()
     app = Starlette(
-        routes=routes,
+        routes=_routes(state),
         middleware=_middleware(config, drain, tenants, metrics, audit),
         exception_handlers={
             **dict.fromkeys(TYPED_ERRORS, _typed_error),
@@ -129,6 +107,44 @@ def build_app(
     app.state.router = state
     app.state.tenants = tenants
     return app
+
+
+def _routes(state: RouterState) -> list[BaseRoute]:
+    """Every API's routes over `state`, then the ones made from them (SageMaker, docs,
+    the playground)."""
+    config = state.config
+    routes = [*tgi_routes(state), *openai_routes(state)]
+    if config.allow_runtime_lora_updating:
+        routes += lora_routes(state)
+    routes += anthropic_routes(state)
+    # TGI's and vLLM's POST /tokenize share the path: the body's shape picks the API.
+    routes = merge_by_body(
+        routes, "/tokenize", VLLM_TOKENIZE, is_vllm_tokenize, config.payload_limit
+    )
+    routes.append(sagemaker_route(routes, config.payload_limit))
+    routes += docs_routes(routes, textgate.__version__)
+    # After the docs: the playground's page and files are not API routes.
+    return with_playground(routes)
+
+
+def _lifespan(
+    engine: Engine, validator: Validator, tenants: Tenants | None, audit: AuditLog | None
+) -> Callable[[Starlette], AbstractAsyncContextManager[None]]:
+    """While serving: the audit log's writer runs and SIGHUP reloads the key file; after,
+    the engine, the validator's threads and then the audit log close."""
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if audit is not None:
+            audit.start()
+        with _reloads_on_sighup(tenants):
+            yield
+        await engine.close()
+        validator.close()
+        if audit is not None:
+            audit.close()  # after the engine: the last requests' lines are written
+
+    return lifespan
 
 
 def _audit_log(config: RouterConfig) -> AuditLog | None:

@@ -41,7 +41,6 @@ Pure Python: no torch, no I/O, no asyncio. Not thread-safe; one task drives it, 
 
 from __future__ import annotations
 
-from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -56,6 +55,7 @@ from textgate.router.engine.step_types import (
     SchedulerConfig,
     SchedulerOutput,
 )
+from textgate.router.engine.waiting_queue import WaitingQueue
 
 
 @dataclass
@@ -129,7 +129,7 @@ class Scheduler:
         self.fairness = VirtualCounters()
         """Each tenant's virtual token counter (who is admitted next)."""
         self._requests: dict[int, _Request] = {}
-        self._waiting: deque[_Request] = deque()
+        self._waiting: WaitingQueue[_Request] = WaitingQueue(self.fairness)
         # Admission order: the last one is the first to be preempted.
         self._running: list[_Request] = []
         self._finished_ids: list[int] = []
@@ -229,7 +229,7 @@ class Scheduler:
         )
         self._requests[request_id] = request
         self.fairness.arrive(tenant, weight)
-        self._enqueue(request)
+        self._waiting.add(request)
 
     def abort(self, request_id: int) -> bool:
         """Drop a request (client went away) and free its blocks now; False if unknown."""
@@ -241,7 +241,7 @@ class Scheduler:
             self.allocator.free(request_id)
             self._finished_ids.append(request_id)
         else:
-            self._unqueue(request)
+            self._waiting.remove(request)
         return True
 
     # ---- the step ----
@@ -403,12 +403,12 @@ class Scheduler:
         self.allocator.free(request.request_id)
         request.num_computed_tokens = 0
         request.preempted = True
-        self._requeue(request)
+        self._waiting.readd(request)
         draft.preempted_ids.append(request.request_id)
         self.num_preemptions += 1
 
     def _schedule_waiting(self, draft: _StepDraft) -> None:
-        """Admit in admission order (`_next_waiting`) while budget, blocks and the batch
+        """Admit in admission order (`WaitingQueue.next`) while budget, blocks and the batch
         limit allow.
 
         The max-waiting rule: once nobody joined for max_waiting_steps steps, the head
@@ -420,7 +420,7 @@ class Scheduler:
             if len(self._running) >= self.batch_limit and not overdue:
                 return
             overdue = False
-            request = self._next_waiting()
+            request = self._waiting.next()
             if self._awaits_prompt(request):
                 return  # its prompt is being computed: next step it joins on a prefix hit
             num_tokens = min(request.num_tokens + reserve, request.max_total_tokens)
@@ -429,53 +429,12 @@ class Scheduler:
             )
             if num_cached is None:
                 return  # admission order: nobody overtakes the request it chose
-            self._unqueue(request)
+            self._waiting.remove(request)
             self._running.append(request)
             request.num_computed_tokens = num_cached
             num_new = min(request.num_tokens - num_cached, draft.budget)
             self._add_to_step(request, num_new, draft)
             draft.new_request_ids.append(request.request_id)
-
-    def _next_waiting(self) -> _Request:
-        """The request admission considers next: the head of the queue when it was
-        preempted; else, among the waiting requests of the head's priority, the first of
-        the tenant with the smallest virtual counter (the earliest tenant on a tie)."""
-        head = self._waiting[0]
-        if head.preempted:
-            return head
-        chosen, lowest = head, self.fairness.counter(head.tenant)
-        seen = {head.tenant}
-        for request in self._waiting:
-            if request.priority != head.priority or len(seen) == self.fairness.num_backlogged:
-                break
-            if request.tenant in seen:
-                continue
-            seen.add(request.tenant)
-            counter = self.fairness.counter(request.tenant)
-            if counter < lowest:
-                chosen, lowest = request, counter
-        return chosen
-
-    def _unqueue(self, request: _Request) -> None:
-        self._waiting.remove(request)
-        self.fairness.leave(request.tenant)
-
-    def _enqueue(self, request: _Request) -> None:
-        """Behind every waiting request of its priority or better (from the back: most
-        requests share one priority, so this is usually an append)."""
-        index = len(self._waiting)
-        while index > 0 and self._waiting[index - 1].priority > request.priority:
-            index -= 1
-        self._waiting.insert(index, request)
-        self.fairness.join(request.tenant)
-
-    def _requeue(self, request: _Request) -> None:
-        """A preempted request: ahead of every waiting request of its priority or worse."""
-        index = 0
-        while index < len(self._waiting) and self._waiting[index].priority < request.priority:
-            index += 1
-        self._waiting.insert(index, request)
-        self.fairness.join(request.tenant)
 
     def _awaits_prompt(self, request: _Request) -> bool:
         """Whether `request` is a copy whose original is running and has not computed the
@@ -559,10 +518,7 @@ class Scheduler:
             assert request.num_computed_tokens < request.num_tokens, (
                 "running request has nothing to compute"
             )
-        tenants = Counter(request.tenant for request in self._waiting)
-        assert self.fairness.backlog() == dict(tenants), "tenant backlog out of step"
-        priorities = [request.priority for request in self._waiting]
-        assert priorities == sorted(priorities), "the waiting queue is out of priority order"
+        self._waiting.check_invariants()
         for request in self._waiting:
             assert not self.allocator.has_table(request.request_id), "waiting request holds blocks"
             assert request.num_computed_tokens == 0
