@@ -8,8 +8,8 @@ picker and llm-d read to route between replicas (`vllm:num_requests_waiting`,
 Every app owns a `Metrics` with its own `CollectorRegistry` (tests build many apps in
 one process). The HTTP handlers record per-request metrics (`request_*`), the engines
 record per-step ones (`batch_*`, `queue_size`, `running_batch`) and expose their KV
-cache and batch controller through `watch_kv_cache` and `watch_batch_controller`, read at
-scrape time.
+cache, batch controller and adapters through `watch_kv_cache`, `watch_batch_controller`
+and `watch_adapters`, read at scrape time (router/metrics_collectors.py).
 
 `render()` writes the Prometheus text format the way TGI's exporter does: counters keep
 their bare name (`tgi_request_count`, not `tgi_request_count_total`) and there are no
@@ -20,16 +20,21 @@ token-count histograms use 100 even steps up to the configured token limits.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from textgate.router.metrics_collectors import (
+    AdapterCollector,
+    AdapterStats,
+    BatchControllerCollector,
+    BatchControllerState,
+    KvCacheCollector,
+    KvCacheStats,
+)
 from textgate.router.request_record import current_request
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -63,55 +68,6 @@ class RequestTimings:
     """When its first generated token arrived; None: unknown, or it generated none."""
 
 
-class BatchControllerState(Protocol):
-    """A paged engine's batch controller, read at scrape time (`ControllerState`)."""
-
-    @property
-    def prefill_budget(self) -> int: ...
-
-    @property
-    def batch_limit(self) -> int: ...
-
-    @property
-    def target_itl_s(self) -> float | None: ...
-
-    @property
-    def utilization(self) -> float: ...
-
-    @property
-    def decode_step_latency_s(self) -> float: ...
-
-    @property
-    def mixed_step_latency_s(self) -> float: ...
-
-
-@dataclass(frozen=True)
-class KvCacheStats:
-    """A paged engine's KV cache, read at scrape time."""
-
-    num_used_blocks: int
-    num_free_blocks: int
-    block_size: int
-    num_prefix_hit_tokens: int
-    """Prompt tokens served from the prefix cache since the scheduler started."""
-    num_prefix_query_tokens: int
-    """Prompt tokens looked up in the prefix cache since the scheduler started."""
-    num_preemptions: int
-    """Requests whose blocks were taken back (recompute) since the scheduler started."""
-
-
-@dataclass(frozen=True)
-class AdapterStats:
-    """A paged engine's LoRA adapters, read at scrape time."""
-
-    max_loras: int
-    """Most adapters resident at once (--max-loras); 0 where the model takes none."""
-    num_running: Mapping[str, int]
-    """Adapter -> its requests holding KV blocks (the scheduler's running ones)."""
-    num_waiting: Mapping[str, int]
-    """Adapter -> its requests waiting to be scheduled (new or preempted)."""
-
-
 class Metrics:
     """TGI's metrics (and textgate's KV-cache ones, and vLLM-named ones for routers) in a
     registry of their own."""
@@ -119,9 +75,9 @@ class Metrics:
     def __init__(self, max_input_tokens: int = 4095, max_total_tokens: int = 4096) -> None:
         """Token-count histograms get 100 even buckets up to the given limits (TGI's choice)."""
         self.registry = CollectorRegistry()
-        self._kv_cache: _KvCacheCollector | None = None
-        self._batch_controller: _BatchControllerCollector | None = None
-        self._adapters: _AdapterCollector | None = None
+        self._kv_cache: KvCacheCollector | None = None
+        self._batch_controller: BatchControllerCollector | None = None
+        self._adapters: AdapterCollector | None = None
         self._define_request_metrics(max_input_tokens, max_total_tokens)
         self._define_batch_metrics()
         self._define_tenant_metrics()
@@ -249,7 +205,7 @@ class Metrics:
     def watch_kv_cache(self, stats: Callable[[], KvCacheStats]) -> None:
         """Export the paged KV cache: `stats` is called at every scrape."""
         if self._kv_cache is None:
-            self._kv_cache = _KvCacheCollector(stats)
+            self._kv_cache = KvCacheCollector(stats)
             self.registry.register(self._kv_cache)
         else:
             self._kv_cache.stats = stats
@@ -257,7 +213,7 @@ class Metrics:
     def watch_batch_controller(self, state: Callable[[], BatchControllerState]) -> None:
         """Export the paged engine's batch controller: `state` is called at every scrape."""
         if self._batch_controller is None:
-            self._batch_controller = _BatchControllerCollector(state)
+            self._batch_controller = BatchControllerCollector(state)
             self.registry.register(self._batch_controller)
         else:
             self._batch_controller.state = state
@@ -266,7 +222,7 @@ class Metrics:
         """Export the LoRA adapters in use as vLLM does (`vllm:lora_requests_info`): `stats`
         is called at every scrape; nothing is exported while it reports `max_loras` 0."""
         if self._adapters is None:
-            self._adapters = _AdapterCollector(stats)
+            self._adapters = AdapterCollector(stats)
             self.registry.register(self._adapters)
         else:
             self._adapters.stats = stats
@@ -416,128 +372,6 @@ def _seconds(
 def _tokens(name: str, documentation: str, limit: int, registry: CollectorRegistry) -> Histogram:
     buckets = sorted({limit / 100 * (k + 1) for k in range(100)})
     return Histogram(name, documentation, buckets=buckets, registry=registry)
-
-
-class _KvCacheCollector(Collector):
-    """textgate's own KV-cache metrics, read from the engine at every scrape."""
-
-    def __init__(self, stats: Callable[[], KvCacheStats]) -> None:
-        self.stats = stats
-
-    def collect(self) -> Iterable[Metric]:
-        s = self.stats()
-        total = s.num_used_blocks + s.num_free_blocks
-        yield GaugeMetricFamily(
-            "textgate_kv_cache_blocks_used", "KV-cache blocks held by requests", s.num_used_blocks
-        )
-        yield GaugeMetricFamily(
-            "textgate_kv_cache_blocks_free",
-            "KV-cache blocks free (including evictable prefix-cache blocks)",
-            s.num_free_blocks,
-        )
-        yield GaugeMetricFamily(
-            "textgate_kv_cache_usage",
-            "Fraction of KV-cache blocks in use",
-            s.num_used_blocks / total if total else 0.0,
-        )
-        yield GaugeMetricFamily(
-            "textgate_kv_cache_block_size", "Tokens per KV-cache block", s.block_size
-        )
-        yield CounterMetricFamily(
-            "textgate_prefix_cache_hit_tokens",
-            "Prompt tokens served from the prefix cache",
-            s.num_prefix_hit_tokens,
-        )
-        yield CounterMetricFamily(
-            "textgate_prefix_cache_query_tokens",
-            "Prompt tokens looked up in the prefix cache",
-            s.num_prefix_query_tokens,
-        )
-        yield CounterMetricFamily(
-            "textgate_preemptions", "Requests preempted to free KV blocks", s.num_preemptions
-        )
-        # vLLM's: the fraction of the pool held by requests (evictable prefix-cache blocks
-        # count as free, as in vLLM's BlockPool.get_usage), 0..1 despite the name.
-        yield GaugeMetricFamily(
-            "vllm:kv_cache_usage_perc",
-            "KV-cache usage, 1 = full",
-            s.num_used_blocks / total if total else 0.0,
-        )
-        config = GaugeMetricFamily(
-            "vllm:cache_config_info",
-            "KV-cache layout, in labels (value 1)",
-            labels=["block_size", "num_gpu_blocks"],
-        )
-        config.add_metric([str(s.block_size), str(total)], 1.0)
-        yield config
-
-
-class _BatchControllerCollector(Collector):
-    """The adaptive batch controller's choices and measurements, read at every scrape."""
-
-    def __init__(self, state: Callable[[], BatchControllerState]) -> None:
-        self.state = state
-
-    def collect(self) -> Iterable[Metric]:
-        s = self.state()
-        yield GaugeMetricFamily(
-            "textgate_scheduler_prefill_budget",
-            "Prompt tokens a step may compute beside its decodes",
-            s.prefill_budget,
-        )
-        yield GaugeMetricFamily(
-            "textgate_scheduler_batch_limit",
-            "Most running requests before waiting ones stop joining",
-            s.batch_limit,
-        )
-        yield GaugeMetricFamily(
-            "textgate_scheduler_itl_target_seconds",
-            "Inter-token latency target of the batch controller (0: fixed budgets or not derived yet)",
-            s.target_itl_s or 0.0,
-        )
-        yield GaugeMetricFamily(
-            "textgate_scheduler_utilization",
-            "Busy fraction of the device over the last second (0 when idle)",
-            s.utilization,
-        )
-        latency = GaugeMetricFamily(
-            "textgate_scheduler_step_latency_seconds",
-            "Moving average of step latency: decode-only steps, and steps with prompt tokens",
-            labels=["kind"],
-        )
-        latency.add_metric(["decode"], s.decode_step_latency_s)
-        latency.add_metric(["mixed"], s.mixed_step_latency_s)
-        yield latency
-
-
-class _AdapterCollector(Collector):
-    """vLLM's LoRA info gauge: which adapters have requests running and waiting, in labels.
-
-    As in vLLM, each label lists adapter names comma-separated and the value is the time
-    (Unix seconds) the labels describe, here the scrape, so a reader keeps the newest series.
-    """
-
-    def __init__(self, stats: Callable[[], AdapterStats]) -> None:
-        self.stats = stats
-
-    def collect(self) -> Iterable[Metric]:
-        s = self.stats()
-        if s.max_loras == 0:
-            return
-        info = GaugeMetricFamily(
-            "vllm:lora_requests_info",
-            "LoRA adapters with requests running and waiting (value: when, Unix seconds)",
-            labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
-        )
-        info.add_metric(
-            [str(s.max_loras), _adapter_names(s.num_running), _adapter_names(s.num_waiting)],
-            time.time(),
-        )
-        yield info
-
-
-def _adapter_names(counts: Mapping[str, int]) -> str:
-    return ",".join(sorted(name for name, count in counts.items() if count > 0))
 
 
 def render(registry: CollectorRegistry) -> bytes:

@@ -29,7 +29,8 @@ from textgate.router.engine.request import ValidRequest
 from textgate.router.engine.scheduler import ModelStepResult, Scheduler, SchedulerOutput
 from textgate.router.engine.shard_calls import ShardCalls, StepFailed
 from textgate.router.engine.step_task import SHUTDOWN_MESSAGE, StepTask
-from textgate.router.metrics import DECODE, PREFILL, AdapterStats, KvCacheStats, Metrics
+from textgate.router.metrics import DECODE, PREFILL, Metrics
+from textgate.router.metrics_collectors import AdapterStats, KvCacheStats
 from textgate.router.shard_client import ShardedClient
 from textgate.router.tracing import enabled as tracing_enabled
 

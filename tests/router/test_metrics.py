@@ -18,10 +18,10 @@ from textgate.router.engine.scheduler import Scheduler, SchedulerConfig
 from textgate.router.generation.result import collect
 from textgate.router.metrics import (
     DURATION_BUCKETS,
-    KvCacheStats,
     Metrics,
     RequestTimings,
 )
+from textgate.router.metrics_collectors import KvCacheStats
 from textgate.router.shard_client import ShardedClient
 from textgate.tests.router.fake_shard import FakeShard
 

@@ -18,7 +18,8 @@ import textgate
 from textgate.proto import generate_pb2 as pb
 from textgate.router.engine.paged_engine import PagedEngine
 from textgate.router.engine.scheduler import Scheduler, SchedulerConfig
-from textgate.router.metrics import AdapterStats, KvCacheStats, Metrics
+from textgate.router.metrics import Metrics
+from textgate.router.metrics_collectors import AdapterStats, KvCacheStats
 from textgate.tests.router import fake_shard
 from textgate.tests.router.fake_shard import FakeShard
 from textgate.tests.router.test_metrics import samples, types

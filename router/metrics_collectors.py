@@ -1,0 +1,185 @@
+"""What the metrics read from a paged engine at scrape time: its KV cache, batch controller
+and LoRA adapters, as Prometheus collectors (textgate's own series and the vLLM-named
+ones routers read; router/metrics.py registers them).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+
+class BatchControllerState(Protocol):
+    """A paged engine's batch controller, read at scrape time (`ControllerState`)."""
+
+    @property
+    def prefill_budget(self) -> int: ...
+
+    @property
+    def batch_limit(self) -> int: ...
+
+    @property
+    def target_itl_s(self) -> float | None: ...
+
+    @property
+    def utilization(self) -> float: ...
+
+    @property
+    def decode_step_latency_s(self) -> float: ...
+
+    @property
+    def mixed_step_latency_s(self) -> float: ...
+
+
+@dataclass(frozen=True)
+class KvCacheStats:
+    """A paged engine's KV cache, read at scrape time."""
+
+    num_used_blocks: int
+    num_free_blocks: int
+    block_size: int
+    num_prefix_hit_tokens: int
+    """Prompt tokens served from the prefix cache since the scheduler started."""
+    num_prefix_query_tokens: int
+    """Prompt tokens looked up in the prefix cache since the scheduler started."""
+    num_preemptions: int
+    """Requests whose blocks were taken back (recompute) since the scheduler started."""
+
+
+@dataclass(frozen=True)
+class AdapterStats:
+    """A paged engine's LoRA adapters, read at scrape time."""
+
+    max_loras: int
+    """Most adapters resident at once (--max-loras); 0 where the model takes none."""
+    num_running: Mapping[str, int]
+    """Adapter -> its requests holding KV blocks (the scheduler's running ones)."""
+    num_waiting: Mapping[str, int]
+    """Adapter -> its requests waiting to be scheduled (new or preempted)."""
+
+
+class KvCacheCollector(Collector):
+    """textgate's own KV-cache metrics, read from the engine at every scrape."""
+
+    def __init__(self, stats: Callable[[], KvCacheStats]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterable[Metric]:
+        s = self.stats()
+        total = s.num_used_blocks + s.num_free_blocks
+        yield GaugeMetricFamily(
+            "textgate_kv_cache_blocks_used", "KV-cache blocks held by requests", s.num_used_blocks
+        )
+        yield GaugeMetricFamily(
+            "textgate_kv_cache_blocks_free",
+            "KV-cache blocks free (including evictable prefix-cache blocks)",
+            s.num_free_blocks,
+        )
+        yield GaugeMetricFamily(
+            "textgate_kv_cache_usage",
+            "Fraction of KV-cache blocks in use",
+            s.num_used_blocks / total if total else 0.0,
+        )
+        yield GaugeMetricFamily(
+            "textgate_kv_cache_block_size", "Tokens per KV-cache block", s.block_size
+        )
+        yield CounterMetricFamily(
+            "textgate_prefix_cache_hit_tokens",
+            "Prompt tokens served from the prefix cache",
+            s.num_prefix_hit_tokens,
+        )
+        yield CounterMetricFamily(
+            "textgate_prefix_cache_query_tokens",
+            "Prompt tokens looked up in the prefix cache",
+            s.num_prefix_query_tokens,
+        )
+        yield CounterMetricFamily(
+            "textgate_preemptions", "Requests preempted to free KV blocks", s.num_preemptions
+        )
+        # vLLM's: the fraction of the pool held by requests (evictable prefix-cache blocks
+        # count as free, as in vLLM's BlockPool.get_usage), 0..1 despite the name.
+        yield GaugeMetricFamily(
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage, 1 = full",
+            s.num_used_blocks / total if total else 0.0,
+        )
+        config = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "KV-cache layout, in labels (value 1)",
+            labels=["block_size", "num_gpu_blocks"],
+        )
+        config.add_metric([str(s.block_size), str(total)], 1.0)
+        yield config
+
+
+class BatchControllerCollector(Collector):
+    """The adaptive batch controller's choices and measurements, read at every scrape."""
+
+    def __init__(self, state: Callable[[], BatchControllerState]) -> None:
+        self.state = state
+
+    def collect(self) -> Iterable[Metric]:
+        s = self.state()
+        yield GaugeMetricFamily(
+            "textgate_scheduler_prefill_budget",
+            "Prompt tokens a step may compute beside its decodes",
+            s.prefill_budget,
+        )
+        yield GaugeMetricFamily(
+            "textgate_scheduler_batch_limit",
+            "Most running requests before waiting ones stop joining",
+            s.batch_limit,
+        )
+        yield GaugeMetricFamily(
+            "textgate_scheduler_itl_target_seconds",
+            "Inter-token latency target of the batch controller (0: fixed budgets or not derived yet)",
+            s.target_itl_s or 0.0,
+        )
+        yield GaugeMetricFamily(
+            "textgate_scheduler_utilization",
+            "Busy fraction of the device over the last second (0 when idle)",
+            s.utilization,
+        )
+        latency = GaugeMetricFamily(
+            "textgate_scheduler_step_latency_seconds",
+            "Moving average of step latency: decode-only steps, and steps with prompt tokens",
+            labels=["kind"],
+        )
+        latency.add_metric(["decode"], s.decode_step_latency_s)
+        latency.add_metric(["mixed"], s.mixed_step_latency_s)
+        yield latency
+
+
+class AdapterCollector(Collector):
+    """vLLM's LoRA info gauge: which adapters have requests running and waiting, in labels.
+
+    As in vLLM, each label lists adapter names comma-separated and the value is the time
+    (Unix seconds) the labels describe, here the scrape, so a reader keeps the newest series.
+    """
+
+    def __init__(self, stats: Callable[[], AdapterStats]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterable[Metric]:
+        s = self.stats()
+        if s.max_loras == 0:
+            return
+        info = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "LoRA adapters with requests running and waiting (value: when, Unix seconds)",
+            labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+        )
+        info.add_metric(
+            [str(s.max_loras), _adapter_names(s.num_running), _adapter_names(s.num_waiting)],
+            time.time(),
+        )
+        yield info
+
+
+def _adapter_names(counts: Mapping[str, int]) -> str:
+    return ",".join(sorted(name for name, count in counts.items() if count > 0))
