@@ -21,7 +21,7 @@ import torch
 from textgate.proto import generate_pb2 as pb
 from textgate.proto import generate_pb2_grpc as pb_grpc
 from textgate.shard_server import tracing
-from textgate.shard_server.layers.lora import LoraError
+from textgate.shard_server.layers.lora_adapter import LoraError
 from textgate.shard_server.protocols.paged_model import PagedModel
 
 log = logging.getLogger("textgate.shard")

@@ -22,7 +22,8 @@ import torch
 from textgate.bench.micro.step import BLOCK_SIZE, time_batch
 from textgate.bench.serving.tokenizer import default_model_dir
 from textgate.proto import generate_pb2 as pb
-from textgate.shard_server.layers.lora import LoraAdapter, attach
+from textgate.shard_server.layers.lora import attach
+from textgate.shard_server.layers.lora_adapter import LoraAdapter
 from textgate.shard_server.layers.lora_limits import LoraLimits
 from textgate.shard_server.loading.shard_loader import load_model
 from textgate.shard_server.protocols.paged_model import CacheConfig, PagedModel

@@ -28,41 +28,22 @@ columns of A, whose partial update joins the partial sum before the all-reduce.
 from __future__ import annotations
 
 import contextlib
-import json
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import Tensor
 
 from textgate.kernels.linear import FastLinear
 from textgate.kernels.triton.lora_sgmv import lora_sgmv_add, supports
 from textgate.quantization.weights import Shard
+from textgate.shard_server.layers.lora_adapter import TARGETS, LoraAdapter, LoraError
 from textgate.shard_server.layers.moe import GROUPED_MM, grouped_mm_runs
 from textgate.shard_server.layers.step_local import StepLocal
 from textgate.shard_server.layers.tensor_parallel import (
     TensorParallelColumnLinear,
     TensorParallelRowLinear,
 )
-
-# PEFT's target names -> (the native layer that holds them, the part's index in it).
-TARGETS: dict[str, tuple[str, int]] = {
-    "q_proj": ("self_attn.qkv_proj", 0),
-    "k_proj": ("self_attn.qkv_proj", 1),
-    "v_proj": ("self_attn.qkv_proj", 2),
-    "o_proj": ("self_attn.o_proj", 0),
-    "gate_proj": ("mlp.gate_up_proj", 0),
-    "up_proj": ("mlp.gate_up_proj", 1),
-    "down_proj": ("mlp.down_proj", 0),
-}
-
-
-class LoraError(ValueError):
-    """An adapter that cannot run on this base model; the message says why."""
-
 
 DENSE_MAX_ROWS = 128
 """Steps of at most this many rows run every row through every adapter (see the module
@@ -258,78 +239,6 @@ class LoraLayer:
             ends = torch.cat([ends, ends[-1:].expand(slots - ends.shape[0])])
         low = GROUPED_MM(x.index_select(0, order), a.transpose(1, 2), offs=ends)
         return out.index_add_(0, order, GROUPED_MM(low, b.transpose(1, 2), offs=ends))
-
-
-@dataclass(frozen=True)
-class LoraAdapter:
-    """One PEFT adapter as read from its folder."""
-
-    name: str
-    rank: int
-    scale: float
-    #: (layer index, PEFT target name) -> (A [r, in], B [out, r])
-    weights: dict[tuple[int, str], tuple[Tensor, Tensor]]
-
-    @classmethod
-    def load(
-        cls,
-        name: str,
-        path: Path,
-        dtype: torch.dtype,
-        device: torch.device,
-        max_rank: int | None = None,
-    ) -> LoraAdapter:
-        """Read `path`; LoraError for what this server cannot apply (a rank over
-        `max_rank`, --max-lora-rank, included)."""
-        config_path = path / "adapter_config.json"
-        if not config_path.is_file():
-            raise LoraError(f"LoRA adapter {name!r}: {path} has no adapter_config.json")
-        config = json.loads(config_path.read_text())
-        _check_config(name, config)
-        rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
-        if max_rank is not None and rank > max_rank:
-            raise LoraError(
-                f"LoRA adapter {name!r} has rank {rank}, over --max-lora-rank {max_rank}"
-            )
-        scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-        files = [path / "adapter_model.safetensors"]
-        if not files[0].is_file():
-            raise LoraError(f"LoRA adapter {name!r}: {path} has no adapter_model.safetensors")
-        tensors = load_file(files[0])
-        weights: dict[tuple[int, str], tuple[Tensor, Tensor]] = {}
-        for key, a in tensors.items():
-            if ".lora_A." not in key:
-                continue
-            layer, target = _locate(name, key)
-            b = tensors.get(key.replace(".lora_A.", ".lora_B."))
-            if b is None:
-                raise LoraError(f"LoRA adapter {name!r}: {key} has no lora_B")
-            weights[(layer, target)] = (a.to(device, dtype), b.to(device, dtype))
-        if not weights:
-            raise LoraError(f"LoRA adapter {name!r}: no lora_A / lora_B weights in {files[0]}")
-        return cls(name, rank, scale, weights)
-
-
-def _check_config(name: str, config: Mapping[str, object]) -> None:
-    if config.get("peft_type", "LORA") != "LORA":
-        raise LoraError(f"LoRA adapter {name!r} is a {config.get('peft_type')} adapter, not LORA")
-    for key in ("use_dora", "rank_pattern", "alpha_pattern"):
-        if config.get(key):
-            raise LoraError(f"LoRA adapter {name!r} sets {key}, which is not supported")
-    if config.get("bias", "none") != "none":
-        raise LoraError(f"LoRA adapter {name!r} trains biases (bias={config['bias']!r})")
-
-
-def _locate(name: str, key: str) -> tuple[int, str]:
-    """(layer index, target) of a PEFT key `...layers.<i>.<module>.<target>.lora_A.weight`."""
-    parts = key.split(".")
-    target = parts[parts.index("lora_A") - 1]
-    if "layers" not in parts or target not in TARGETS:
-        raise LoraError(
-            f"LoRA adapter {name!r} targets {key.split('.lora_A.')[0]}; supported: the "
-            f"decoder layers' {', '.join(TARGETS)}"
-        )
-    return int(parts[parts.index("layers") + 1]), target
 
 
 @dataclass(frozen=True)

@@ -14,14 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from textgate.shard_server.layers.lora import (
-    LoraAdapter,
-    LoraError,
-    Placement,
-    apply,
-    detach,
-    place,
-)
+from textgate.shard_server.layers.lora import Placement, apply, detach, place
+from textgate.shard_server.layers.lora_adapter import LoraAdapter, LoraError
 from textgate.shard_server.layers.lora_limits import LoraLimits
 
 

@@ -11,13 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from textgate.shard_server.layers.lora import (
-    LoraAdapter,
-    LoraError,
-    LoraRows,
-    attach,
-    lora_rows,
-)
+from textgate.shard_server.layers.lora import LoraRows, attach, lora_rows
+from textgate.shard_server.layers.lora_adapter import LoraAdapter, LoraError
 from textgate.shard_server.layers.lora_limits import LoraLimits
 from textgate.shard_server.layers.lora_slots import LoraSlots
 from textgate.shard_server.models import load_model
