@@ -31,6 +31,21 @@ from textgate.telemetry import start_tracing, stop_tracing
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m textgate.shard_server")
+    _model_flags(parser)
+    _cache_flags(parser)
+    _adapter_flags(parser)
+    parser.add_argument("--json-output", action="store_true")
+    parser.add_argument(
+        "--otlp-endpoint", default=None, help="OTLP/gRPC collector for traces (unset: none)"
+    )
+    parser.add_argument(
+        "--otlp-service-name", default="textgate", help="shards trace as NAME.shard"
+    )
+    return parser.parse_args(argv)
+
+
+def _model_flags(parser: argparse.ArgumentParser) -> None:
+    """Which model, in which dtype and quantization, run by which implementation."""
     parser.add_argument("--model-path", type=Path, required=True, help="local model folder")
     parser.add_argument("--model-id", default=None, help="name reported by Info")
     parser.add_argument("--uds-path", default="/tmp/textgate-server", help="socket path prefix")
@@ -39,7 +54,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--quantize", default=None, help="weight quantization method (unset: the checkpoint's)"
     )
-    # The launcher always passes these; CacheConfig holds their defaults for manual runs.
+    parser.add_argument(
+        "--attention",
+        default="auto",
+        help="attention backend: auto, flash, triton, torch or cpu (docs/kernels.md)",
+    )
+    parser.add_argument(
+        "--no-native",
+        action="store_true",
+        help="run transformers' modules on the paged engine even where a native class exists",
+    )
+
+
+def _cache_flags(parser: argparse.ArgumentParser) -> None:
+    """The paged KV cache and the decode graphs. The launcher always passes these;
+    CacheConfig holds their defaults for manual runs."""
     cache = CacheConfig()
     parser.add_argument(
         "--block-size", type=int, default=cache.block_size, help="tokens per KV block"
@@ -64,16 +93,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=cache.cuda_graphs,
         help="decode batch sizes captured as CUDA graphs, comma-separated; 0 = none",
     )
-    parser.add_argument(
-        "--attention",
-        default="auto",
-        help="attention backend: auto, flash, triton, torch or cpu (docs/kernels.md)",
-    )
-    parser.add_argument(
-        "--no-native",
-        action="store_true",
-        help="run transformers' modules on the paged engine even where a native class exists",
-    )
+
+
+def _adapter_flags(parser: argparse.ArgumentParser) -> None:
+    """LoRA adapters at startup, and the limits runtime loads keep to."""
     parser.add_argument(
         "--lora-adapters",
         type=lora_adapters,
@@ -92,14 +115,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=DEFAULT_MAX_LORA_RANK,
         help="highest LoRA rank an adapter may have",
     )
-    parser.add_argument("--json-output", action="store_true")
-    parser.add_argument(
-        "--otlp-endpoint", default=None, help="OTLP/gRPC collector for traces (unset: none)"
-    )
-    parser.add_argument(
-        "--otlp-service-name", default="textgate", help="shards trace as NAME.shard"
-    )
-    return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
