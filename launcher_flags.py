@@ -200,6 +200,19 @@ class LauncherConfig:
         "Fixed step budgets instead of the adaptive batch controller (= --target-itl-ms 0)",
         parse_bool,
     )
+    speculate: int = flag(
+        0,
+        "Speculative decoding (n-gram prompt lookup, native models): propose up to N tokens "
+        "per step from the sequence's own prompt and output and verify them in one step; "
+        "0 = off (docs/speculative.md)",
+        int,
+    )
+    speculative_ngram: str = flag(
+        "1:3",
+        "MIN:MAX n-gram lengths --speculate matches, longest first: the sequence's last MAX "
+        "tokens down to its last MIN, looked up in its earlier tokens",
+        str,
+    )
     cuda_memory_fraction: float = flag(0.9, "Share of free GPU memory the KV cache may take", float)
     attention: str = flag(
         "auto",
@@ -322,6 +335,11 @@ class LauncherConfig:
             raise ValueError("--target-ttft-ms must be > 0")
         if self.no_adaptive and self.target_itl_ms:
             raise ValueError("--no-adaptive contradicts --target-itl-ms > 0")
+        if self.speculate < 0:
+            raise ValueError("--speculate must be >= 0 (0 = off)")
+        from textgate.router.config import parse_ngram_range  # no torch: a plain dataclass
+
+        parse_ngram_range(self.speculative_ngram)  # ValueError naming the flag
         if self.kv_cache_memory < 1:
             raise ValueError("--kv-cache-memory must be a positive number of bytes")
         if not 0 < self.cuda_memory_fraction <= 1:

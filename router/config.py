@@ -80,6 +80,11 @@ class RouterConfig:
     target_ttft_ms: float | None = None
     """Paged shards: time to first token the batch controller defends; None = 16 inter-token
     targets."""
+    speculate: int = 0
+    """`--speculate`: most tokens n-gram speculation proposes per sequence and step
+    (router/engine/ngram_proposer.py, docs/speculative.md); 0 = off."""
+    speculative_ngram: str = "1:3"
+    """`--speculative-ngram` MIN:MAX: the n-gram lengths speculation matches, longest first."""
     max_logit_bias: float = 100.0
     """`--max-logit-bias`: the largest `logit_bias` magnitude a request may set (OpenAI's
     100 by default)."""
@@ -164,6 +169,9 @@ class RouterConfig:
         for name in ("max_batch_size", "max_batch_prefill_tokens"):
             if getattr(self, name) is not None:
                 _require_positive(name, getattr(self, name))
+        if self.speculate < 0:
+            raise ValueError(f"speculate must be >= 0 (0 = off), got {self.speculate}")
+        parse_ngram_range(self.speculative_ngram)
         self._check_streaming()
         if not self.graceful_termination_timeout >= 0:
             raise ValueError(
@@ -244,6 +252,19 @@ class RouterConfig:
         if self.max_batch_total_tokens is not None:
             return self.max_batch_total_tokens
         return max(16_000, self.max_total_tokens, self.prefill_tokens)
+
+
+def parse_ngram_range(text: str) -> tuple[int, int]:
+    """`--speculative-ngram`'s MIN:MAX (or one N: MIN = MAX = N) as (min, max);
+    ValueError naming the flag when it is not 1 <= MIN <= MAX."""
+    head, sep, tail = text.partition(":")
+    try:
+        low, high = int(head), int(tail if sep else head)
+    except ValueError:
+        raise ValueError(f"--speculative-ngram must be MIN:MAX (e.g. 1:3), got {text!r}") from None
+    if not 1 <= low <= high:
+        raise ValueError(f"--speculative-ngram needs 1 <= MIN <= MAX, got {text!r}")
+    return low, high
 
 
 def _require_positive(name: str, value: int) -> None:
