@@ -318,18 +318,20 @@ class StepPlan(_message.Message):
     def __init__(self, scheduled: _Optional[_Iterable[_Union[ScheduledRequest, _Mapping]]] = ..., finished_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ScheduledRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "start_position", "block_table", "produces_token")
+    __slots__ = ("request_id", "token_ids", "start_position", "block_table", "produces_token", "num_draft_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
     PRODUCES_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     start_position: int
     block_table: _containers.RepeatedScalarFieldContainer[int]
     produces_token: bool
-    def __init__(self, request_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_position: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., produces_token: _Optional[bool] = ...) -> None: ...
+    num_draft_tokens: int
+    def __init__(self, request_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_position: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., produces_token: _Optional[bool] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("generations", "forward_ns", "decode_ns", "total_ns")
