@@ -34,7 +34,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("requires_padding", "dtype", "device_type", "block_size", "max_position_embeddings", "model_id", "model_type", "world_size", "quantize", "weight_bytes", "kv_cache_dtype", "kv_cache_bytes_per_token", "attention_backend", "cpu_kernels", "model_implementation", "lora_adapters", "max_loras", "max_lora_rank")
+    __slots__ = ("requires_padding", "dtype", "device_type", "block_size", "max_position_embeddings", "model_id", "model_type", "world_size", "quantize", "weight_bytes", "kv_cache_dtype", "kv_cache_bytes_per_token", "attention_backend", "cpu_kernels", "model_implementation", "lora_adapters", "max_loras", "max_lora_rank", "resident_lora_adapters", "max_cpu_loras")
     class CpuKernelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,8 @@ class InfoResponse(_message.Message):
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CPU_LORAS_FIELD_NUMBER: _ClassVar[int]
     requires_padding: bool
     dtype: str
     device_type: str
@@ -78,7 +80,9 @@ class InfoResponse(_message.Message):
     lora_adapters: _containers.RepeatedScalarFieldContainer[str]
     max_loras: int
     max_lora_rank: int
-    def __init__(self, requires_padding: _Optional[bool] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., block_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., model_id: _Optional[str] = ..., model_type: _Optional[str] = ..., world_size: _Optional[int] = ..., quantize: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., kv_cache_bytes_per_token: _Optional[int] = ..., attention_backend: _Optional[str] = ..., cpu_kernels: _Optional[_Mapping[str, str]] = ..., model_implementation: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ...) -> None: ...
+    resident_lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    max_cpu_loras: int
+    def __init__(self, requires_padding: _Optional[bool] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., block_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., model_id: _Optional[str] = ..., model_type: _Optional[str] = ..., world_size: _Optional[int] = ..., quantize: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., kv_cache_bytes_per_token: _Optional[int] = ..., attention_backend: _Optional[str] = ..., cpu_kernels: _Optional[_Mapping[str, str]] = ..., model_implementation: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., resident_lora_adapters: _Optional[_Iterable[str]] = ..., max_cpu_loras: _Optional[int] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
@@ -310,12 +314,20 @@ class StepRequest(_message.Message):
     def __init__(self, requests: _Optional[_Iterable[_Union[Request, _Mapping]]] = ..., plan: _Optional[_Union[StepPlan, _Mapping]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("scheduled", "finished_ids")
+    __slots__ = ("scheduled", "finished_ids", "lora_residency")
     SCHEDULED_FIELD_NUMBER: _ClassVar[int]
     FINISHED_IDS_FIELD_NUMBER: _ClassVar[int]
+    LORA_RESIDENCY_FIELD_NUMBER: _ClassVar[int]
     scheduled: _containers.RepeatedCompositeFieldContainer[ScheduledRequest]
     finished_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, scheduled: _Optional[_Iterable[_Union[ScheduledRequest, _Mapping]]] = ..., finished_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    lora_residency: LoraResidency
+    def __init__(self, scheduled: _Optional[_Iterable[_Union[ScheduledRequest, _Mapping]]] = ..., finished_ids: _Optional[_Iterable[int]] = ..., lora_residency: _Optional[_Union[LoraResidency, _Mapping]] = ...) -> None: ...
+
+class LoraResidency(_message.Message):
+    __slots__ = ("adapter_ids",)
+    ADAPTER_IDS_FIELD_NUMBER: _ClassVar[int]
+    adapter_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, adapter_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ScheduledRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "start_position", "block_table", "produces_token", "num_draft_tokens")

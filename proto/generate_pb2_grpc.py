@@ -122,16 +122,18 @@ class TextGenerationServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def LoadAdapter(self, request, context):
-        """Read a LoRA adapter (a PEFT folder), check it against the base and attach it between
-        two steps; INVALID_ARGUMENT, saying why, when it cannot be served.
+        """Read a LoRA adapter (a PEFT folder), check it against the base and keep its host copy
+        (registered; a step's StepPlan.lora_residency attaches it); INVALID_ARGUMENT, saying
+        why, when it cannot be served.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def UnloadAdapter(self, request, context):
-        """Detach a LoRA adapter between two steps; requests naming it are refused from then on.
-        INVALID_ARGUMENT when none of that id is loaded.
+        """Detach a LoRA adapter (where resident) and drop its host copy, between two steps;
+        requests naming it are refused from then on. INVALID_ARGUMENT when none of that id is
+        loaded.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
