@@ -32,7 +32,7 @@ log = logging.getLogger("textgate.kernels")
 
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("cpu_attention.c", "cpu_layers.c", "cpu_int8.c", "cpu_int4.c")
+    for name in ("cpu_attention.c", "cpu_layers.c", "cpu_int8.c", "cpu_int4.c", "cpu_decoder.c")
 )
 HEADERS = (Path(__file__).with_name("cpu_bf16.h"),)
 """Included by the sources: part of the build's key."""
@@ -162,6 +162,10 @@ def _declare(library: ctypes.CDLL) -> None:
         "textgate_quantize_rows": (None, [*[pointer] * 3, int64, int64, flag]),
         "textgate_int8_isa": (ctypes.c_int, []),
         "textgate_int4_dequantize": (None, [pointer, pointer, *[int64] * 4, flag, pointer]),
+        "textgate_decoder_layers": (
+            ctypes.c_int,
+            [pointer, pointer, int64, pointer, pointer, flag],
+        ),
         "textgate_int8_linear": (
             ctypes.c_int,
             [pointer, int64, int64, flag, *[pointer] * 6, int64, flag],

@@ -99,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
         "expansion (int4_linear.PROMPT_ROWS): the A/B of that choice",
     )
     parser.add_argument(
+        "--no-int8-stack",
+        action="store_true",
+        help="int8 layers run module by module, not as one C call per step "
+        "(kernels/cpu_decoder.py): the A/B of that path",
+    )
+    parser.add_argument(
         "--transformers",
         action="store_true",
         help="run the model's transformers modules on the paged engine even where a native "
@@ -126,6 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         native=not args.transformers,
         quantize=args.quantize,
     )
+    if args.no_int8_stack:
+        model.model.use_int8_stack = False
     warmup = model.warmup(pb.WarmupRequest(max_prefill_tokens=args.prompt_len))
     if warmup.num_blocks < max(batches) * blocks:
         print(f"a 1 GiB cache holds {warmup.num_blocks} blocks, too few", file=sys.stderr)

@@ -21,10 +21,13 @@ from torch import Tensor, nn
 
 from textgate.kernels import cpu_attention, cpu_layers, get_attention_backend
 from textgate.kernels.attention import AttentionBackend, AttentionMetadata
+from textgate.kernels.cpu_attention import CpuAttentionBackend, CpuPlan
+from textgate.kernels.cpu_decoder import DecoderLayerWeights, Int8DecoderStack
+from textgate.kernels.int8_linear import Int8Linear
 from textgate.kernels.triton import layers as gpu_layers
 from textgate.quantization.weights import Shard, Weights
 from textgate.shard_server.layers.heads import HeadPartition
-from textgate.shard_server.layers.mlp import GatedMLP
+from textgate.shard_server.layers.mlp import GatedMLP, silu_and_mul
 from textgate.shard_server.layers.moe import SparseMoE
 from textgate.shard_server.layers.norm import RMSNorm
 from textgate.shard_server.layers.rotary import RotaryEmbedding, apply_rotary_signed, signed_sin
@@ -33,6 +36,7 @@ from textgate.shard_server.layers.tensor_parallel import (
     TensorParallelEmbedding,
     TensorParallelHead,
     TensorParallelRowLinear,
+    world_size_of,
 )
 from textgate.shard_server.models.config import ModelConfig
 from textgate.shard_server.models.paged_cache import PagedCacheOwner
@@ -249,6 +253,47 @@ def add_rms_norm(norm: RMSNorm, x: Tensor, residual: Tensor | None) -> tuple[Ten
     return fused if fused is not None else norm(x, residual)
 
 
+def _stack_weights(layer: nn.Module) -> tuple[DecoderLayerWeights, list[nn.Module]] | None:
+    """What `Int8DecoderStack` needs of one decoder layer, and the layer's four projections
+    (where adapters attach), or None where the stack would not compute what the layer's
+    modules do: another forward (Gemma's), q/k norms, soft-capping, an MoE or non-SiLU MLP,
+    tensor parallelism, weights not int8 on the C kernels."""
+    if (
+        not isinstance(layer, LlamaDecoderLayer)
+        or type(layer).forward is not LlamaDecoderLayer.forward
+    ):
+        return None
+    attention, mlp = layer.self_attn, layer.mlp
+    if (
+        type(attention).forward is not LlamaAttention.forward
+        or attention.qk_norm is not None
+        or attention.extras
+        or not isinstance(mlp, GatedMLP)
+        or type(mlp).forward is not GatedMLP.forward
+        or mlp.act_and_mul is not silu_and_mul
+    ):
+        return None
+    projections: list[TensorParallelColumnLinear | TensorParallelRowLinear] = [
+        attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj
+    ]  # fmt: skip
+    linears = [projection.linear for projection in projections]
+    int8 = [linear for linear in linears if isinstance(linear, Int8Linear)]
+    if len(int8) != len(linears) or any(
+        world_size_of(projection.process_group) > 1
+        for projection in projections
+        if isinstance(projection, TensorParallelRowLinear)
+    ):
+        return None
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if any(type(norm).forward is not RMSNorm.forward for norm in norms):
+        return None
+    weights = DecoderLayerWeights(
+        norms[0].weight, norms[0].eps, norms[1].weight, norms[1].eps, *int8,
+        scale=attention.scale, window=attention.sliding_window,
+    )  # fmt: skip
+    return weights, list(projections)
+
+
 @register("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "phi3")
 class LlamaForCausalLM(PagedCacheOwner, nn.Module):
     """A Llama-family causal LM for one tensor-parallel rank.
@@ -289,6 +334,15 @@ class LlamaForCausalLM(PagedCacheOwner, nn.Module):
         self.vocab_size = config.vocab_size
         self.kv_cache_dtype = self.dtype
         """Element dtype of the caches `allocate_kv_cache` makes (int8 / fp8: quantized)."""
+        self._int8_stack: Int8DecoderStack | bool | None = False
+        """The layers as one C call (`Int8DecoderStack`), built on the first step after each
+        `allocate_kv_cache` (False until then: the modules may change before, as int8's
+        calibration swaps its layers); None where they do not fit it."""
+        self.use_int8_stack = True
+        """False: every step runs the modules (the A/B of `bench.micro.step --no-int8-stack`)."""
+        self._stack_projections: list[nn.Module] = []
+        """The stack's linears: while an adapter is attached to one (`lora`), steps run
+        the modules."""
 
     @property
     def implementation(self) -> str:
@@ -316,8 +370,12 @@ class LlamaForCausalLM(PagedCacheOwner, nn.Module):
             ctx.local_cos_sin = self._cos_sin(self.local_rotary, positions, attn_metadata)
         hidden = self.embed(input_ids)  # [T, hidden]
         residual = None
-        for layer in self.layers:
-            hidden, residual = layer(hidden, residual, ctx)
+        stacked = self._run_int8_stack(hidden, ctx)
+        if stacked is not None:
+            hidden, residual = stacked
+        else:
+            for layer in self.layers:
+                hidden, residual = layer(hidden, residual, ctx)
         assert residual is not None
         # The final norm is per row, so only the rows that need logits go through it.
         hidden, _ = add_rms_norm(
@@ -326,6 +384,56 @@ class LlamaForCausalLM(PagedCacheOwner, nn.Module):
             residual.index_select(0, logits_indices),
         )  # [N, hidden]
         return self.logits(hidden)
+
+    @property
+    def int8_stack(self) -> Int8DecoderStack | None:
+        """The built `Int8DecoderStack`, None before the first step or where it does not fit."""
+        return self._int8_stack if isinstance(self._int8_stack, Int8DecoderStack) else None
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
+        cache = super().allocate_kv_cache(num_blocks, block_size)
+        self._int8_stack = False
+        return cache
+
+    def _run_int8_stack(self, hidden: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor] | None:
+        """(hidden, residual) after every layer through `Int8DecoderStack`, or None where
+        this model or this step does not fit it: no stack, LoRA adapters attached, local
+        rotary tables, prompt chunks the attention backend sends to SDPA, a quantized or
+        partially rotated cache (then the modules run the step)."""
+        if self._int8_stack is False:
+            stacked = [_stack_weights(layer) for layer in self.layers]
+            fits = [each for each in stacked if each is not None]
+            self._int8_stack = None
+            if len(fits) == len(stacked):
+                self._int8_stack = Int8DecoderStack.build(
+                    [weights for weights, _ in fits],
+                    num_heads=self.config.num_heads,
+                    num_kv_heads=self.num_kv_heads,
+                    head_dim=self.head_dim,
+                )
+                self._stack_projections = [p for _, projections in fits for p in projections]
+        stack, plan = self._int8_stack, ctx.plan
+        if (
+            not self.use_int8_stack
+            or not isinstance(stack, Int8DecoderStack)
+            or not isinstance(ctx.backend, CpuAttentionBackend)
+            or not isinstance(plan, CpuPlan)
+            or plan.kernel is None
+            or plan.sdpa_groups
+            or ctx.local_cos_sin is not None
+            or any(projection.lora is not None for projection in self._stack_projections)
+        ):
+            return None
+        return stack.run(
+            hidden,
+            None,
+            ctx.cos,
+            ctx.sin_signed,
+            ctx.metadata.slot_mapping,
+            ctx.kv_cache.key_caches,
+            ctx.kv_cache.value_caches,
+            plan.kernel,
+        )
 
     def embed(self, input_ids: Tensor) -> Tensor:
         """input_ids [T] → the first layer's input [T, hidden]."""
