@@ -20,7 +20,7 @@ token-count histograms use 100 even steps up to the configured token limits.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -198,6 +198,28 @@ class Metrics:
         self._forward_duration.labels(method=method).observe(response.forward_ns / 1e9)
         self._decode_duration.labels(method=method).observe(response.decode_ns / 1e9)
 
+    def skipped_tokens(self, counts: Sequence[int]) -> None:
+        """Each finished request's tokens beyond one per step (TGI's
+        `tgi_request_skipped_tokens`: the decode steps speculation saved it)."""
+        for count in counts:
+            self._skipped_tokens.observe(count)
+
+    def speculative_step(
+        self, *, num_drafts: int, num_accepted: int, num_emitted: int, num_sequences: int
+    ) -> None:
+        """One step's speculation: drafts verified and accepted over `num_sequences`
+        sequences, which got `num_emitted` tokens."""
+        self._draft_tokens.inc(num_drafts)
+        self._accepted_tokens.inc(num_accepted)
+        self._verify_steps.inc(num_sequences)
+        self._verified_tokens.inc(num_emitted)
+        self._num_drafts += num_drafts
+        self._num_accepted += num_accepted
+        self._num_verify_steps += num_sequences
+        self._num_verified_tokens += num_emitted
+        self._acceptance_rate.set(self._num_accepted / max(self._num_drafts, 1))
+        self._tokens_per_step.set(self._num_verified_tokens / max(self._num_verify_steps, 1))
+
     def batch_filtered(self, method: str, duration_s: float) -> None:
         """Routing a step's tokens to their requests (and dropping finished ones) took this long."""
         self._filter_duration.labels(method=method).observe(duration_s)
@@ -282,6 +304,48 @@ class Metrics:
         self._max_new_tokens = _tokens(
             "tgi_request_max_new_tokens", "Maximum new tokens per request", max_total_tokens, r
         )
+        self._skipped_tokens = _tokens(
+            "tgi_request_skipped_tokens",
+            "Speculated tokens accepted per request (tokens beyond one per step)",
+            max_total_tokens,
+            r,
+        )
+        self._define_speculation_metrics()
+
+    def _define_speculation_metrics(self) -> None:
+        r = self.registry
+        self._draft_tokens = Counter(
+            "textgate_speculative_draft_tokens",
+            "Speculated (draft) tokens the shards verified",
+            registry=r,
+        )
+        self._accepted_tokens = Counter(
+            "textgate_speculative_accepted_tokens",
+            "Speculated tokens the shards accepted",
+            registry=r,
+        )
+        self._verify_steps = Counter(
+            "textgate_speculative_verify_steps",
+            "Sequence-steps that verified speculated tokens",
+            registry=r,
+        )
+        self._verified_tokens = Counter(
+            "textgate_speculative_emitted_tokens",
+            "Tokens those sequence-steps produced (accepted drafts plus the model's own)",
+            registry=r,
+        )
+        self._acceptance_rate = Gauge(
+            "textgate_speculative_acceptance_rate",
+            "Accepted over verified speculated tokens since start",
+            registry=r,
+        )
+        self._tokens_per_step = Gauge(
+            "textgate_speculative_tokens_per_step",
+            "Tokens per sequence-step that verified speculated tokens, since start",
+            registry=r,
+        )
+        self._num_drafts = self._num_accepted = 0
+        self._num_verify_steps = self._num_verified_tokens = 0
 
     def _define_batch_metrics(self) -> None:
         r = self.registry

@@ -73,6 +73,9 @@ class Routed:
     """Requests the answer failed: refused by the shard, or lost (neither answered nor kept)."""
     adapter_tokens: dict[str, int] = field(default_factory=dict)
     """Tokens generated this step per LoRA adapter (requests on the base are not counted)."""
+    skipped_tokens: list[int] = field(default_factory=list)
+    """For each request that finished: its tokens beyond one per step (TGI's skipped
+    tokens: those speculation's accepted drafts brought)."""
 
 
 class Admitted:
@@ -182,6 +185,7 @@ class Admitted:
                     entry.record.finish_reason = event.finished.finish_reason
                     entry.record.outputs.append(event.finished.text)
                 routed.finished.add(entry.id)
+                routed.skipped_tokens.append(entry.channel.num_skipped_tokens)
                 self.release(entry)
         kept = routed.sampled.keys() if running is None else running
         lost = [i for i in expected_ids if i not in routed.finished and i not in kept]

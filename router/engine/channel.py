@@ -159,6 +159,9 @@ class Channel:
         """When its first generated token arrived from the shards."""
         self.num_generated = 0
         """Tokens the shards generated for it so far (those dropped by an overflow too)."""
+        self.num_token_events = 0
+        """Steps that brought it tokens (fewer than its tokens where speculation's drafts
+        were accepted)."""
         self._events: deque[Event] = deque()
         self._num_pending_tokens = 0
         self._max_pending_tokens: int | None = None
@@ -176,6 +179,11 @@ class Channel:
     def closed(self) -> bool:
         """A final event was pushed (or the channel overflowed)."""
         return self._closed
+
+    @property
+    def num_skipped_tokens(self) -> int:
+        """Tokens beyond one per step that brought any (TGI's skipped tokens)."""
+        return self.num_generated - self.num_token_events
 
     @property
     def num_pending_tokens(self) -> int:
@@ -218,6 +226,7 @@ class Channel:
         if num_tokens and self.first_token_at is None:
             self.first_token_at = time.monotonic()
         self.num_generated += num_tokens
+        self.num_token_events += num_tokens > 0
         limit = self._max_pending_tokens
         if not final and limit is not None and self._num_pending_tokens + num_tokens > limit:
             self._overflow(limit)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from textgate.proto import generate_pb2 as pb
-from textgate.router.config import RouterConfig
+from textgate.router.config import RouterConfig, parse_ngram_range
 from textgate.router.engine.batch_controller import BatchController, StartupSteps
 from textgate.router.engine.channel import Channel
 from textgate.router.engine.lora_registry import LoraRegistry
@@ -19,6 +19,7 @@ from textgate.router.engine.paged_engine import PagedEngine
 from textgate.router.engine.request import ValidRequest
 from textgate.router.engine.scheduler import Scheduler, SchedulerConfig
 from textgate.router.engine.shard_calls import ShardCalls
+from textgate.router.engine.speculation import SpeculationConfig
 from textgate.router.metrics import Metrics
 from textgate.router.shard_client import ShardedClient
 
@@ -96,7 +97,16 @@ def scheduler_config(config: RouterConfig, block_size: int, num_blocks: int) -> 
         target_itl_s=config.target_itl_ms / 1000 if config.target_itl_ms else None,
         target_ttft_s=config.target_ttft_ms / 1000 if config.target_ttft_ms else None,
         max_waiting_steps=config.max_waiting_tokens,
+        speculation=speculation_config(config),
     )
+
+
+def speculation_config(config: RouterConfig) -> SpeculationConfig | None:
+    """--speculate and --speculative-ngram as the scheduler's; None when speculation is off."""
+    if config.speculate == 0:
+        return None
+    min_ngram, max_ngram = parse_ngram_range(config.speculative_ngram)
+    return SpeculationConfig(config.speculate, min_ngram, max_ngram)
 
 
 def startup_steps(warmup: pb.WarmupResponse) -> StartupSteps | None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from textgate.proto import generate_pb2 as pb
 from textgate.router.engine.admission import Admitted, Entry
@@ -102,6 +102,8 @@ class PagedEngine:
                     priority=request.priority,
                     tenant=request.tenant,
                     weight=request.tenant_weight,
+                    # Drafts are not checked against a grammar (docs/speculative.md).
+                    speculate=request.grammar is None,
                 )
             except ValueError as exc:
                 self._admitted.fail([entry], str(exc), "validation")
@@ -150,6 +152,8 @@ class PagedEngine:
         routed = self._admitted.route(response.generations, expected_ids=producing)
         self._forget(routed.failed)
         self._metrics.adapter_tokens(routed.adapter_tokens)
+        self._metrics.skipped_tokens(routed.skipped_tokens)
+        self._report_speculation(output, routed.sampled)
         ended = time.monotonic()
         self._metrics.batch_filtered(method, ended - answered)
         self._busy.record(call_started, ended)
@@ -176,6 +180,7 @@ class PagedEngine:
                     start_position=s.start_position,
                     block_table=s.block_table,
                     produces_token=s.produces_token,
+                    num_draft_tokens=s.num_draft_tokens,
                 )
                 for s in output.scheduled
             ],
@@ -241,7 +246,10 @@ class PagedEngine:
         """A step raised: fail everything and start afresh, the scheduler's state is not
         to be trusted (what the controller learned about step costs still holds)."""
         self._fail_all(f"Request failed during generation: {exc}")
-        self.scheduler = Scheduler(self.scheduler.config, self.scheduler.controller)
+        speculator = self.scheduler.speculator
+        if speculator is not None:
+            speculator.clear()
+        self.scheduler = Scheduler(self.scheduler.config, self.scheduler.controller, speculator)
         self._went_idle()
         await self.shard_calls.clear_cache()
 
@@ -269,6 +277,23 @@ class PagedEngine:
             if scheduled.num_new_tokens > 1 or scheduled.start_position < prompt_length:
                 return PREFILL
         return DECODE
+
+    def _report_speculation(
+        self, output: SchedulerOutput, sampled: Mapping[int, Sequence[int]]
+    ) -> None:
+        """Drafts verified this step, accepted, and the tokens their sequences got."""
+        verified = [s for s in output.scheduled if s.num_draft_tokens and s.request_id in sampled]
+        if verified:
+            emitted = [len(sampled[s.request_id]) for s in verified]
+            self._metrics.speculative_step(
+                num_drafts=sum(s.num_draft_tokens for s in verified),
+                num_accepted=sum(
+                    max(0, min(n - 1, s.num_draft_tokens))
+                    for s, n in zip(verified, emitted, strict=True)
+                ),
+                num_emitted=sum(emitted),
+                num_sequences=len(verified),
+            )
 
     def _report_batch(self) -> None:
         """Queue and running-batch gauges; a paged batch's max tokens are its KV-cache tokens."""

@@ -48,6 +48,7 @@ from textgate.router.engine.batch_controller import BatchController, StepSample
 from textgate.router.engine.block_allocator import BlockAllocator
 from textgate.router.engine.fairness import ANONYMOUS_TENANT, VirtualCounters
 from textgate.router.engine.first_token import Backlog
+from textgate.router.engine.speculation import Candidate, Speculator
 from textgate.router.engine.step_cost import attention_pairs
 from textgate.router.engine.step_types import (
     ModelStepResult,
@@ -83,6 +84,8 @@ class _Request:
     num_prompt_charged: int = 0
     """Prompt tokens already added to its tenant's counter (a recompute is not charged
     twice, a prefix-cache hit not at all)."""
+    speculate: bool = True
+    """It may get drafts when speculation is on (not with a grammar)."""
 
     @property
     def num_tokens(self) -> int:
@@ -106,6 +109,8 @@ class _StepDraft:
     """The step being planned inside one `schedule()` call."""
 
     budget: int
+    drafts: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    """Speculation: the drafts proposed for this step's decodes, by request."""
     scheduled: dict[int, ScheduledRequest] = field(default_factory=dict)
     new_request_ids: list[int] = field(default_factory=list)
     preempted_ids: list[int] = field(default_factory=list)
@@ -119,8 +124,14 @@ class Scheduler:
     shards' result before the next `schedule()`.
     """
 
-    def __init__(self, config: SchedulerConfig, controller: BatchController | None = None):
-        """`controller` carries a learned one over (a scheduler rebuilt after a failure)."""
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        controller: BatchController | None = None,
+        speculator: Speculator | None = None,
+    ):
+        """`controller` and `speculator` carry learned ones over (a scheduler rebuilt after
+        a failure)."""
         self.config = config
         self.allocator = BlockAllocator(
             config.num_blocks, config.block_size, config.enable_prefix_caching
@@ -139,6 +150,10 @@ class Scheduler:
         self._in_flight_counts: tuple[int, int, float] = (0, 0, 0.0)
         self._num_steps_without_join = 0
         self.num_preemptions = 0
+        self.speculator = speculator
+        """N-gram speculation's proposals and acceptance rates; None = off."""
+        if speculator is None and config.speculation is not None:
+            self.speculator = Speculator(config.speculation)
 
     # ---- queries ----
 
@@ -192,13 +207,15 @@ class Scheduler:
         priority: int = 0,
         tenant: str = ANONYMOUS_TENANT,
         weight: float = 1.0,
+        speculate: bool = True,
     ) -> None:
         """Queue a request; ValueError if it is malformed or could never fit the KV cache.
 
         `copies`: an earlier request with the same prompt and salt, whose prefill this one
         waits for and then reuses through the prefix cache. `priority`: lower joins the
         queue ahead (behind every waiting request of the same priority or better).
-        `tenant`, `weight`: whose fair share serves it, and that tenant's weight (> 0)."""
+        `tenant`, `weight`: whose fair share serves it, and that tenant's weight (> 0).
+        `speculate`: whether it may get drafts when speculation is on."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id} is already scheduled")
         if not prompt_token_ids:
@@ -226,6 +243,7 @@ class Scheduler:
             copies=copies,
             priority=priority,
             tenant=tenant,
+            speculate=speculate,
         )
         self._requests[request_id] = request
         self.fairness.arrive(tenant, weight)
@@ -236,6 +254,8 @@ class Scheduler:
         request = self._requests.pop(request_id, None)
         if request is None:
             return False
+        if self.speculator is not None:
+            self.speculator.drop(request_id)
         if request in self._running:
             self._running.remove(request)
             self.allocator.free(request_id)
@@ -258,7 +278,10 @@ class Scheduler:
         if not self._requests:
             self.controller.on_idle()
         budget = self._step_budget(self._num_decoding(), self.controller.plan_prefill)
-        draft = _StepDraft(budget=budget)
+        drafts = self._plan_drafts()
+        num_drafts = sum(len(tokens) for tokens in drafts.values())
+        budget = min(self.config.max_num_batched_tokens, budget + num_drafts)
+        draft = _StepDraft(budget=budget, drafts=drafts)
         self._schedule_running(draft)
         # Admitting while running requests are short of blocks would only preempt more.
         if not draft.preempted_ids:
@@ -278,10 +301,12 @@ class Scheduler:
         self._in_flight = output.scheduled
         decoding = [s for s in output.scheduled if self._requests[s.request_id].is_decoding]
         chunks = [s for s in output.scheduled if not self._requests[s.request_id].is_decoding]
+        # Drafts cost what prompt tokens do: a few tokens' queries over the context.
         self._in_flight_counts = (
             len(decoding),
             output.num_scheduled_tokens - len(decoding),
-            sum(attention_pairs(s.start_position, s.num_new_tokens) for s in chunks),
+            sum(attention_pairs(s.start_position, s.num_new_tokens) for s in chunks)
+            + sum(attention_pairs(s.start_position + 1, s.num_draft_tokens) for s in decoding),
         )
         return output
 
@@ -378,7 +403,7 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, draft.budget)
             if not self._make_room(request, num_new, draft):
                 return  # it preempted itself, so everything newer is gone too
-            self._add_to_step(request, num_new, draft)
+            self._add_to_step(request, num_new, draft, self._room_for_drafts(request, draft))
             index += 1
 
     def _make_room(self, request: _Request, num_new: int, draft: _StepDraft) -> bool:
@@ -447,18 +472,49 @@ class Scheduler:
         shared = (request.num_prompt_tokens - 1) // self.config.block_size * self.config.block_size
         return shared > 0 and original.num_computed_tokens < shared and original in self._running
 
-    def _add_to_step(self, request: _Request, num_new: int, draft: _StepDraft) -> None:
+    def _plan_drafts(self) -> dict[int, tuple[int, ...]]:
+        """Speculation's drafts for this step's decodes ({} when off, or not worth it)."""
+        if self.speculator is None:
+            return {}
+        decoding = [r for r in self._running if r.is_decoding]
+        candidates = [
+            Candidate(r.request_id, r.token_ids, r.max_new_tokens - r.num_output_tokens - 1)
+            for r in decoding
+            if r.speculate and r.max_new_tokens - r.num_output_tokens > 1
+        ]
+        drafts = self.speculator.plan(candidates, len(decoding), self.controller.cost)
+        self.speculator.tick([c.request_id for c in candidates if c.request_id not in drafts])
+        return drafts
+
+    def _room_for_drafts(self, request: _Request, draft: _StepDraft) -> tuple[int, ...]:
+        """The request's drafts that fit the budget left and blocks free without preempting
+        anyone (drafts are optional: they never take a block another request needs).
+        Blocks grown for drafts stay in the table when drafts are rejected: the next steps
+        write those positions again."""
+        tokens = draft.drafts.get(request.request_id, ())
+        if not tokens or not request.is_decoding:
+            return ()
+        tokens = tokens[: max(0, draft.budget - 1)]
+        end = request.num_computed_tokens + 1 + len(tokens)
+        if not tokens or not self.allocator.grow(request.request_id, end):
+            return ()
+        return tokens
+
+    def _add_to_step(
+        self, request: _Request, num_new: int, draft: _StepDraft, drafts: tuple[int, ...] = ()
+    ) -> None:
         start = request.num_computed_tokens
         end = start + num_new
         draft.scheduled[request.request_id] = ScheduledRequest(
             request_id=request.request_id,
-            token_ids=tuple(request.token_ids[start:end]),
+            token_ids=tuple(request.token_ids[start:end]) + drafts,
             start_position=start,
             block_table=self.allocator.block_table(request.request_id),
-            slot_mapping=self.allocator.slot_mapping(request.request_id, start, end),
+            slot_mapping=self.allocator.slot_mapping(request.request_id, start, end + len(drafts)),
             produces_token=end == request.num_tokens,
+            num_draft_tokens=len(drafts),
         )
-        draft.budget -= num_new
+        draft.budget -= num_new + len(drafts)
 
     def _check_result(self, live: list[ScheduledRequest], result: ModelStepResult) -> None:
         """Reject a result that does not match the step, before any state changes."""
@@ -477,19 +533,26 @@ class Scheduler:
             )
 
     def _advance(self, request: _Request, step: ScheduledRequest, result: ModelStepResult) -> None:
-        request.num_computed_tokens = step.end_position
-        self.allocator.cache_blocks(
-            request.request_id, request.token_ids, request.num_computed_tokens
-        )
+        """Record a computed step: its tokens' KV is in the cache (drafts only as far as
+        they were accepted), its sampled tokens join the request, full blocks are published."""
+        request.num_computed_tokens = step.end_position - step.num_draft_tokens
         prompt_end = min(step.end_position, request.num_prompt_tokens)
         num_prompt = max(0, prompt_end - max(step.start_position, request.num_prompt_charged))
         request.num_prompt_charged = max(request.num_prompt_charged, prompt_end)
         if not step.produces_token:
+            self._publish(request)
             self.fairness.charge(request.tenant, num_prompt, 0)
             return
         room = request.max_new_tokens - request.num_output_tokens
         sampled = result.sampled_token_ids[request.request_id][:room]
         request.token_ids.extend(sampled)
+        if step.num_draft_tokens and self.speculator is not None:
+            # Rollback: the KV of the accepted drafts is valid, that of the rejected ones
+            # is stale and their positions are computed again (never published).
+            accepted = max(0, min(len(sampled) - 1, step.num_draft_tokens))
+            request.num_computed_tokens += accepted
+            self.speculator.record(request.request_id, step.num_draft_tokens, len(sampled))
+        self._publish(request)
         self.fairness.charge(request.tenant, num_prompt, len(sampled))
         if (
             request.request_id in result.finished_ids
@@ -497,11 +560,18 @@ class Scheduler:
         ):
             self._finish(request)
 
+    def _publish(self, request: _Request) -> None:
+        self.allocator.cache_blocks(
+            request.request_id, request.token_ids, request.num_computed_tokens
+        )
+
     def _finish(self, request: _Request) -> None:
         self._running.remove(request)
         del self._requests[request.request_id]
         self.allocator.free(request.request_id)
         self._finished_ids.append(request.request_id)
+        if self.speculator is not None:
+            self.speculator.drop(request.request_id)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if scheduler and allocator disagree (tests and debugging)."""

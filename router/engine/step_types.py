@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from textgate.router.engine.batch_controller import ControllerConfig
+from textgate.router.engine.speculation import SpeculationConfig
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,8 @@ class SchedulerConfig:
     max_waiting_steps: int = 20
     """Adaptive: once no request joined for this many steps, the head of the queue joins past
     the batch limit (TGI's --max-waiting-tokens), so queue time stays bounded."""
+    speculation: SpeculationConfig | None = None
+    """N-gram speculative decoding (--speculate); None = off."""
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs"):
@@ -103,6 +106,9 @@ class ScheduledRequest:
     """KV slot of each token in `token_ids`."""
     produces_token: bool
     """Whether this step completes the request's tokens, so its next token is sampled."""
+    num_draft_tokens: int = 0
+    """Speculation: the last this many of `token_ids` are proposed tokens the shards verify
+    (their KV is written at the following slots, and rolled back where rejected)."""
 
     @property
     def num_new_tokens(self) -> int:
@@ -141,7 +147,8 @@ class ModelStepResult:
     """What the shards report back after running a `SchedulerOutput`."""
 
     sampled_token_ids: Mapping[int, Sequence[int]] = field(default_factory=dict)
-    """Request id -> tokens sampled this step, for each request scheduled with produces_token."""
+    """Request id -> tokens sampled this step, for each request scheduled with produces_token
+    (several where drafts were accepted: the accepted drafts, then the shards' own token)."""
     finished_ids: frozenset[int] = frozenset()
     """Requests the shard's stopping criteria ended this step (eos, stop sequence, length)."""
     step_latency_s: float | None = None

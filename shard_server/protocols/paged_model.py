@@ -48,7 +48,7 @@ from textgate.shard_server.step.grammar import (
     PendingMasks,
 )
 from textgate.shard_server.step.kv_cache import KVCache
-from textgate.shard_server.step.postprocess import append_tokens, sample
+from textgate.shard_server.step.postprocess import SampleRows, append_tokens, sample
 from textgate.shard_server.step.prompt_logprobs import PromptLogprobs
 from textgate.shard_server.step.sampler import Sampler, SamplerOutput, SamplingTensors
 from textgate.shard_server.step.sequence import Sequence, TokenizerInfo
@@ -265,15 +265,16 @@ class PagedModel:
         if not scheduled:
             return pb.StepResponse(generations=rejected)
         inputs = self._inputs(scheduled)
+        rows = SampleRows.expand(inputs.sampled, inputs.drafts)
         # Grammar masks are filled on a worker thread while the forward pass runs.
-        states = [seq.grammar for seq in inputs.sampled]
+        states = [seq.grammar for seq in rows.sequences]
         masks = self.mask_filler.start(states, self.grammars.vocab_size)
         with torch.inference_mode():
             logits = self._forward(inputs)  # [N, V]
             self.prompt_logprobs.record(inputs.prefill_rows, self.sequences, logits)
-            result = self._sample(inputs, logits, masks) if inputs.sampled else None
+            result = self._sample(inputs, rows, logits, masks) if inputs.sampled else None
         forward_done = time.perf_counter_ns()
-        generations = self._append(inputs.sampled, result) if result is not None else []
+        generations = self._append(inputs, result) if result is not None else []
         return pb.StepResponse(
             generations=rejected + generations,
             forward_ns=forward_done - start,
@@ -316,21 +317,30 @@ class PagedModel:
         return eager
 
     def _sample(
-        self, inputs: StepInputs, logits: torch.Tensor, masks: PendingMasks | None
+        self,
+        inputs: StepInputs,
+        rows: SampleRows,
+        logits: torch.Tensor,
+        masks: PendingMasks | None,
     ) -> SamplerOutput:
-        """Next tokens of the sequences that sample this step, from their logits rows."""
-        params = SamplingTensors.from_sequences(inputs.sampled, self.device)
-        rows = logits  # [S, V]
+        """Next tokens of the sequences that sample this step (and one per draft they
+        verify), from their logits rows."""
+        params = SamplingTensors.from_sequences(rows.sequences, self.device, rows.offsets)
+        sampled = logits  # [R, V]
         # sample_rows ascend, so as many of them as logits rows means all rows:
-        # skip copying [S, V] (a decode step's common case).
+        # skip copying [R, V] (a decode step's common case).
         if len(inputs.sample_rows) != logits.shape[0]:
-            rows = logits[inputs.sample_rows]
+            sampled = logits[inputs.sample_rows]
         grammar = masks.result() if masks is not None else None
-        return sample(self.sampler, rows, inputs.sampled, params, self.info, grammar)
+        return sample(
+            self.sampler, sampled, rows.sequences, params, self.info, grammar, rows.conditioned
+        )
 
-    def _append(self, sampled: list[Sequence], result: SamplerOutput) -> list[pb.Generation]:
-        """Feed the sampled tokens to their sequences; drop the ones that finished."""
-        generations, running = append_tokens(sampled, result, self.info)
+    def _append(self, inputs: StepInputs, result: SamplerOutput) -> list[pb.Generation]:
+        """Feed the sampled tokens (accepted drafts, then each sequence's own) to their
+        sequences; drop the ones that finished."""
+        sampled = inputs.sampled
+        generations, running = append_tokens(sampled, result, self.info, inputs.drafts)
         self.prompt_logprobs.attach(sampled, generations, self.info)
         still = set(running)
         for seq in sampled:

@@ -46,9 +46,17 @@ class SamplingTensors:
         return any(self.penalized)
 
     @classmethod
-    def from_sequences(cls, sequences: Sequence[Seq], device: torch.device) -> SamplingTensors:
-        """The parameters of `sequences`, row by row; generators stay owned by the sequences."""
+    def from_sequences(
+        cls,
+        sequences: Sequence[Seq],
+        device: torch.device,
+        offsets: Sequence[int] | None = None,
+    ) -> SamplingTensors:
+        """The parameters of `sequences`, row by row; generators stay owned by the sequences.
+        `offsets[r]`: row r draws the sequence's token that many after its next one (a row
+        verifying speculation's drafts); default 0 for every row."""
         params = [s.request.parameters for s in sequences]
+        offsets = offsets if offsets is not None else [0] * len(sequences)
 
         def column(values: list[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
@@ -70,7 +78,9 @@ class SamplingTensors:
                 or p.presence_penalty != 0.0
                 for p in params
             ],
-            generators=[s.generator for s in sequences],
+            generators=[
+                s.sampling_generator(offset) for s, offset in zip(sequences, offsets, strict=True)
+            ],
             top_n=max((s.request.top_n_tokens for s in sequences), default=0),
         )
 

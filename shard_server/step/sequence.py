@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,6 +32,16 @@ class TokenizerInfo:
         return [self.tokenizer.decode([i]) for i in ids]
 
 
+def token_seed(seed: int, index: int) -> int:
+    """The seed of a request's generated token number `index` (splitmix64 of the pair, so
+    neighbouring indexes and seeds draw unrelated noise)."""
+    mask = (1 << 64) - 1
+    z = (seed + (index + 1) * 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
+
+
 def _as_list(value: list[int] | int | None) -> list[int]:
     if value is None:
         return []
@@ -47,10 +57,13 @@ class Sequence:
     prompt_len: int
     stopping: StoppingCriteria
     detokenizer: IncrementalDetokenizer
-    # Seeded once from the request: sampling is reproducible alone or in any batch.
+    # Seeded from the request and the token's index (`sampling_generator`): sampling is
+    # reproducible alone or in any batch, with speculation or without.
     generator: torch.Generator
     grammar: GrammarState | None = None
     """Where the text is in the request's grammar (structured output); None: unconstrained."""
+    extra_generators: list[torch.Generator] = field(default_factory=list)
+    """Speculation: the generators of the rows after the first (one per draft verified)."""
 
     @classmethod
     def from_pb(
@@ -88,6 +101,21 @@ class Sequence:
     @property
     def generated_ids(self) -> list[int]:
         return self.all_ids[self.prompt_len :]
+
+    def sampling_generator(self, offset: int = 0) -> torch.Generator:
+        """The generator that draws generated token number len(generated_ids) + `offset`,
+        seeded from the request's seed and that index alone: a token's draw does not depend
+        on how many were drawn before it, so a step verifying drafts (one row per token)
+        samples what plain steps would, token for token."""
+        if offset == 0:
+            generator = self.generator
+        else:
+            while len(self.extra_generators) < offset:
+                self.extra_generators.append(torch.Generator(device=self.generator.device))
+            generator = self.extra_generators[offset - 1]
+        index = len(self.all_ids) - self.prompt_len + offset
+        generator.manual_seed(token_seed(self.request.parameters.seed, index))
+        return generator
 
     @property
     def max_tokens(self) -> int:

@@ -23,7 +23,10 @@ class StepInputs:
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [N] token rows whose logits are needed
     sample_rows: list[int] = field(default_factory=list)  # rows of logits to sample from
-    sampled: list[Sequence] = field(default_factory=list)  # their sequences, same order
+    sampled: list[Sequence] = field(default_factory=list)  # the sequences that sample
+    # [S] per sampled sequence, the drafts it verifies (speculation; () for most): it has
+    # len + 1 consecutive sample rows, row i conditioned on the first i drafts
+    drafts: list[tuple[int, ...]] = field(default_factory=list)
     # seq id -> (position of its first token this step, its logits rows)
     prefill_rows: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
     row_sequences: list[Sequence] = field(default_factory=list)  # [T] each token row's
@@ -43,6 +46,7 @@ def build_step_inputs(
     indices: list[int] = []  # token rows whose logits are needed
     sample_rows: list[int] = []
     sampled: list[Sequence] = []
+    drafts: list[tuple[int, ...]] = []
     prefill_rows: dict[int, tuple[int, list[int]]] = {}
     row_sequences: list[Sequence] = []
     for item in scheduled:
@@ -53,14 +57,16 @@ def build_step_inputs(
         ids.extend(item.token_ids)
         row_sequences.extend([seq] * count)
         positions.extend(range(start, start + count))
+        num_drafts = _checked_drafts(item, seq)
         if wants_prompt_logprobs(seq, start):
             prefill_rows[seq.id] = (start, list(range(len(indices), len(indices) + count)))
             indices.extend(range(offset, offset + count))
         elif item.produces_token:
-            indices.append(offset + count - 1)
+            indices.extend(range(offset + count - 1 - num_drafts, offset + count))
         if item.produces_token:
-            sample_rows.append(len(indices) - 1)
+            sample_rows.extend(range(len(indices) - 1 - num_drafts, len(indices)))
             sampled.append(seq)
+            drafts.append(tuple(item.token_ids[count - num_drafts :]) if num_drafts else ())
     metadata = AttentionMetadata.build(
         query_lens=[len(s.token_ids) for s in scheduled],
         context_lens=[s.start_position for s in scheduled],
@@ -75,6 +81,24 @@ def build_step_inputs(
         logits_indices=torch.tensor(indices, dtype=torch.int64, device=device),
         sample_rows=sample_rows,
         sampled=sampled,
+        drafts=drafts,
         prefill_rows=prefill_rows,
         row_sequences=row_sequences,
     )
+
+
+def _checked_drafts(item: pb.ScheduledRequest, seq: Sequence) -> int:
+    """The request's drafts (speculation), or ValueError for a plan that cannot verify them."""
+    num_drafts = item.num_draft_tokens
+    if not num_drafts:
+        return 0
+    if not item.produces_token or num_drafts >= len(item.token_ids):
+        raise ValueError(
+            f"request {item.request_id}: {num_drafts} drafts need a step that samples and "
+            "computes at least one known token before them"
+        )
+    if seq.grammar is not None:
+        raise ValueError(f"request {item.request_id}: drafts are not verified under a grammar")
+    if item.start_position < seq.prompt_len:
+        raise ValueError(f"request {item.request_id}: drafts only follow a decoded token")
+    return num_drafts

@@ -38,7 +38,12 @@ class StoppingCriteria:
     @property
     def suppress_eos(self) -> bool:
         """The sampler must not pick eos yet (min_new_tokens not reached)."""
-        return self.num_generated < self.min_new_tokens
+        return self.suppresses_eos(0)
+
+    def suppresses_eos(self, offset: int) -> bool:
+        """Whether eos is suppressed for the token `offset` after the next one (a row
+        verifying speculation's drafts)."""
+        return self.num_generated + offset < self.min_new_tokens
 
     def __call__(self, token_id: int, text: str) -> pb.FinishReason.ValueType | None:
         """Record one generated token; return why the request finished, or None."""

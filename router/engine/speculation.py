@@ -1,0 +1,216 @@
+"""Speculative decoding's bookkeeping in the router: who proposes how many tokens, and when.
+
+Every step, before the scheduler plans, `Speculator.plan` asks each decoding sequence's
+n-gram index (`ngram_proposer.NgramIndex`) for up to `num_tokens` proposed tokens (drafts)
+and decides whether the step runs them. The shards verify drafts in the same step that
+computes the sequence's next token (`proto` `ScheduledRequest.num_draft_tokens`) and answer
+the accepted ones plus one of their own; `record` learns from that.
+
+Adaptive, at two levels:
+
+- per sequence: its per-token acceptance rate `alpha` is estimated from its verified steps
+  (a decayed count of accepted drafts over accepted drafts plus rejections, starting at
+  `PRIOR_ALPHA`). Its proposal length is `num_tokens` while alpha >= `FULL_ALPHA`, and
+  shrinks in proportion below; under `MIN_ALPHA` it only probes with one token every
+  `PROBE_INTERVAL` decode steps, so a sequence whose text stops copying stops paying for
+  drafts, and one that starts again is found again.
+- per step: the drafts run only if the batch controller's fitted step cost
+  (`step_cost.StepCostModel`) predicts more tokens per second with them than without:
+
+      (B + sum of expected accepted drafts) / predict(B, D) > (B / predict(B)) * MIN_GAIN
+
+  with B the step's decodes and D its draft tokens (verified like prompt tokens, at the
+  sequences' mean context). A draft token costs about a prompt token; a decode step's fixed
+  part (reading the weights) is what speculation shares, so the test passes at a small
+  batch and fails once the batch is large enough that per-token work dominates: the
+  threshold batch follows the machine and the model, measured, not configured. Before the
+  fit is ready, steps of at most `FALLBACK_MAX_BATCH` decodes speculate.
+
+Pure Python, no I/O: a few dictionary operations per sequence and step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from textgate.router.engine.ngram_proposer import NgramIndex
+from textgate.router.engine.step_cost import StepCostModel
+
+PRIOR_ALPHA = 0.5
+"""A new sequence's per-token acceptance rate (one pseudo-acceptance, one pseudo-rejection)."""
+FULL_ALPHA = 0.5
+"""At or above this acceptance rate a sequence proposes `num_tokens` drafts."""
+MIN_ALPHA = 0.15
+"""Below this acceptance rate a sequence only probes (one draft every `PROBE_INTERVAL` steps)."""
+PROBE_INTERVAL = 8
+"""Decode steps between two probes of a sequence whose acceptance rate is below `MIN_ALPHA`."""
+DECAY = 0.9
+"""Weight of a sequence's earlier verified steps against its latest one."""
+MIN_GAIN = 1.05
+"""Tokens per second with drafts must beat those without by this factor (a margin for the
+cost fit's error: a step that would gain nothing measurable does not speculate)."""
+FALLBACK_MAX_BATCH = 4
+"""Before the cost fit is ready, steps with at most this many decodes speculate."""
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    """`--speculate` and `--speculative-ngram`, checked."""
+
+    num_tokens: int
+    """Most drafts per sequence and step."""
+    min_ngram: int = 1
+    max_ngram: int = 3
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 1:
+            raise ValueError(f"num_tokens must be at least 1, got {self.num_tokens}")
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError(
+                f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}:{self.max_ngram}"
+            )
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A decoding sequence the step could speculate for."""
+
+    request_id: int
+    token_ids: Sequence[int]
+    """Prompt + generated so far."""
+    max_drafts: int
+    """Most drafts it may take (its budget leaves room for them and one more token)."""
+
+
+@dataclass
+class _SequenceState:
+    index: NgramIndex
+    accepted: float = PRIOR_ALPHA
+    """Decayed count of accepted drafts (with the prior's pseudo-count)."""
+    rejected: float = 1.0 - PRIOR_ALPHA
+    """Decayed count of verified steps that rejected a draft."""
+    steps_since_probe: int = 0
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+
+@dataclass
+class SpeculationStats:
+    """Totals since start, for /metrics (`textgate_speculative_*`)."""
+
+    num_draft_tokens: int = 0
+    """Drafts the shards verified."""
+    num_accepted_tokens: int = 0
+    """Drafts they accepted."""
+    num_verify_steps: int = 0
+    """Sequence-steps that verified drafts."""
+    num_emitted_tokens: int = 0
+    """Tokens those sequence-steps produced (accepted drafts plus the shards' own)."""
+
+
+class Speculator:
+    """Per-sequence n-gram indexes and acceptance rates, and the step-level decision."""
+
+    def __init__(self, config: SpeculationConfig) -> None:
+        self.config = config
+        self.stats = SpeculationStats()
+        self._sequences: dict[int, _SequenceState] = {}
+
+    def plan(
+        self, candidates: Sequence[Candidate], num_decodes: int, cost: StepCostModel
+    ) -> dict[int, tuple[int, ...]]:
+        """Drafts per request for this step; {} when the step is better off without.
+
+        `num_decodes` counts every decode of the step (speculating or not)."""
+        if not candidates or not self._batch_may_gain(num_decodes, cost):
+            return {}
+        drafts: dict[int, tuple[int, ...]] = {}
+        expected = 0.0
+        contexts = 0
+        for candidate in candidates:
+            state = self._state(candidate.request_id)
+            length = min(self._length(state), candidate.max_drafts)
+            proposal = state.index.propose(candidate.token_ids, length) if length > 0 else ()
+            if proposal:
+                drafts[candidate.request_id] = proposal
+                expected += sum(state.alpha ** (i + 1) for i in range(len(proposal)))
+                contexts += len(candidate.token_ids)
+        if not drafts:
+            return {}
+        num_drafts = sum(len(d) for d in drafts.values())
+        if not self._gains(num_decodes, num_drafts, expected, contexts // len(drafts), cost):
+            return {}
+        for request_id in drafts:
+            self._sequences[request_id].steps_since_probe = 0
+        return drafts
+
+    def record(self, request_id: int, num_drafts: int, num_emitted: int) -> None:
+        """A verified step: `num_drafts` proposed, `num_emitted` tokens came back (the
+        accepted drafts plus one; fewer when a stop ended the request among them)."""
+        accepted = max(0, min(num_emitted - 1, num_drafts))
+        stats = self.stats
+        stats.num_draft_tokens += num_drafts
+        stats.num_accepted_tokens += accepted
+        stats.num_verify_steps += 1
+        stats.num_emitted_tokens += num_emitted
+        state = self._sequences.get(request_id)
+        if state is None:
+            return
+        state.accepted = DECAY * state.accepted + accepted
+        state.rejected = DECAY * state.rejected + (1.0 if accepted < num_drafts else 0.0)
+
+    def tick(self, request_ids: Sequence[int]) -> None:
+        """These requests decoded a step without drafts (their probe clock runs)."""
+        for request_id in request_ids:
+            state = self._sequences.get(request_id)
+            if state is not None:
+                state.steps_since_probe += 1
+
+    def drop(self, request_id: int) -> None:
+        """Forget a request that left."""
+        self._sequences.pop(request_id, None)
+
+    def clear(self) -> None:
+        """Forget every request (the scheduler that held them was rebuilt); stats stay."""
+        self._sequences.clear()
+
+    def alpha(self, request_id: int) -> float:
+        """The request's estimated per-token acceptance rate."""
+        return self._state(request_id).alpha
+
+    def _state(self, request_id: int) -> _SequenceState:
+        state = self._sequences.get(request_id)
+        if state is None:
+            index = NgramIndex(self.config.min_ngram, self.config.max_ngram)
+            state = self._sequences[request_id] = _SequenceState(index)
+        return state
+
+    def _length(self, state: _SequenceState) -> int:
+        """How many drafts the sequence proposes at its acceptance rate."""
+        alpha = state.alpha
+        if alpha >= FULL_ALPHA:
+            return self.config.num_tokens
+        if alpha < MIN_ALPHA:
+            return 1 if state.steps_since_probe >= PROBE_INTERVAL else 0
+        return max(1, int(self.config.num_tokens * alpha / FULL_ALPHA))
+
+    @staticmethod
+    def _batch_may_gain(num_decodes: int, cost: StepCostModel) -> bool:
+        """A cheap first test: before the fit is ready, small batches only."""
+        return cost.is_ready or num_decodes <= FALLBACK_MAX_BATCH
+
+    @staticmethod
+    def _gains(
+        num_decodes: int, num_drafts: int, expected: float, context: int, cost: StepCostModel
+    ) -> bool:
+        """Whether the drafts are predicted to raise the step's tokens per second."""
+        if not cost.is_ready:
+            return True
+        plain = cost.predict(num_decodes)
+        with_drafts = cost.predict(num_decodes, num_drafts, context)
+        if plain <= 0 or with_drafts <= 0:
+            return True
+        return (num_decodes + expected) / with_drafts > MIN_GAIN * num_decodes / plain

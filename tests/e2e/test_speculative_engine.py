@@ -1,0 +1,187 @@
+"""N-gram speculation through the real engine on the embedded default model (float32):
+greedy tokens equal those without speculation, token for token, over 20 prompts (ten that
+copy text from the prompt, so drafts are accepted, ten that do not), run in mixed waves (so
+steps mix sequences that verify drafts with ones that do not); seeded sampling is the same
+token for token too, and a stop sequence or max_new_tokens landing inside an accepted run
+ends the request exactly where it would end without speculation."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from textgate.proto import generate_pb2 as pb
+from textgate.router.engine.channel import Channel, StepEvent
+from textgate.router.engine.paged_engine import PagedEngine
+from textgate.router.engine.request import SamplingParams, StoppingParams, ValidRequest
+from textgate.router.engine.scheduler import Scheduler, SchedulerConfig
+from textgate.router.engine.speculation import SpeculationConfig
+from textgate.router.shard_client import ShardedClient
+from textgate.shard_server.loading.shard_loader import load_model
+from textgate.shard_server.server import serve
+
+pytestmark = pytest.mark.slow
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog near the river bank.",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b",
+    "Paris is the capital of France and Berlin is the capital of Germany.",
+    "Roses are red, violets are blue, sugar is sweet, and so are you.",
+    "One, two, three, four, five, six, seven, eight, nine, ten.",
+    "The meeting is moved to Tuesday at ten in the large conference room.",
+    "import os\nimport sys\n\nprint(os.getcwd())\nprint(sys.argv)",
+    "Water boils at one hundred degrees Celsius at sea level pressure.",
+    "Alice sent Bob a letter, and Bob sent Alice a parcel in return.",
+    "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday.",
+]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Write a haiku about the sea.",
+    "How many legs does a spider have?",
+    "Explain photosynthesis in one sentence.",
+    "What is 12 times 12?",
+    "Translate 'good morning' into Spanish.",
+    "Give me a synonym for happy.",
+    "Why is the sky blue?",
+    "Tell me a fun fact about cats.",
+]
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def prompts(default_model_dir: Path) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    messages = [f"Repeat this text exactly:\n\n{text}" for text in TEXTS] + QUESTIONS
+    return [
+        list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": m}], add_generation_prompt=True, tokenize=True
+            )["input_ids"]
+        )
+        for m in messages
+    ]
+
+
+@pytest.fixture
+async def shards(default_model_dir: Path, tmp_path: Path) -> AsyncIterator[ShardedClient]:
+    model = load_model(default_model_dir, "smol", "float32")
+    uds = str(tmp_path / "s")
+    task = asyncio.create_task(serve(model, uds, rank=0, world_size=1))
+    client = await ShardedClient.connect(uds, timeout_s=60)
+    warm = await client.warmup(pb.WarmupRequest(max_prefill_tokens=128))
+    client.num_blocks = warm.num_blocks  # type: ignore[attr-defined]
+    yield client
+    await client.close()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+async def make_engine(shards: ShardedClient, speculate: int) -> PagedEngine:
+    await shards.clear_cache()
+    config = SchedulerConfig(
+        num_blocks=shards.num_blocks,  # type: ignore[attr-defined]
+        block_size=16,
+        max_num_batched_tokens=128,
+        max_num_seqs=16,
+        speculation=SpeculationConfig(speculate, 1, 3) if speculate else None,
+    )
+    return PagedEngine(shards, Scheduler(config), max_concurrent_requests=64)
+
+
+def request(prompt: list[int], n: int = MAX_NEW, **sampling: object) -> ValidRequest:
+    stopping = StoppingParams(max_new_tokens=n, ignore_eos_token=True)
+    return ValidRequest("", tuple(prompt), SamplingParams(**sampling), stopping)  # type: ignore[arg-type]
+
+
+async def events_of(channel: Channel) -> list[StepEvent]:
+    events: list[StepEvent] = []
+    async for event in channel:
+        assert isinstance(event, StepEvent), event
+        events.append(event)
+    return events
+
+
+async def run_waves(engine: PagedEngine, requests: list[ValidRequest]) -> list[list[int]]:
+    """Four requests at a time, copying and plain ones mixed in each wave."""
+    outputs: list[list[int]] = []
+    for start in range(0, len(requests), 4):
+        channels = engine.submit(requests[start : start + 4])
+        for events in await asyncio.gather(*(events_of(c) for c in channels)):
+            outputs.append([t.id for e in events for t in e.tokens])
+    return outputs
+
+
+def mixed(prompts: list[list[int]]) -> list[list[int]]:
+    """Copying and plain prompts interleaved."""
+    return [p for pair in zip(prompts[:10], prompts[10:], strict=True) for p in pair]
+
+
+async def test_greedy_tokens_equal_without_speculation(
+    shards: ShardedClient, prompts: list[list[int]]
+) -> None:
+    requests = [request(p) for p in mixed(prompts)]
+    plain = await make_engine(shards, 0)
+    expected = await run_waves(plain, requests)
+    await plain.close()
+    engine = await make_engine(shards, 4)
+    outputs = await run_waves(engine, requests)
+    stats = engine.scheduler.speculator.stats  # type: ignore[union-attr]
+    await engine.close()
+    for index, (output, reference) in enumerate(zip(outputs, expected, strict=True)):
+        assert output == reference, f"prompt {index}"
+    # The copying prompts had drafts verified and accepted, several tokens per step.
+    assert stats.num_accepted_tokens > 50, stats
+    assert stats.num_emitted_tokens > 1.5 * stats.num_verify_steps, stats
+
+
+async def test_seeded_sampling_equals_without_speculation(
+    shards: ShardedClient, prompts: list[list[int]]
+) -> None:
+    requests = [
+        request(p, do_sample=True, temperature=0.7, top_p=0.95, seed=seed)
+        for seed, p in enumerate(mixed(prompts)[:8])
+    ]
+    plain = await make_engine(shards, 0)
+    expected = await run_waves(plain, requests)
+    await plain.close()
+    engine = await make_engine(shards, 4)
+    outputs = await run_waves(engine, requests)
+    stats = engine.scheduler.speculator.stats  # type: ignore[union-attr]
+    await engine.close()
+    assert outputs == expected
+    assert stats.num_accepted_tokens > 0, stats
+
+
+async def test_max_new_tokens_and_stop_sequence_inside_an_accepted_run(
+    shards: ShardedClient, prompts: list[list[int]]
+) -> None:
+    prompt = prompts[4]  # "One, two, three, ...": copied with long accepted runs
+    engine = await make_engine(shards, 6)
+    (channel,) = engine.submit([request(prompt, n=40)])
+    full = [t for e in await events_of(channel) for t in e.tokens]
+    text = "".join(t.text for t in full)
+    assert "seven" in text, text
+    for n in (7, 13, 19):  # budgets that end inside a run of drafts
+        (channel,) = engine.submit([request(prompt, n=n)])
+        events = await events_of(channel)
+        tokens = [t.id for e in events for t in e.tokens]
+        assert tokens == [t.id for t in full[:n]]
+        assert events[-1].finished is not None
+        assert events[-1].finished.finish_reason == "length"
+        assert events[-1].finished.generated_tokens == n
+    stop = StoppingParams(max_new_tokens=40, ignore_eos_token=True, stop_sequences=("seven",))
+    (channel,) = engine.submit([ValidRequest("", tuple(prompt), SamplingParams(), stop)])
+    events = await events_of(channel)
+    stats = engine.scheduler.speculator.stats  # type: ignore[union-attr]
+    await engine.close()
+    got = "".join(t.text for e in events for t in e.tokens)
+    assert got.endswith("seven") and got == text[: text.index("seven") + len("seven")]
+    assert events[-1].finished is not None
+    assert events[-1].finished.finish_reason == "stop_sequence"
+    assert stats.num_emitted_tokens > 2 * stats.num_verify_steps, stats
