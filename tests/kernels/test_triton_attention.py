@@ -180,6 +180,24 @@ def test_prefill_and_mixed_steps_match_sdpa(triton_device, block_size, heads, kv
     assert_close(out, case.reference(), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_speculative_verification_steps_match_sdpa(triton_device, dtype):
+    # Speculation's verification: decodes with 1 + k drafts (k = 4, 2, 0) after long
+    # contexts, one crossing a block boundary, beside a plain decode and a prompt chunk.
+    case = Case(
+        [5, 3, 1, 1, 6],
+        [37, 15, 22, 9, 16],
+        block_size=16,
+        heads=4,
+        kv_heads=2,
+        dtype=dtype,
+        device=triton_device,
+        seed=5,
+    )
+    out = case.run(TritonAttentionBackend(block_rows=16))
+    assert_close(out, case.reference(), dtype)
+
+
 @pytest.mark.parametrize(("block_size", "kv_tile"), [(8, 16), (24, 64)])
 def test_any_block_size_under_tiles_that_span_blocks(triton_device, block_size, kv_tile):
     # Blocks smaller than a tile and of no power of two: each key's block is looked up.
