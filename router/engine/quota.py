@@ -63,6 +63,12 @@ class Limits:
         return any(name in self.models for name in names)
 
 
+def base_model_names(model_id: str) -> tuple[str, str]:
+    """The names the base model goes by in `Limits.models`: its id and that id's last part,
+    as `/v1/models` clients shorten it."""
+    return model_id, model_id.rstrip("/").split("/")[-1]
+
+
 class QuotaExceededError(Exception):
     """A tenant is over one of its limits: 429 with Retry-After."""
 

@@ -17,7 +17,12 @@ from typing import Any, Protocol, cast
 from textgate.router.config import RouterConfig
 from textgate.router.engine.fairness import ANONYMOUS_TENANT
 from textgate.router.engine.lora_registry import LoraRegistry
-from textgate.router.engine.quota import Limits, ModelNotAllowedError, current_lease
+from textgate.router.engine.quota import (
+    Limits,
+    ModelNotAllowedError,
+    base_model_names,
+    current_lease,
+)
 from textgate.router.engine.request import GrammarSpec, ValidRequest
 from textgate.router.generation.parameters import (
     MAX_CHARS_PER_TOKEN,
@@ -152,11 +157,10 @@ class Validator:
 
     def _check_model_allowed(self, limits: Limits, adapter_id: str | None) -> None:
         """ModelNotAllowedError unless the request's API key may use its model (the base
-        goes by its model id and that id's last part, as `/v1/models` clients shorten it)."""
+        goes by `base_model_names`)."""
         model_id = self._config.model_id
-        base_names = (model_id, model_id.rstrip("/").split("/")[-1])
         model = adapter_id or model_id
-        if not limits.allows(model, base_names):
+        if not limits.allows(model, base_model_names(model_id)):
             raise ModelNotAllowedError(model)
 
     def _check_adapter(self, adapter_id: str | None) -> str | None:

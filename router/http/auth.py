@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from textgate.router.engine.quota import QuotaExceededError, leased
+from textgate.router.engine.quota import QuotaExceededError, TenantQuota, leased
 from textgate.router.http.errors import ErrorApi, error_api, error_response
 from textgate.router.http.tenants import Tenants
 from textgate.router.http.typed_errors import typed_error_response
@@ -38,8 +38,7 @@ class AuthMiddleware:
             await self._app(scope, receive, send)
             return
         path = scope.get("path", "")
-        keys = presented_keys(scope, error_api(path))
-        quota = next(filter(None, map(self._tenants.authenticate, keys)), None)
+        quota = tenant_of(scope, self._tenants)
         if quota is None:
             response = error_response("Unauthorized", "unauthorized", 401, api=error_api(path))
             await response(scope, receive, send)
@@ -58,6 +57,12 @@ class AuthMiddleware:
             self._metrics.tenant_tokens(quota.name, lease.close())
             if lease.refused is not None:
                 self._metrics.tenant_rate_limited(quota.name, lease.refused)
+
+
+def tenant_of(scope: Scope, tenants: Tenants) -> TenantQuota | None:
+    """The quota of the tenant whose key the request carries; None without a known key."""
+    keys = presented_keys(scope, error_api(scope.get("path", "")))
+    return next(filter(None, map(tenants.authenticate, keys)), None)
 
 
 def presented_keys(scope: Scope, api: ErrorApi) -> list[str]:

@@ -24,11 +24,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from textgate.router.engine.channel import Channel
+from textgate.router.engine.quota import base_model_names
 from textgate.router.generation.reasoning import reasoning_parser
 from textgate.router.generation.schemas import GenerateRequest
 from textgate.router.generation.stop_text import TextOptions
 from textgate.router.generation.tools import ToolPlan
 from textgate.router.generation.validation import Wording
+from textgate.router.http.auth import tenant_of
 from textgate.router.http.request_io import read_json, with_request_timeout
 from textgate.router.http.served_model import served_model, with_adapter
 from textgate.router.http.serving import CLIENT_CLOSED_REQUEST, Serving
@@ -125,12 +127,19 @@ class _OpenAIHandlers:
             return await self._complete(request, received)
 
     async def models(self, request: Request) -> Response:
-        """GET /v1/models: the served model, OpenAI's model list."""
+        """GET /v1/models: the served model and its adapters, OpenAI's model list. The route
+        is open (probes carry no key), but a request with a key whose tenant may use only
+        some models (`models:` in the key file) sees those."""
         base = self._config.model_id
         cards = [ModelCard(id=base, created=self._created)] + [
             ModelCard(id=name, created=self._created, parent=base)
             for name in self._state.validator.adapters
         ]
+        tenants = getattr(request.app.state, "tenants", None)
+        quota = None if tenants is None else tenant_of(request.scope, tenants)
+        if quota is not None:
+            names = base_model_names(base)
+            cards = [card for card in cards if quota.limits.allows(card.id, names)]
         return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
 
     async def chat_tokenize(self, request: Request) -> Response:

@@ -254,6 +254,20 @@ async def test_a_key_may_only_use_its_models(client: httpx.AsyncClient) -> None:
     assert other.status_code == 404
 
 
+async def test_models_lists_what_the_key_may_use(client: httpx.AsyncClient) -> None:
+    async def listed(headers: dict[str, str]) -> list[str]:
+        response = await client.get("/v1/models", headers=headers)
+        assert response.status_code == 200
+        return [card["id"] for card in response.json()["data"]]
+
+    everything = await listed({})  # the route is open: no key, every model
+    assert "fake-model" in everything and {"sql", "poet"} <= set(everything)
+    assert await listed(auth("sk-adapter")) == ["sql"]
+    assert await listed(auth("sk-base")) == ["fake-model"]
+    assert await listed(auth("sk-open")) == everything
+    assert await listed(auth("sk-unknown")) == everything  # an unknown key filters nothing
+
+
 async def test_sighup_reloads_the_keys_under_a_running_stream(
     client: httpx.AsyncClient, fake: FakeShard, keys_file: Path
 ) -> None:
