@@ -60,7 +60,15 @@ class AdapterStats:
     num_running: Mapping[str, int]
     """Adapter -> its requests holding KV blocks (the scheduler's running ones)."""
     num_waiting: Mapping[str, int]
-    """Adapter -> its requests waiting to be scheduled (new or preempted)."""
+    """Adapter -> its requests waiting to be scheduled (new or preempted; those whose
+    adapter waits for a slot too)."""
+    resident: tuple[str, ...] | None = None
+    """The adapters resident on the shards (`LoraResidency`); None: the engine keeps no
+    residency."""
+    num_loads: int = 0
+    """Adapters made resident since startup (first uses and reloads after eviction)."""
+    num_evictions: int = 0
+    """Resident adapters evicted to make room for another since startup."""
 
 
 class KvCacheCollector(Collector):
@@ -179,6 +187,23 @@ class AdapterCollector(Collector):
             time.time(),
         )
         yield info
+        if s.resident is None:
+            return
+        yield GaugeMetricFamily(
+            "textgate_lora_resident_adapters",
+            "LoRA adapters resident on the shards (at most --max-loras)",
+            len(s.resident),
+        )
+        yield CounterMetricFamily(
+            "textgate_lora_loads",
+            "LoRA adapters made resident (a first use, or a reload after an eviction)",
+            s.num_loads,
+        )
+        yield CounterMetricFamily(
+            "textgate_lora_evictions",
+            "Resident LoRA adapters evicted to make room for another (their host copy kept)",
+            s.num_evictions,
+        )
 
 
 def _adapter_names(counts: Mapping[str, int]) -> str:

@@ -194,7 +194,15 @@ def test_lora_limits_reach_the_shard_and_are_checked(tmp_path: Path) -> None:
     defaults = launcher.shard_argv(tmp_path, launcher.parse_args([], env={}))
     assert defaults[defaults.index("--max-loras") + 1] == "8"
     assert defaults[defaults.index("--max-lora-rank") + 1] == "64"
-    for argv in (["--max-loras", "0"], ["--lora-adapters", "a=/1,b=/2", "--max-loras", "1"]):
+    assert "--max-cpu-loras" not in defaults  # the shard's default: 4 x --max-loras
+    more = launcher.parse_args(["--max-loras", "1", "--lora-adapters", "a=/1,b=/2"], env={})
+    argv = launcher.shard_argv(tmp_path, launcher.parse_args(["--max-cpu-loras", "9"], env={}))
+    assert argv[argv.index("--max-cpu-loras") + 1] == "9" and len(more.lora_adapters) == 2
+    for argv in (
+        ["--max-loras", "0"],
+        ["--lora-adapters", "a=/1,b=/2", "--max-loras", "1", "--max-cpu-loras", "1"],
+        ["--max-loras", "2", "--max-cpu-loras", "1"],
+    ):
         with pytest.raises(SystemExit):
             launcher.parse_args(argv, env={})
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import grpc
 
 from textgate.router.engine.lora_registry import LoraRegistry
+from textgate.router.engine.lora_residency import LoraResidency
 from textgate.router.shard_client import ShardedClient, ShardError
 
 log = logging.getLogger("textgate.router")
@@ -33,7 +34,8 @@ class AdapterLoader:
     """Loads and unloads adapters on `shards` and keeps `adapters` in step with them.
 
     `num_active_on(name)` counts the requests running or waiting on an adapter;
-    `base_model` is the served model's name, which no adapter may take."""
+    `base_model` is the served model's name, which no adapter may take; `residency` (the
+    engine's) forgets an adapter once the shards have unloaded it."""
 
     def __init__(
         self,
@@ -41,8 +43,10 @@ class AdapterLoader:
         shards: ShardedClient,
         num_active_on: Callable[[str], int],
         base_model: str,
+        residency: LoraResidency | None = None,
     ) -> None:
         self._adapters = adapters
+        self._residency = residency
         self._shards = shards
         self._num_active_on = num_active_on
         self._base_model = base_model
@@ -81,6 +85,9 @@ class AdapterLoader:
                 if exc.code != grpc.StatusCode.INVALID_ARGUMENT:  # not "not loaded": still held
                     self._adapters.add(name, load)
                 raise _refused(exc) from exc
+            finally:
+                if self._residency is not None and name not in self._adapters:
+                    self._residency.forget(name)  # the shards detached it themselves
         log.info("LoRA adapter %r unloaded", name)
 
 

@@ -11,7 +11,7 @@ smallest (`fairness.VirtualCounters`); a preempted head is taken as it is.
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Generic, Protocol, TypeVar
 
 from textgate.router.engine.fairness import VirtualCounters
@@ -64,17 +64,23 @@ class WaitingQueue(Generic[W]):
         self._queue.remove(request)
         self._fairness.leave(request.tenant)
 
-    def next(self) -> W:
-        """The request admission considers next (the queue must not be empty): the head
-        when it was preempted; else, among the waiting requests of the head's priority, the
-        first of the tenant with the smallest virtual counter (the earliest tenant on a tie)."""
-        head = self._queue[0]
-        if head.preempted:
+    def next(self, passed_over: Callable[[W], bool] | None = None) -> W | None:
+        """The request admission considers next: the head when it was preempted; else, among
+        the waiting requests of the head's priority, the first of the tenant with the
+        smallest virtual counter (the earliest tenant on a tie). Requests `passed_over`
+        says cannot run this step (their LoRA adapter waits for a slot) are left out, the
+        first of the others is the head; None when none is left."""
+        queue: Iterable[W] = self._queue
+        if passed_over is not None:
+            queue = (request for request in self._queue if not passed_over(request))
+        requests = iter(queue)
+        head = next(requests, None)
+        if head is None or head.preempted:
             return head
         fairness = self._fairness
         chosen, lowest = head, fairness.counter(head.tenant)
         seen = {head.tenant}
-        for request in self._queue:
+        for request in requests:
             if request.priority != head.priority or len(seen) == fairness.num_backlogged:
                 break
             if request.tenant in seen:

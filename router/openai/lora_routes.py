@@ -54,7 +54,11 @@ class LoraHandlers:
     def __init__(self, state: RouterState) -> None:
         engine = state.engine
         self._loader = AdapterLoader(
-            engine.adapters, state.shards, engine.num_active_on, state.config.model_id
+            engine.adapters,
+            state.shards,
+            engine.num_active_on,
+            state.config.model_id,
+            engine.residency,
         )
         self._payload_limit = state.config.payload_limit
 

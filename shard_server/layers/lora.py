@@ -28,6 +28,7 @@ columns of A, whose partial update joins the partial sum before the all-reduce.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -254,6 +255,17 @@ class Placement:
     a: Tensor
     b: Tensor
 
+    def to(self, device: torch.device) -> Placement:
+        """The same update with A and B on `device` (itself where they are there already)."""
+        if self.a.device == device and self.b.device == device:
+            return self
+        a, b = (t.to(device, non_blocking=True) for t in (self.a, self.b))
+        return dataclasses.replace(self, a=a, b=b)
+
+    def pinned(self) -> Placement:
+        """The same update in pinned host memory, so that attaching it copies asynchronously."""
+        return dataclasses.replace(self, a=self.a.pin_memory(), b=self.b.pin_memory())
+
 
 def place(model: torch.nn.Module, adapter: LoraAdapter) -> list[Placement]:
     """Where each of `adapter`'s updates goes in a native model's layers; changes nothing.
@@ -312,17 +324,22 @@ def _rows(tensor: Tensor, shard: Shard) -> Tensor:
     return tensor[shard.start : shard.stop].clone()
 
 
-def apply(slot: int, scale: float, placements: Sequence[Placement]) -> None:
-    """Add an adapter's checked updates (`place`) to its layers under `slot`, which must
-    be free, and fold each layer's pairs again."""
+def apply(
+    slot: int, scale: float, placements: Sequence[Placement], fold: bool = True
+) -> list[LoraLayer]:
+    """Add an adapter's checked updates (`place`, on the model's device) to its layers under
+    `slot`, which must be free, and fold each layer's pairs again (unless not `fold`: the
+    caller folds the layers returned, once for several changes)."""
     touched: dict[int, LoraLayer] = {}
     for p in placements:
         if p.holder.lora is None:
             p.holder.lora = LoraLayer(p.out_features)
         p.holder.lora.updates.setdefault(slot, []).append((p.start, p.end, p.a, p.b, scale))
         touched[id(p.holder)] = p.holder.lora
-    for layer in touched.values():
-        layer.fuse()
+    if fold:
+        for layer in touched.values():
+            layer.fuse()
+    return list(touched.values())
 
 
 def attach(
@@ -339,16 +356,22 @@ def attach(
     return slots
 
 
-def detach(model: torch.nn.Module, slot: int) -> None:
+def detach(model: torch.nn.Module, slot: int, fold: bool = True) -> list[LoraLayer]:
     """Remove slot `slot`'s updates from every layer; a layer left with none is its base
-    alone again."""
+    alone again. The layers left with others are folded again (unless not `fold`: the
+    caller folds the layers returned)."""
+    touched = []
     for module in model.modules():
         layer = getattr(module, "lora", None)
         if isinstance(layer, LoraLayer) and layer.updates.pop(slot, None) is not None:
             if layer.updates:
-                layer.fuse()
+                touched.append(layer)
             else:
                 module.lora = None
+    if fold:
+        for layer in touched:
+            layer.fuse()
+    return touched
 
 
 def _layout(config: object, holder: str) -> tuple[int, list[int]]:

@@ -1,37 +1,49 @@
-"""The LoRA adapters resident on one model, by slot: loaded at startup or at runtime and
-unloaded, within `--max-loras` and `--max-lora-rank`.
+"""The LoRA adapters one model serves: every loaded one's host copy (at most
+`--max-cpu-loras`), and the resident ones attached to its layers by slot (at most
+`--max-loras`; slot 0 is the base).
+
+Which adapters are resident is the router's choice (router/engine/lora_residency.py: it
+knows what runs), sent with a step (`StepPlan.lora_residency`) and applied here before
+the step runs (`reside`): evicting detaches an adapter's updates from the layers and keeps
+its host copy; making one resident copies that to the model's device and folds the layers'
+pairs again. A step never runs a row on an adapter that is not resident (`slot_of`).
 
 A runtime load is two halves so that running streams wait at most one step for it:
-`LoraSlots.read` (the folder read, converted and checked against the base; any thread,
-the model keeps stepping) and `LoraSlots.attach` (the slot taken and the layers' pairs
-folded again; the model thread, between two steps). `unload` frees the slot between two
-steps too; a slot is reused by the next load.
+`LoraSlots.read` (the folder read, converted and checked against the base, into host
+memory; any thread, the model keeps stepping) and `LoraSlots.add` (kept; the model
+thread, between two steps). `unload` detaches it where resident and drops the host copy.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from textgate.shard_server.layers.lora import Placement, apply, detach, place
+import torch
+
+from textgate.shard_server.layers.lora import LoraLayer, Placement, apply, detach, place
 from textgate.shard_server.layers.lora_adapter import LoraAdapter, LoraError
 from textgate.shard_server.layers.lora_limits import LoraLimits
+
+HOST = torch.device("cpu")
 
 
 @dataclass(frozen=True)
 class ReadAdapter:
-    """An adapter read from its folder and checked against the model, not attached yet."""
+    """An adapter read from its folder and checked against the model: its host copy, cut to
+    this rank's share (`placements`, in host memory; pinned where the model is on a GPU)."""
 
     adapter: LoraAdapter
     placements: list[Placement]
 
 
 class LoraSlots:
-    """The adapters attached to `model`: id -> slot (slot 0 is the base).
+    """The adapters of `model`: `loaded` (id -> host copy) and `slots` (the resident ones,
+    id -> slot).
 
-    `unsupported` says why this model takes no adapters (transformers' modules); every
-    load then fails with it."""
+    `unsupported` says why this model takes no adapters; every load then fails with it."""
 
     def __init__(
         self, model: Any, limits: LoraLimits | None = None, unsupported: str | None = None
@@ -39,48 +51,102 @@ class LoraSlots:
         self.model = model
         self.limits = limits or LoraLimits()
         self.unsupported = unsupported
+        self.loaded: dict[str, ReadAdapter] = {}
+        """Every loaded adapter's host copy, by id, in load order."""
         self.slots: dict[str, int] = {}
+        """The resident adapters' slots (1 .. max_loras), by id."""
 
     def read(self, name: str, path: Path) -> ReadAdapter:
-        """Read the PEFT folder `path` as adapter `name` and check it against the model
-        and the limits (LoraError saying why not); the model is not touched."""
+        """Read the PEFT folder `path` as adapter `name` into host memory and check it
+        against the model and the limits (LoraError saying why not); the model is not
+        touched."""
         self._check_room(name)
-        adapter = LoraAdapter.load(
-            name, path, self.model.dtype, self.model.device, self.limits.max_rank
-        )
-        return ReadAdapter(adapter, place(self.model, adapter))
+        adapter = LoraAdapter.load(name, path, self.model.dtype, HOST, self.limits.max_rank)
+        placements = place(self.model, adapter)
+        if torch.device(self.model.device).type == "cuda":
+            placements = [p.pinned() for p in placements]
+        return ReadAdapter(adapter, placements)
 
-    def attach(self, read: ReadAdapter) -> int:
-        """Attach a `read` adapter in the lowest free slot (model thread, between steps)."""
+    def add(self, read: ReadAdapter) -> None:
+        """Keep a `read` adapter (model thread, between steps); it becomes resident when a
+        step's residency names it."""
         self._check_room(read.adapter.name)
-        slot = min(set(range(1, len(self.slots) + 2)) - set(self.slots.values()))
-        apply(slot, read.adapter.scale, read.placements)
-        self.slots[read.adapter.name] = slot
-        return slot
+        self.loaded[read.adapter.name] = read
 
     def load(self, name: str, path: Path) -> LoraAdapter:
-        """`read` then `attach`, in the calling thread (startup)."""
+        """`read` then `add`, in the calling thread, and resident while a slot is free
+        (startup)."""
         read = self.read(name, path)
-        self.attach(read)
+        self.add(read)
+        if len(self.slots) < self.limits.max_loras:
+            self.reside([*self.slots, name])
         return read.adapter
 
-    def unload(self, name: str) -> None:
-        """Detach adapter `name` and free its slot (model thread, between steps)."""
-        slot = self.slots.pop(name, None)
+    def reside(self, names: Sequence[str]) -> None:
+        """Hold exactly the loaded adapters of `names` resident (model thread, between
+        steps): every other is evicted (its host copy kept), then the missing ones are
+        attached in order, each in the lowest free slot; the layers they change are folded
+        once. Ids not loaded (unloaded since the router chose) are ignored."""
+        wanted = [name for name in dict.fromkeys(names) if name in self.loaded]
+        if len(wanted) > self.limits.max_loras:
+            raise LoraError(
+                f"{len(wanted)} LoRA adapters asked resident, over --max-loras "
+                f"{self.limits.max_loras}: {', '.join(wanted)}"
+            )
+        touched: dict[int, LoraLayer] = {}
+        for name in [name for name in self.slots if name not in wanted]:
+            touched.update(
+                (id(layer), layer) for layer in detach(self.model, self.slots[name], False)
+            )
+            del self.slots[name]
+        device = torch.device(self.model.device)
+        for name in wanted:
+            if name in self.slots:
+                continue
+            read = self.loaded[name]
+            slot = min(set(range(1, self.limits.max_loras + 1)) - set(self.slots.values()))
+            placements = [p.to(device) for p in read.placements]
+            layers = apply(slot, read.adapter.scale, placements, fold=False)
+            touched.update((id(layer), layer) for layer in layers)
+            self.slots[name] = slot
+        for layer in touched.values():
+            if layer.updates:
+                layer.fuse()
+
+    def slot_of(self, name: str) -> int:
+        """The slot a row on adapter `name` runs with ("" the base: 0); LoraError when it is
+        not resident (the router makes an adapter resident before it schedules its rows)."""
+        if not name:
+            return 0
+        slot = self.slots.get(name)
         if slot is None:
+            raise LoraError(
+                f"LoRA adapter {name!r} is not resident (resident: "
+                f"{', '.join(sorted(self.slots)) or 'none'}): a step ran a request on it "
+                "before a StepPlan.lora_residency named it"
+            )
+        return slot
+
+    def unload(self, name: str) -> None:
+        """Detach adapter `name` where resident and drop its host copy (model thread,
+        between steps)."""
+        if name not in self.loaded:
             raise LoraError(f"LoRA adapter {name!r} is not loaded (loaded: {self._names()})")
-        detach(self.model, slot)
+        slot = self.slots.pop(name, None)
+        if slot is not None:
+            detach(self.model, slot)
+        del self.loaded[name]
 
     def _check_room(self, name: str) -> None:
         if self.unsupported is not None:
             raise LoraError(self.unsupported)
-        if name in self.slots:
+        if name in self.loaded:
             raise LoraError(f"LoRA adapter {name!r} is already loaded")
-        if len(self.slots) >= self.limits.max_loras:
+        if len(self.loaded) >= self.limits.max_loaded:
             raise LoraError(
-                f"cannot load LoRA adapter {name!r}: {len(self.slots)} of --max-loras "
-                f"{self.limits.max_loras} already loaded ({self._names()}); unload one first"
+                f"cannot load LoRA adapter {name!r}: {len(self.loaded)} of --max-cpu-loras "
+                f"{self.limits.max_loaded} already loaded ({self._names()}); unload one first"
             )
 
     def _names(self) -> str:
-        return ", ".join(sorted(self.slots)) or "none"
+        return ", ".join(sorted(self.loaded)) or "none"

@@ -42,6 +42,8 @@ class FakeShard(pb_grpc.TextGenerationServiceServicer):
         self.urls = urls
         self.sequences: dict[int, FakeSequence] = {}
         """The requests the shard knows, by id."""
+        self.adapters: dict[int, str] = {}
+        """Each request's LoRA adapter, by id."""
         self.calls: list[tuple[str, Any]] = []
         """(method, request) of every call, in order."""
         self.step_delay_s = 0.0
@@ -58,6 +60,12 @@ class FakeShard(pb_grpc.TextGenerationServiceServicer):
         self.lora_adapters: list[str] = []
         """The adapters Info reports (the fake model ignores them when generating);
         LoadAdapter adds to them (any existing folder loads), UnloadAdapter takes away."""
+        self.max_loras = 0
+        """Info's --max-loras; above 0 the shard holds a residency (`resident`) as a step's
+        StepPlan.lora_residency sets it, and a step that runs a request on an adapter not
+        resident fails."""
+        self.resident: list[str] = []
+        """The adapters resident (the router's last StepPlan.lora_residency)."""
         self.healthy = True
         self.block_size = 16
         """Tokens per KV block, as Info reports."""
@@ -106,6 +114,8 @@ class FakeShard(pb_grpc.TextGenerationServiceServicer):
             model_type="fake",
             world_size=len(self.urls),
             lora_adapters=self.lora_adapters,
+            max_loras=self.max_loras,
+            resident_lora_adapters=self.resident,
         )
 
     async def Health(self, request: pb.HealthRequest, context: Any) -> pb.HealthResponse:
@@ -143,8 +153,20 @@ class FakeShard(pb_grpc.TextGenerationServiceServicer):
         plan = request.plan
         for request_id in plan.finished_ids:
             self.sequences.pop(request_id, None)
+        if plan.HasField("lora_residency"):
+            resident = [a for a in plan.lora_residency.adapter_ids if a in self.lora_adapters]
+            if len(resident) > self.max_loras:
+                await context.abort(grpc.StatusCode.INTERNAL, f"over max_loras: {resident}")
+            self.resident = resident
+        self.adapters.update({new.id: new.adapter_id for new in request.requests})
         for new in request.requests:
             self.sequences[new.id] = FakeSequence.from_pb(new)
+        if self.max_loras:
+            for item in plan.scheduled:
+                adapter = self.adapters.get(item.request_id, "")
+                if adapter and adapter not in self.resident:
+                    message = f"request {item.request_id} runs on {adapter!r}, not resident"
+                    await context.abort(grpc.StatusCode.INTERNAL, message)
         for item in plan.scheduled:
             seq = self.sequences.get(item.request_id)
             error = (
@@ -184,6 +206,8 @@ class FakeShard(pb_grpc.TextGenerationServiceServicer):
             message = f"LoRA adapter {request.adapter_id!r} is not loaded"
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
         self.lora_adapters.remove(request.adapter_id)
+        if request.adapter_id in self.resident:
+            self.resident.remove(request.adapter_id)
         return pb.UnloadAdapterResponse()
 
 

@@ -231,3 +231,30 @@ async def test_runtime_loading_is_off_unless_asked_for(start_router, fake, tmp_p
         assert (await _load(http, "haiku", tmp_path)).status_code == 404
         assert (await _unload(http, "sql")).status_code == 404
     assert not fake.calls_to("LoadAdapter") and not fake.calls_to("UnloadAdapter")
+
+
+async def test_more_adapters_than_slots_take_turns_and_none_fails(
+    start_router, fake, tmp_path
+) -> None:
+    """--max-loras 1 over three adapters: concurrent requests on each (and the base) all
+    finish, the shard never runs one on an adapter that is not resident (the fake fails such
+    a step), loads and evictions are counted, and an unloaded then reloaded one is resident
+    again when used."""
+    fake.lora_adapters, fake.max_loras, fake.resident = ["sql", "poet", "haiku"], 1, ["sql"]
+    fake.step_delay_s = 0.005
+    base_url = await start_router(ChatFakeTokenizer(), allow_runtime_lora_updating=True)
+    async with httpx.AsyncClient(base_url=base_url, timeout=30) as http:
+        bodies = [_generate(a, max_new_tokens=4) for a in ("sql", "poet", "haiku") * 3]
+        bodies.append({"inputs": "w5", "parameters": {"max_new_tokens": 4}})
+        answers = await asyncio.gather(*(http.post("/generate", json=b) for b in bodies))
+        assert [a.status_code for a in answers] == [200] * len(bodies), [a.text for a in answers]
+        metrics = (await http.get("/metrics")).text
+        loads = float(re.search(r"^textgate_lora_loads (\S+)$", metrics, re.M)[1])
+        evictions = float(re.search(r"^textgate_lora_evictions (\S+)$", metrics, re.M)[1])
+        assert evictions >= 2 and loads == evictions  # `sql` was resident at startup
+        assert "textgate_lora_resident_adapters 1.0" in metrics
+        assert 'vllm:lora_requests_info{max_lora="1"' in metrics
+        assert (await _unload(http, "haiku")).status_code == 200
+        assert (await _load(http, "haiku", tmp_path)).status_code == 200
+        assert (await http.post("/generate", json=_generate("haiku"))).status_code == 200
+        assert fake.resident == ["haiku"]

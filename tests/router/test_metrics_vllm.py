@@ -15,7 +15,6 @@ import httpx
 import pytest
 
 import textgate
-from textgate.proto import generate_pb2 as pb
 from textgate.router.engine.paged_engine import PagedEngine
 from textgate.router.engine.scheduler import Scheduler, SchedulerConfig
 from textgate.router.metrics import Metrics
@@ -73,10 +72,9 @@ def test_lora_info_lists_adapters_with_requests_and_stamps_the_time() -> None:
 class LoraFakeShard(FakeShard):
     """The fake shard, reporting that its model takes up to MAX_LORAS adapters."""
 
-    async def Info(self, request: pb.InfoRequest, context: Any) -> pb.InfoResponse:
-        info = await super().Info(request, context)
-        info.max_loras = MAX_LORAS
-        return info
+    def __init__(self, urls: list[str]) -> None:
+        super().__init__(urls)
+        self.max_loras = MAX_LORAS
 
 
 @pytest.fixture

@@ -211,12 +211,13 @@ def test_the_shard_serves_adapters_and_refuses_unknown_ones(base, adapters) -> N
 
 
 def test_adapters_come_and_go_on_a_live_model(base, adapters) -> None:
-    """Loaded after the model has stepped: its logits are PEFT's; unloaded: the base's again;
-    its slot taken by the next load, whose own logits come out."""
+    """Loaded after the model has stepped: its logits are PEFT's; past --max-loras the third
+    waits on the host until a residency names it (evicting one, whose host copy gives PEFT's
+    logits again when it comes back); unloaded: its slot runs the base and is reused."""
     from transformers import AutoModelForCausalLM
 
     model = load_model(base, torch.float32, "cpu")
-    lora = LoraSlots(model, LoraLimits(max_loras=2, max_rank=16))
+    lora = LoraSlots(model, LoraLimits(max_loras=2, max_rank=16, max_cpu_loras=3))
     plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
     prompt = _prompt(7)
     runner = PagedRunner(model, num_blocks=128)
@@ -228,27 +229,40 @@ def test_adapters_come_and_go_on_a_live_model(base, adapters) -> None:
         with lora_rows(rows):
             return runner.step({seq: prompt}, all_logits=True)[seq]
 
-    def expect(name: str | None, slot: int) -> None:
+    def expect(name: str | None, slot: int | None = None) -> None:
         reference = plain if name is None else adapters[name][1]
+        slot = lora.slot_of(name or "") if slot is None else slot
         torch.testing.assert_close(
             logits(slot), reference_logits(reference, prompt), atol=1e-4, rtol=0
         )
 
     expect(None, 0)
-    lora.load("attn-r8", adapters["attn-r8"][0])
-    lora.load("mlp-r16", adapters["mlp-r16"][0])
-    assert lora.slots == {"attn-r8": 1, "mlp-r16": 2}
-    expect("attn-r8", 1)
-    with pytest.raises(LoraError, match="'all-rs': 2 of --max-loras 2 already loaded"):
-        lora.read("all-rs", adapters["all-rs"][0])
-    lora.unload("attn-r8")
-    expect(None, 1)  # the freed slot runs the base
-    expect("mlp-r16", 2)
-    lora.load("all-rs", adapters["all-rs"][0])
+    for name in ADAPTERS:
+        lora.load(name, adapters[name][0])
+    assert lora.slots == {"attn-r8": 1, "mlp-r16": 2} and list(lora.loaded) == list(ADAPTERS)
+    expect("attn-r8")
+    with pytest.raises(LoraError, match="'all-rs' is not resident"):
+        lora.slot_of("all-rs")
+    with pytest.raises(LoraError, match="'extra': 3 of --max-cpu-loras 3 already loaded"):
+        lora.read("extra", adapters["all-rs"][0])
+    lora.reside(["mlp-r16", "all-rs"])  # attn-r8 evicted: all-rs takes its slot
     assert lora.slots == {"mlp-r16": 2, "all-rs": 1}
-    expect("all-rs", 1)
-    lora.unload("mlp-r16")
+    expect("all-rs")
+    expect("mlp-r16")
+    lora.reside(["all-rs", "attn-r8", "gone"])  # back from its host copy; unknown ids ignored
+    assert lora.slots == {"all-rs": 1, "attn-r8": 2}
+    expect("attn-r8")
+    with pytest.raises(LoraError, match="3 LoRA adapters asked resident, over --max-loras 2"):
+        lora.reside(list(ADAPTERS))
+    lora.unload("attn-r8")
+    expect(None, 2)  # the freed slot runs the base
+    lora.unload("mlp-r16")  # not resident: its host copy goes
+    assert lora.slots == {"all-rs": 1} and list(lora.loaded) == ["all-rs"]
+    lora.load("attn-r8", adapters["attn-r8"][0])
+    assert lora.slots == {"all-rs": 1, "attn-r8": 2}
+    expect("all-rs")
     lora.unload("all-rs")
+    lora.unload("attn-r8")
     assert not [m for m in model.modules() if getattr(m, "lora", None) is not None]
     expect(None, 0)
 
@@ -304,7 +318,7 @@ async def test_the_shard_loads_and_unloads_adapters_over_grpc(tmp_path) -> None:
         "tiny",
         "float32",
         cache_config=CacheConfig(block_size=4),
-        lora_limits=LoraLimits(max_loras=1, max_rank=8),
+        lora_limits=LoraLimits(max_loras=1, max_rank=8, max_cpu_loras=1),
     )
     prompt = [5, 17, 42, 8]
 
@@ -314,7 +328,10 @@ async def test_the_shard_loads_and_unloads_adapters_over_grpc(tmp_path) -> None:
         scheduled = pb.ScheduledRequest(
             request_id=request_id, token_ids=prompt, block_table=[request_id], produces_token=True
         )
-        return pb.StepRequest(requests=[request], plan=pb.StepPlan(scheduled=[scheduled]))
+        plan = pb.StepPlan(scheduled=[scheduled])
+        if adapter:  # the router makes an adapter resident with the first step that needs it
+            plan.lora_residency.adapter_ids.append(adapter)
+        return pb.StepRequest(requests=[request], plan=plan)
 
     async with served(paged, tmp_path) as stub:
         await stub.Warmup(pb.WarmupRequest(max_prefill_tokens=16))
@@ -325,7 +342,10 @@ async def test_the_shard_loads_and_unloads_adapters_over_grpc(tmp_path) -> None:
         assert (loaded.rank, loaded.num_updates) == (8, 2 * 2)  # two projections, two layers
         info = await stub.Info(pb.InfoRequest())
         assert (list(info.lora_adapters), info.max_loras, info.max_lora_rank) == (["mine"], 1, 8)
+        assert (list(info.resident_lora_adapters), info.max_cpu_loras) == ([], 1)
         tokens = (await stub.Step(step(2, "mine"))).generations[0].tokens
+        info = await stub.Info(pb.InfoRequest())
+        assert list(info.resident_lora_adapters) == ["mine"]
         with torch.inference_mode():
             expected = torch.log_softmax(merged(torch.tensor([prompt])).logits[0, -1], -1)
         assert tokens.logprobs[0] == pytest.approx(float(expected[tokens.ids[0]]), abs=1e-4)
@@ -336,7 +356,7 @@ async def test_the_shard_loads_and_unloads_adapters_over_grpc(tmp_path) -> None:
             assert code == grpc.StatusCode.INVALID_ARGUMENT and message in details, details
 
         await refused("mine", "'mine' is already loaded")
-        await refused("wide", "1 of --max-loras 1 already loaded (mine)")
+        await refused("wide", "1 of --max-cpu-loras 1 already loaded (mine)")
         await stub.UnloadAdapter(pb.UnloadAdapterRequest(adapter_id="mine"))
         answer = (await stub.Step(step(3, "mine"))).generations[0]
         assert "LoRA adapter 'mine' is not loaded (loaded: none)" in answer.error
