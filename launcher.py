@@ -144,6 +144,8 @@ def shard_argv(model_path: Path, config: LauncherConfig) -> list[str]:
     if config.lora_adapters:
         argv += ["--lora-adapters", ",".join(f"{n}={p}" for n, p in config.lora_adapters)]
     argv += ["--max-loras", str(config.max_loras), "--max-lora-rank", str(config.max_lora_rank)]
+    if config.max_cpu_loras is not None:
+        argv += ["--max-cpu-loras", str(config.max_cpu_loras)]
     if config.trust_remote_code:
         argv.append("--trust-remote-code")
     if config.json_output:

@@ -163,8 +163,15 @@ class LauncherConfig:
     )
     max_loras: int = flag(
         DEFAULT_MAX_LORAS,
-        "Most LoRA adapters resident at once, --lora-adapters and the ones loaded later by "
-        "POST /v1/load_lora_adapter; a load past it is refused (unload one first)",
+        "Most LoRA adapters resident at once (attached to the layers); a request for another "
+        "evicts the least recently used idle one (its host copy kept), or waits for a slot",
+        int,
+    )
+    max_cpu_loras: int | None = flag(
+        None,
+        "Most LoRA adapters loaded at once, resident or not, each with a host copy of its "
+        "weights (--lora-adapters and POST /v1/load_lora_adapter; a load past it is "
+        "refused); default 4 x --max-loras",
         int,
     )
     max_lora_rank: int = flag(
@@ -325,11 +332,11 @@ class LauncherConfig:
             raise ValueError("--target-itl-ms must be >= 0 (0 = fixed budgets)")
         if not 0 < self.max_logit_bias <= 100:
             raise ValueError(f"--max-logit-bias must be > 0 and <= 100, got {self.max_logit_bias}")
-        LoraLimits(self.max_loras, self.max_lora_rank)  # ValueError naming the flag
-        if len(self.lora_adapters) > self.max_loras:
+        limits = LoraLimits(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+        if len(self.lora_adapters) > limits.max_loaded:
             raise ValueError(
-                f"--lora-adapters names {len(self.lora_adapters)} adapters, over --max-loras "
-                f"{self.max_loras}"
+                f"--lora-adapters names {len(self.lora_adapters)} adapters, over --max-cpu-loras "
+                f"{limits.max_loaded}"
             )
         if self.target_ttft_ms is not None and not self.target_ttft_ms > 0:
             raise ValueError("--target-ttft-ms must be > 0")

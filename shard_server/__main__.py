@@ -107,7 +107,14 @@ def _adapter_flags(parser: argparse.ArgumentParser) -> None:
         "--max-loras",
         type=int,
         default=DEFAULT_MAX_LORAS,
-        help="most LoRA adapters resident at once (startup and runtime loads)",
+        help="most LoRA adapters resident at once; past it the least recently used idle "
+        "one is evicted (its host copy kept)",
+    )
+    parser.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=None,
+        help="most LoRA adapters loaded at once, resident or not (default: 4 x --max-loras)",
     )
     parser.add_argument(
         "--max-lora-rank",
@@ -142,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
         quantize=args.quantize,
         attention=args.attention,
         lora_adapters=args.lora_adapters,
-        lora_limits=LoraLimits(args.max_loras, args.max_lora_rank),
+        lora_limits=LoraLimits(args.max_loras, args.max_lora_rank, args.max_cpu_loras),
     ).result()
     telemetry = start_tracing(
         args.otlp_endpoint,

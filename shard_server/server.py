@@ -77,7 +77,8 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
     async def LoadAdapter(
         self, request: pb.LoadAdapterRequest, context: Any
     ) -> pb.LoadAdapterResponse:
-        """Read and check the folder while steps go on; attach it between two of them."""
+        """Read and check the folder while steps go on; keep it between two of them (a
+        step's residency attaches it)."""
         lora = self.model.lora
         try:
             read = await asyncio.to_thread(lora.read, request.adapter_id, Path(request.path))
@@ -86,15 +87,15 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         except Exception as exc:  # an unreadable folder (bad JSON, a truncated file) is its own
             message = f"LoRA adapter {request.adapter_id!r}: {type(exc).__name__}: {exc}"
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
-        slot = await self._call(context, lora.attach, read, invalid=LoraError)
+        await self._call(context, lora.add, read, invalid=LoraError)
         adapter = read.adapter
         log.info(
-            "LoRA adapter %r loaded from %s: rank %d, %d projections updated, slot %d",
+            "LoRA adapter %r loaded from %s: rank %d, %d projections updated (host copy; "
+            "resident when a request needs it)",
             adapter.name,
             request.path,
             adapter.rank,
             len(adapter.weights),
-            slot,
         )
         return pb.LoadAdapterResponse(rank=adapter.rank, num_updates=len(adapter.weights))
 

@@ -15,6 +15,7 @@ from textgate.router.config import RouterConfig, parse_ngram_range
 from textgate.router.engine.batch_controller import BatchController, StartupSteps
 from textgate.router.engine.channel import Channel
 from textgate.router.engine.lora_registry import LoraRegistry
+from textgate.router.engine.lora_residency import LoraResidency
 from textgate.router.engine.paged_engine import PagedEngine
 from textgate.router.engine.request import ValidRequest
 from textgate.router.engine.scheduler import Scheduler, SchedulerConfig
@@ -33,6 +34,8 @@ class Engine(Protocol):
     """Its calls to the shards (their deadline is `shard_calls.timeout_s`)."""
     adapters: LoraRegistry
     """The LoRA adapters the shards hold (requests are checked and salted by it)."""
+    residency: LoraResidency | None
+    """Which of them are resident (--max-loras); None: no limit."""
 
     @property
     def num_active(self) -> int: ...
@@ -80,6 +83,9 @@ def make_engine(
         metrics=metrics,
         adapters=adapters,
         max_loras=info.max_loras,
+        residency=LoraResidency(info.max_loras, info.resident_lora_adapters)
+        if info.max_loras
+        else None,
     )
 
 

@@ -25,6 +25,7 @@ from textgate.router.engine.batch_controller import ControllerState
 from textgate.router.engine.busy_meter import BusyMeter
 from textgate.router.engine.channel import Channel
 from textgate.router.engine.lora_registry import LoraRegistry
+from textgate.router.engine.lora_residency import LoraResidency
 from textgate.router.engine.request import ValidRequest
 from textgate.router.engine.scheduler import ModelStepResult, Scheduler, SchedulerOutput
 from textgate.router.engine.shard_calls import ShardCalls, StepFailed
@@ -55,11 +56,16 @@ class PagedEngine:
         metrics: Metrics | None = None,
         adapters: LoraRegistry | None = None,
         max_loras: int = 0,
+        residency: LoraResidency | None = None,
     ) -> None:
         """`metrics` gets the step metrics and watches the KV cache, the batch controller and
         the adapters (a private one by default); `adapters` are the LoRA adapters the shards
-        hold, at most `max_loras` (0: the model takes none)."""
+        hold, at most `max_loras` resident (0: the model takes none), which ones
+        `residency` decides (None: no limit)."""
         self.scheduler = scheduler
+        self.residency = residency
+        """Which adapters the shards hold resident; the scheduler admits by it."""
+        scheduler.residency = residency
         self.adapters = adapters if adapters is not None else LoraRegistry()
         """What requests may name as `adapter_id`, and their prefix-cache salts."""
         self._metrics = metrics or Metrics()
@@ -102,6 +108,7 @@ class PagedEngine:
                     priority=request.priority,
                     tenant=request.tenant,
                     weight=request.tenant_weight,
+                    adapter=request.adapter_id or "",
                     # Drafts are not checked against a grammar (docs/speculative.md).
                     speculate=request.grammar is None,
                 )
@@ -141,6 +148,8 @@ class PagedEngine:
             response = await self._run(output, method, producing)
         except StepFailed as exc:
             self._busy.record(call_started, time.monotonic())
+            if self.residency is not None:
+                self.residency.resend()  # whether the shards took the last residency is unknown
             # The scheduler's plan is unrun: everything in flight fails with it.
             self._forget(self._admitted.fail(self._admitted, str(exc)))
             self.scheduler.update(ModelStepResult())
@@ -186,6 +195,10 @@ class PagedEngine:
             ],
             finished_ids=self._take_finished(),
         )
+        resident = self.residency.changes() if self.residency is not None else None
+        if resident is not None:
+            plan.lora_residency.adapter_ids.extend(resident)
+            plan.lora_residency.SetInParent()  # set, even when no adapter stays resident
         new = [i for i in output.new_request_ids if i not in self._in_shards]
         if new:
             self._metrics.next_batch(len(new))
@@ -250,6 +263,9 @@ class PagedEngine:
         if speculator is not None:
             speculator.clear()
         self.scheduler = Scheduler(self.scheduler.config, self.scheduler.controller, speculator)
+        self.scheduler.residency = self.residency
+        if self.residency is not None:
+            self.residency.resend()
         self._went_idle()
         await self.shard_calls.clear_cache()
 
@@ -339,4 +355,14 @@ class PagedEngine:
             if adapter and self.scheduler.has_request(entry.id):
                 held = self.scheduler.allocator.has_table(entry.id)
                 (running if held else waiting)[adapter] += 1
-        return AdapterStats(self._max_loras, running, waiting)
+        residency = self.residency
+        if residency is None:
+            return AdapterStats(self._max_loras, running, waiting)
+        return AdapterStats(
+            self._max_loras,
+            running,
+            waiting,
+            resident=residency.resident,
+            num_loads=residency.num_loads,
+            num_evictions=residency.num_evictions,
+        )

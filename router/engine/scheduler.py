@@ -48,6 +48,7 @@ from textgate.router.engine.batch_controller import BatchController, StepSample
 from textgate.router.engine.block_allocator import BlockAllocator
 from textgate.router.engine.fairness import ANONYMOUS_TENANT, VirtualCounters
 from textgate.router.engine.first_token import Backlog
+from textgate.router.engine.lora_residency import LoraResidency
 from textgate.router.engine.speculation import Candidate, Speculator
 from textgate.router.engine.step_cost import attention_pairs
 from textgate.router.engine.step_types import (
@@ -75,6 +76,8 @@ class _Request:
     hits only come from requests with the same salt."""
     copies: int | None = None
     """The request whose prompt (and salt) this one repeats, if any."""
+    adapter: str = ""
+    """The LoRA adapter it runs on ("" the base): it runs only while that one is resident."""
     priority: int = 0
     """Lower is admitted first (vLLM's `priority`)."""
     tenant: str = ANONYMOUS_TENANT
@@ -133,6 +136,10 @@ class Scheduler:
         """`controller` and `speculator` carry learned ones over (a scheduler rebuilt after
         a failure)."""
         self.config = config
+        self.residency: LoraResidency | None = None
+        """Which LoRA adapters the shards hold (`--max-loras`; the engine sets it and keeps it
+        over a rebuilt scheduler): admission makes a request's resident first, or the
+        request waits for a slot. None: no limit."""
         self.allocator = BlockAllocator(
             config.num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -207,6 +214,7 @@ class Scheduler:
         priority: int = 0,
         tenant: str = ANONYMOUS_TENANT,
         weight: float = 1.0,
+        adapter: str = "",
         speculate: bool = True,
     ) -> None:
         """Queue a request; ValueError if it is malformed or could never fit the KV cache.
@@ -215,6 +223,7 @@ class Scheduler:
         waits for and then reuses through the prefix cache. `priority`: lower joins the
         queue ahead (behind every waiting request of the same priority or better).
         `tenant`, `weight`: whose fair share serves it, and that tenant's weight (> 0).
+        `adapter`: the LoRA adapter it runs on ("" the base).
         `speculate`: whether it may get drafts when speculation is on."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id} is already scheduled")
@@ -243,6 +252,7 @@ class Scheduler:
             copies=copies,
             priority=priority,
             tenant=tenant,
+            adapter=adapter,
             speculate=speculate,
         )
         self._requests[request_id] = request
@@ -438,14 +448,20 @@ class Scheduler:
 
         The max-waiting rule: once nobody joined for max_waiting_steps steps, the head
         joins past the batch limit (one request; max_num_seqs and blocks still hold).
+        A request whose LoRA adapter gets no slot waits, passed over (`lora_residency`).
         """
         reserve = self.config.num_reserved_tokens
         overdue = self._num_steps_without_join >= self.config.max_waiting_steps
+        gate = self.residency.gate(self._busy_adapters) if self.residency is not None else None
         while self._waiting and draft.budget > 0 and len(self._running) < self.config.max_num_seqs:
             if len(self._running) >= self.batch_limit and not overdue:
                 return
             overdue = False
-            request = self._waiting.next()
+            request = self._waiting.next(gate.passed_over if gate is not None else None)
+            if request is None:
+                return  # every waiting request waits for its adapter's slot
+            if gate is not None and not gate.admit(request.adapter):
+                continue  # it waits for a slot; the requests behind it may run
             if self._awaits_prompt(request):
                 return  # its prompt is being computed: next step it joins on a prefix hit
             num_tokens = min(request.num_tokens + reserve, request.max_total_tokens)
@@ -460,6 +476,10 @@ class Scheduler:
             num_new = min(request.num_tokens - num_cached, draft.budget)
             self._add_to_step(request, num_new, draft)
             draft.new_request_ids.append(request.request_id)
+
+    def _busy_adapters(self) -> set[str]:
+        """The LoRA adapters running requests use (their slots cannot be taken)."""
+        return {request.adapter for request in self._running if request.adapter}
 
     def _awaits_prompt(self, request: _Request) -> bool:
         """Whether `request` is a copy whose original is running and has not computed the
@@ -589,6 +609,8 @@ class Scheduler:
                 "running request has nothing to compute"
             )
         self._waiting.check_invariants()
+        if self.residency is not None:
+            assert self._busy_adapters() <= set(self.residency.resident), "adapter not resident"
         for request in self._waiting:
             assert not self.allocator.has_table(request.request_id), "waiting request holds blocks"
             assert request.num_computed_tokens == 0

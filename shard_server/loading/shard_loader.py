@@ -71,8 +71,9 @@ def load_model(
 
     `quantize` names the weight quantization method (None: the checkpoint's own, if any).
     `attention` is `--attention` (kernels.select_attention_backend).
-    `lora_adapters` are (id, PEFT folder) pairs, attached to a native model;
-    `lora_limits` (--max-loras, --max-lora-rank) bound them and the ones loaded later.
+    `lora_adapters` are (id, PEFT folder) pairs, loaded on a native model (the first
+    --max-loras resident); `lora_limits` (--max-loras, --max-cpu-loras, --max-lora-rank)
+    bound them and the ones loaded later.
 
     `dtype` "auto" on CPU builds the model in each candidate dtype and keeps the one whose
     own step measured fastest (`dtype_choice.pick_dtype`). A model that cannot run paged
@@ -128,16 +129,18 @@ def attach_adapters(
     paged: PagedModel, adapters: Sequence[tuple[str, str]], limits: LoraLimits
 ) -> None:
     """Give the paged native model its LoRA slots (`limits`) and load each (id, folder)
-    adapter into them (each rank its share of every update, `layers.lora.place`)."""
+    adapter (each rank its share of every update, `layers.lora.place`), resident while
+    slots are free."""
     paged.lora = LoraSlots(paged.model, limits)
     for name, path in adapters:
         adapter = paged.lora.load(name, Path(path))
         log.info(
-            "LoRA adapter %r: rank %d, scale %g, %d projections updated",
+            "LoRA adapter %r: rank %d, scale %g, %d projections updated, %s",
             adapter.name,
             adapter.rank,
             adapter.scale,
             len(adapter.weights),
+            "resident" if name in paged.lora.slots else "on the host until a request needs it",
         )
 
 

@@ -118,9 +118,11 @@ class PagedModel:
             attention_backend=attention_backend_name(self.model.attention_backend),
             kv_cache_bytes_per_token=self._kv_bytes(block_size=1),
             cpu_kernels=cpu_kernel_report() if self.device.type == "cpu" else {},
-            lora_adapters=sorted(self.lora.slots),
+            lora_adapters=sorted(self.lora.loaded),
             max_loras=0 if self.lora.unsupported else self.lora.limits.max_loras,
             max_lora_rank=0 if self.lora.unsupported else self.lora.limits.max_rank,
+            resident_lora_adapters=sorted(self.lora.slots),
+            max_cpu_loras=0 if self.lora.unsupported else self.lora.limits.max_loaded,
         )
 
     # -- warmup -----------------------------------------------------------------------
@@ -257,6 +259,8 @@ class PagedModel:
             raise RuntimeError("the KV cache is not allocated: Warmup must run first")
         for request_id in plan.finished_ids:
             self._drop(request_id)
+        if plan.HasField("lora_residency"):  # the router's choice, before any row runs
+            self.lora.reside(plan.lora_residency.adapter_ids)
         rejected = self._admit(new_requests)
         scheduled = list(plan.scheduled)
         if rejected:
@@ -299,10 +303,10 @@ class PagedModel:
 
     def _lora_rows(self, inputs: StepInputs) -> LoraRows | None:
         """Which of the step's rows run which adapter (None: all run the base)."""
-        adapters = self.lora.slots
-        if not adapters:
+        if not self.lora.loaded:
             return None
-        slots = [adapters.get(seq.request.adapter_id, 0) for seq in inputs.row_sequences]
+        slot_of = self.lora.slot_of
+        slots = [slot_of(seq.request.adapter_id) for seq in inputs.row_sequences]
         return LoraRows.from_slots(slots, self.device)
 
     def _eager(self, inputs: StepInputs) -> torch.Tensor:
@@ -353,8 +357,8 @@ class PagedModel:
         not added, and answered with an error Generation instead."""
         rejected = []
         for request in requests:
-            if request.adapter_id and request.adapter_id not in self.lora.slots:
-                known = ", ".join(sorted(self.lora.slots)) or "none"
+            if request.adapter_id and request.adapter_id not in self.lora.loaded:
+                known = ", ".join(sorted(self.lora.loaded)) or "none"
                 message = f"LoRA adapter {request.adapter_id!r} is not loaded (loaded: {known})"
                 rejected.append(pb.Generation(request_id=request.id, error=message))
                 continue
