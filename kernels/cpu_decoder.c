@@ -3,7 +3,7 @@
  * layers' Python modules call one by one (cpu_layers.c, cpu_int8.c, cpu_attention.c), in the
  * same order on the same buffers, so the result is the same bytes. What goes is the Python
  * between them: at decode sizes, a layer's nine calls through PyTorch modules and ctypes cost
- * about as much as reading its int8 weights (kernels/cpu_decoder.py has the numbers).
+ * about as much as reading its int8 weights (docs/quantization.md has the numbers).
  *
  * Per layer, for rows [rows, hidden] of hidden states and the residual stream beside them:
  *   normed, residual = rms_norm(hidden + residual)       (the first layer: rms_norm(hidden))

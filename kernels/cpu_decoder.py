@@ -8,9 +8,10 @@ few hundred kilobytes of weights in tens of microseconds. `Int8DecoderStack` mak
 calls, in the same order on the same kinds of buffers, from C: the bytes out are the
 modules' bytes, and the Python between the kernels is gone.
 
-Measured on the 2-core Intel Xeon (Sapphire Rapids class) of 2026-12-02, SmolLM2-135M,
-`--quantize int8 --dtype float32`, `python -m textgate.bench.micro.step --quantize int8
---dtype float32 --batch 1,8,32`: see docs/benchmarks.md ("int8 at its floor").
+On a 2-core Sapphire Rapids-class Xeon, SmolLM2-135M, `--quantize int8 --dtype float32`,
+the decode step took 0.52x the modules' time at batch 1, 0.68x at 8 and 0.82x at 32
+(`python -m textgate.bench.micro.step --quantize int8 --dtype float32 --batch 1,8,32`, with
+and without `--no-int8-stack`; docs/quantization.md has the table).
 
 `model.forward` builds one (`Int8DecoderStack.from_layers`, None where any layer does not
 fit: not int8 on these kernels, LoRA attached, tensor parallel, q/k norms, MoE, another
