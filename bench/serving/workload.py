@@ -6,6 +6,10 @@
   `input_len_range = r > 0` lengths are uniform in [input_len·(1-r), input_len·(1+r)].
 - `conversations`: the ~50 short chats in `data/conversations.jsonl`, rendered with the
   model's chat template for the text routes and sent as messages to the chat route.
+- `copying`: 16 chats in `data/copying.jsonl` that give a text and ask for it back,
+  repeated or lightly edited (a typo fixed, a name changed, a docstring added): the answer
+  copies its prompt, the workload n-gram speculation (`--speculate`) is for. Sent as
+  `conversations` are.
 
 `build_requests(spec, tokenizer, n, stream)` is reproducible: the same seed and `stream`
 give the same prompts, so two servers (or the naive baseline) see identical work.
@@ -26,7 +30,10 @@ if TYPE_CHECKING:
 
 # Package data: read relative to this file so it works from a source checkout and a wheel.
 CONVERSATIONS_PATH = Path(__file__).parents[1] / "data" / "conversations.jsonl"
-DATASETS = ("synthetic", "conversations")
+COPYING_PATH = Path(__file__).parents[1] / "data" / "copying.jsonl"
+CHAT_DATASETS = {"conversations": CONVERSATIONS_PATH, "copying": COPYING_PATH}
+"""The datasets of whole chats, and their files."""
+DATASETS = ("synthetic", *CHAT_DATASETS)
 
 
 @dataclass(frozen=True)
@@ -67,15 +74,18 @@ def build_requests(
 ) -> list[BenchRequest]:
     """`num_requests` prompts; `stream` selects one of many reproducible prompt sets."""
     rng = random.Random(f"{spec.seed}:{stream}")
-    if spec.dataset == "conversations":
-        return _conversation_requests(tokenizer, num_requests, rng)
+    if spec.dataset in CHAT_DATASETS:
+        chats = load_conversations(CHAT_DATASETS[spec.dataset])
+        return _conversation_requests(chats, tokenizer, num_requests, rng)
     return _synthetic_requests(spec, tokenizer, num_requests, rng)
 
 
 def _conversation_requests(
-    tokenizer: BenchTokenizer, num_requests: int, rng: random.Random
+    chats: list[list[dict[str, str]]],
+    tokenizer: BenchTokenizer,
+    num_requests: int,
+    rng: random.Random,
 ) -> list[BenchRequest]:
-    chats = load_conversations()
     start = rng.randrange(len(chats))
     requests = []
     for i in range(num_requests):

@@ -6,6 +6,7 @@ import pytest
 
 from textgate.bench.serving.tokenizer import load_tokenizer
 from textgate.bench.serving.workload import (
+    COPYING_PATH,
     WorkloadSpec,
     add_workload_args,
     build_requests,
@@ -60,6 +61,18 @@ def test_conversation_requests_render_the_chat_template(tokenizer) -> None:
     assert first.messages is not None
     assert first.prompt.endswith("assistant :")
     assert first.prompt_len == tokenizer.count(first.prompt)
+
+
+def test_copying_requests_give_a_text_their_answer_copies(tokenizer) -> None:
+    chats = load_conversations(COPYING_PATH)
+    assert len(chats) >= 16
+    requests = build_requests(WorkloadSpec(dataset="copying"), tokenizer, 20)
+    assert len(requests) == 20  # cycles through the chats
+    for request in requests:
+        assert request.messages is not None and request.messages[-1]["role"] == "user"
+        instruction, _, text = request.messages[-1]["content"].partition("\n\n")
+        assert instruction.endswith(":") and len(text) > 80
+        assert text in request.prompt
 
 
 @pytest.mark.parametrize(

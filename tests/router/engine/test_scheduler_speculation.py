@@ -107,9 +107,7 @@ def outputs(speculate: int, max_new: list[int]) -> tuple[dict[int, list[int]], V
     return {rid: model.tokens[rid][len(PROMPT) :] for rid in model.tokens}, model
 
 
-def test_tokens_equal_those_without_speculation_and_drafts_are_both_accepted_and_rejected() -> (
-    None
-):
+def test_same_tokens_as_without_and_drafts_both_accepted_and_rejected() -> None:
     max_new = [30, 17, 9, 25, 2, 1]
     plain, _ = outputs(0, max_new)
     speculated, model = outputs(4, max_new)

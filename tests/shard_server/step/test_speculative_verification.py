@@ -28,7 +28,7 @@ class DigitTokenizer:
     """Token i is the text "<i>"."""
 
     eos_token_id = None
-    all_special_ids: list[int] = []
+    all_special_ids: tuple[int, ...] = ()
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return "".join(f"<{i}>" for i in ids)
@@ -133,7 +133,11 @@ def test_a_step_with_drafts_asks_for_a_logits_row_per_draft_and_one_more() -> No
             num_draft_tokens=2,
         ),
         pb.ScheduledRequest(
-            request_id=1, token_ids=[1, 2, 3], start_position=0, block_table=[1], produces_token=True
+            request_id=1,
+            token_ids=[1, 2, 3],
+            start_position=0,
+            block_table=[1],
+            produces_token=True,
         ),
     ]
     inputs = build_step_inputs(scheduled, {0: seq, 1: other}, 16, CPU)
