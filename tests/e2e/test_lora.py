@@ -1,5 +1,6 @@
-"""LoRA adapters served over HTTP: 12 concurrent requests over three adapters and the base
-each get exactly what they get alone, and each adapter answers differently from the base;
+"""LoRA adapters served over HTTP: 15 concurrent requests over four adapters (taking turns
+in two --max-loras slots) and the base each get exactly what they get alone, and each
+adapter answers differently from the base;
 adapters loaded, unloaded and reloaded at runtime while other streams run, none failing;
 two shards (tensor parallel) answering as one, adapters loaded at startup and at runtime."""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ TARGETS = {
     "attn": ["q_proj", "v_proj"],
     "mlp": ["gate_proj", "down_proj"],
     "all": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "out": ["o_proj", "up_proj"],
 }
 
 
@@ -43,9 +46,12 @@ async def _answer(client: httpx.AsyncClient, prompt: str, adapter: str | None) -
     return [token["id"] for token in response.json()["details"]["tokens"]]
 
 
-def test_twelve_concurrent_requests_over_three_adapters_and_the_base(
+def test_concurrent_requests_over_four_adapters_in_two_slots_and_the_base(
     launch_server: Any, tmp_path: Path
 ) -> None:
+    """--max-loras 2 with four adapters in use at once: they take turns in the two slots
+    (evicted and made resident again from their host copies) and every request gets exactly
+    the tokens it gets alone (greedy, float32)."""
     base = build_tiny_model(tmp_path / "base")
     adapters = []
     for seed, (name, targets) in enumerate(TARGETS.items()):
@@ -56,21 +62,26 @@ def test_twelve_concurrent_requests_over_three_adapters_and_the_base(
         "--model-id", str(base),
         "--dtype", "float32",
         "--lora-adapters", ",".join(adapters),
+        "--max-loras", "2",
     )  # fmt: skip
     try:
         server.wait_ready()
         prompts = [f"The quick brown fox {'jumps ' * n}" for n in range(3)]
-        jobs = [(p, a) for p in prompts for a in (None, *TARGETS)]  # 12
+        jobs = [(p, a) for p in prompts for a in (None, *TARGETS)]  # 15
 
         async def run() -> None:
             async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
                 alone = [await _answer(client, p, a) for p, a in jobs]
                 together = await asyncio.gather(*(_answer(client, p, a) for p, a in jobs))
                 assert list(together) == alone
-                for i in range(0, len(jobs), 4):  # every adapter changes the answer
-                    assert len({tuple(t) for t in alone[i : i + 4]}) == 4, alone[i : i + 4]
+                for i in range(0, len(jobs), 5):  # every adapter changes the answer
+                    assert len({tuple(t) for t in alone[i : i + 5]}) == 5, alone[i : i + 5]
                 models = (await client.get("/v1/models")).json()["data"]
                 assert sorted(m["id"] for m in models[1:]) == sorted(TARGETS)
+                metrics = (await client.get("/metrics")).text
+                evictions = re.search(r"^textgate_lora_evictions (\S+)$", metrics, re.M)
+                assert evictions is not None and float(evictions[1]) >= 10, metrics
+                assert "textgate_lora_resident_adapters 2.0" in metrics
 
         asyncio.run(run())
     finally:
