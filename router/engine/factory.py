@@ -75,6 +75,14 @@ def make_engine(
     controller = BatchController(paged.controller_config(), startup=startup_steps(warmup))
     scheduler = Scheduler(paged, controller)
     log.info("Batch controller: %s", describe_controller(paged, controller.target_itl_s))
+    if paged.speculation is not None:
+        spec = paged.speculation
+        log.info(
+            "Speculation: n-gram, up to %d drafts per sequence and step, %d- to %d-grams",
+            spec.num_tokens,
+            spec.min_ngram,
+            spec.max_ngram,
+        )
     adapters = LoraRegistry(info.lora_adapters)
     return PagedEngine(
         shards,

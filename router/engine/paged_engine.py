@@ -290,7 +290,9 @@ class PagedEngine:
         for scheduled in output.scheduled:
             entry = self._admitted.get(scheduled.request_id)
             prompt_length = entry.request.input_length if entry is not None else 0
-            if scheduled.num_new_tokens > 1 or scheduled.start_position < prompt_length:
+            # A decode verifying drafts computes several tokens and is still a decode.
+            num_known = scheduled.num_new_tokens - scheduled.num_draft_tokens
+            if num_known > 1 or scheduled.start_position < prompt_length:
                 return PREFILL
         return DECODE
 
