@@ -288,8 +288,8 @@ def place(model: torch.nn.Module, adapter: LoraAdapter) -> list[Placement]:
                 "has none (a mixture-of-experts layer)"
             ) from None
         in_features, sizes = _layout(model.config, holder_name)  # type: ignore[attr-defined]
-        start = sum(sizes[:part])
-        end = start + sizes[part]
+        start = 0 if part is None else sum(sizes[:part])
+        end = sum(sizes) if part is None else start + sizes[part]
         if a.shape[1] != in_features or b.shape != (end - start, a.shape[0]):
             raise LoraError(
                 f"LoRA adapter {adapter.name!r} layer {index} {target}: A {tuple(a.shape)} "
@@ -300,21 +300,30 @@ def place(model: torch.nn.Module, adapter: LoraAdapter) -> list[Placement]:
     return placements
 
 
-def _split(holder: torch.nn.Module, part: int, sizes: list[int], a: Tensor, b: Tensor) -> Placement:
-    """Part `part`'s update A [r, in], B [sizes[part], r] cut as `holder`'s weight was at
-    load (its `layout`, the ranges the loader read): a row-parallel layer takes its input
-    columns of A and all of B, since the ranks' partial x @ A.T sum to the whole one before
-    B (the layer adds its update before the all-reduce); a column-parallel layer all of A
-    and its output rows of B, part by part (q/k/v by head, gate/up each on its own)."""
+def _split(
+    holder: torch.nn.Module, part: int | None, sizes: list[int], a: Tensor, b: Tensor
+) -> Placement:
+    """Part `part`'s update A [r, in], B [sizes[part], r] (None: the whole fused layer's,
+    B [sum(sizes), r]) cut as `holder`'s weight was at load (its `layout`, the ranges the
+    loader read): a row-parallel layer takes its input columns of A and all of B, since the
+    ranks' partial x @ A.T sum to the whole one before B (the layer adds its update before
+    the all-reduce); a column-parallel layer all of A and its output rows of B, part by part
+    (q/k/v by head, gate/up each on its own; a whole fused B is cut into its parts, each cut,
+    and joined again in the rank's order)."""
     if isinstance(holder, TensorParallelRowLinear):
         columns = holder.layout.part(0, a.shape[1])
         a = a[:, columns.start : columns.stop].contiguous()  # [r, in / ranks]
         return Placement(holder, sizes[0], 0, sizes[0], a, b)
     assert isinstance(holder, TensorParallelColumnLinear)  # the fused q/k/v and gate/up
     local = [holder.layout.part(i, size) for i, size in enumerate(sizes)]
+    out_features = sum(shard.size for shard in local)
+    if part is None:  # [sum(sizes), r] -> this rank's rows of each part, in order
+        pieces = b.split(sizes)
+        b = torch.cat([piece[s.start : s.stop] for piece, s in zip(pieces, local, strict=True)])
+        return Placement(holder, out_features, 0, out_features, a, b)
     start = sum(shard.size for shard in local[:part])
     b = _rows(b, local[part])  # [this rank's outputs of the part, r]
-    return Placement(holder, sum(shard.size for shard in local), start, start + b.shape[0], a, b)
+    return Placement(holder, out_features, start, start + b.shape[0], a, b)
 
 
 def _rows(tensor: Tensor, shard: Shard) -> Tensor:

@@ -15,14 +15,17 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
-# PEFT's target names -> (the native layer that holds them, the part's index in it).
-TARGETS: dict[str, tuple[str, int]] = {
+# PEFT's target names -> (the native layer that holds them, the part's index in it; None:
+# the whole fused layer, as Phi-3's checkpoints and PEFT's adapters of it name it).
+TARGETS: dict[str, tuple[str, int | None]] = {
     "q_proj": ("self_attn.qkv_proj", 0),
     "k_proj": ("self_attn.qkv_proj", 1),
     "v_proj": ("self_attn.qkv_proj", 2),
+    "qkv_proj": ("self_attn.qkv_proj", None),
     "o_proj": ("self_attn.o_proj", 0),
     "gate_proj": ("mlp.gate_up_proj", 0),
     "up_proj": ("mlp.gate_up_proj", 1),
+    "gate_up_proj": ("mlp.gate_up_proj", None),
     "down_proj": ("mlp.down_proj", 0),
 }
 

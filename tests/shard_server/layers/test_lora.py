@@ -366,3 +366,36 @@ async def test_the_shard_loads_and_unloads_adapters_over_grpc(tmp_path) -> None:
             stub.UnloadAdapter(pb.UnloadAdapterRequest(adapter_id="mine"))
         )
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "not loaded" in details
+
+
+def test_phi3s_fused_targets_give_peft_merged_models_logits(tmp_path) -> None:
+    """Phi-3's PEFT adapters name the fused `qkv_proj` and `gate_up_proj`: each B is cut
+    into its parts (q/k/v, gate/up) where the native layer's are; mixed in one step with an
+    unfused one and the base, each row equals its own model's."""
+    from transformers import AutoModelForCausalLM
+
+    base = tmp_path / "phi3"
+    build_tiny(base, "phi3", num_key_value_heads=2)  # q and k/v of different widths
+    fused = make_adapter(
+        base, tmp_path / "fused", 0, r=8, lora_alpha=16,
+        target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+    )  # fmt: skip
+    attention = make_adapter(base, tmp_path / "qkv", 1, r=4, target_modules=["qkv_proj"])
+    model = load_model(base, torch.float32, "cpu")
+    loaded = [
+        LoraAdapter.load(name, tmp_path / name, torch.float32, torch.device("cpu"))
+        for name in ("fused", "qkv")
+    ]
+    slots = attach(model, loaded)
+    plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    references = {0: plain, slots["fused"]: fused, slots["qkv"]: attention}
+    prompts = {seq: _prompt(5 + seq, seed=seq) for seq in range(3)}
+    slot_of = dict(zip(prompts, references, strict=True))
+    rows = [slot_of[seq] for seq, prompt in prompts.items() for _ in prompt]
+    with lora_rows(LoraRows.from_slots(rows, torch.device("cpu"))):
+        logits = PagedRunner(model).step(prompts, all_logits=True)
+    for seq, prompt in prompts.items():
+        expected = reference_logits(references[slot_of[seq]], prompt)
+        torch.testing.assert_close(logits[seq], expected, atol=1e-4, rtol=0, msg=f"seq {seq}")
+        if slot_of[seq]:  # the adapter moved the logits, so the split was tested
+            assert (expected - reference_logits(plain, prompt)).abs().max() > 1e-2

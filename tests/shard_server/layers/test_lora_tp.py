@@ -1,7 +1,8 @@
 """LoRA adapters under tensor parallelism over gloo: each of two ranks holds its share of
 every update (B's rows by head or feature, A's columns), and a step mixing three adapters
 and the base gives one rank's logits and PEFT's merged models', before and after an
-adapter is unloaded and loaded again on every rank."""
+adapter is unloaded and loaded again on every rank; on Phi-3 too, whose adapters name the
+fused `qkv_proj` and `gate_up_proj` (each B cut into its parts, each part by rank)."""
 
 from __future__ import annotations
 
@@ -26,8 +27,12 @@ pytestmark = pytest.mark.filterwarnings(
 # Splits the even ones would get wrong: 3 kv heads over 2 ranks (2 and 1, their query
 # groups with them) and 37 intermediate features (19 and 18); one kv head on both ranks.
 BASES = {
-    "uneven": {"num_attention_heads": 6, "num_key_value_heads": 3, "intermediate_size": 37},
-    "mqa": {"num_key_value_heads": 1, "intermediate_size": 37},
+    "uneven": (
+        "llama",
+        {"num_attention_heads": 6, "num_key_value_heads": 3, "intermediate_size": 37},
+    ),
+    "mqa": ("llama", {"num_key_value_heads": 1, "intermediate_size": 37}),
+    "phi3": ("phi3", {"num_attention_heads": 6, "num_key_value_heads": 3, "intermediate_size": 37}),
 }
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
@@ -35,6 +40,12 @@ ADAPTERS = {
     "attn-r8": {"r": 8, "lora_alpha": 16, "target_modules": ATTENTION},
     "all-r16": {"r": 16, "lora_alpha": 32, "target_modules": ATTENTION + MLP},
     "mlp-rs": {"r": 8, "lora_alpha": 8, "use_rslora": True, "target_modules": MLP},
+}
+FUSED = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+PHI3_ADAPTERS = {  # the same names, so that NAMES serves both
+    "attn-r8": {"r": 8, "lora_alpha": 16, "target_modules": ["qkv_proj"]},
+    "all-r16": {"r": 16, "lora_alpha": 32, "target_modules": FUSED},
+    "mlp-rs": {"r": 8, "lora_alpha": 8, "use_rslora": True, "target_modules": ["gate_up_proj"]},
 }
 PROMPTS = {
     seq: torch.randint(0, 101, (5 + seq,), generator=torch.Generator().manual_seed(seq)).tolist()
@@ -61,7 +72,9 @@ def run_mixed(base: Path, group: dist.ProcessGroup | None) -> list[torch.Tensor]
     the base; then `attn-r8` unloaded, loaded again and a second decode step."""
     model = load_model(base, torch.float32, "cpu", group)
     slots = LoraSlots(model)
-    for name in ADAPTERS:  # LoadAdapter's read and attach
+    for name in NAMES.values():  # LoadAdapter's read and attach
+        if name is None:
+            continue
         slots.load(name, adapter_folder(base, name))
     runner = PagedRunner(model)
     outputs = [_step(runner, slots, PROMPTS)]
@@ -87,13 +100,14 @@ def _bases(tmp_path: Path) -> dict[Path, dict[str | None, Any]]:
     from textgate.tests.shard_server.layers.test_lora import make_adapter
 
     made = {}
-    for base_name, overrides in BASES.items():
+    for base_name, (kind, overrides) in BASES.items():
         base = tmp_path / base_name
-        build_tiny(base, "llama", **overrides)
+        build_tiny(base, kind, **overrides)
         merged: dict[str | None, Any] = {
             None: AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
         }
-        for seed, (name, config) in enumerate(ADAPTERS.items()):
+        adapters = PHI3_ADAPTERS if kind == "phi3" else ADAPTERS
+        for seed, (name, config) in enumerate(adapters.items()):
             merged[name] = make_adapter(base, adapter_folder(base, name), seed, **config)
         made[base] = merged
     return made
