@@ -41,6 +41,12 @@ class KernelBatch:
     block_tables: Tensor  # [Bk, max_blocks]
     max_seq_len: int
 
+    def kernel_args(self) -> tuple[int, ...]:
+        """The batch as the C kernels take it: the four arrays' addresses, then the number
+        of sequences and of blocks per table."""
+        arrays = (self.query_starts, self.query_lens, self.seq_lens, self.block_tables)
+        return (*(a.data_ptr() for a in arrays), *self.block_tables.shape)
+
 
 @dataclass
 class CpuPlan:
@@ -160,12 +166,7 @@ class CpuAttentionBackend(AttentionBackend[CpuPlan]):
             key_cache.data_ptr(),
             value_cache.data_ptr(),
             out.data_ptr(),
-            batch.query_starts.data_ptr(),
-            batch.query_lens.data_ptr(),
-            batch.seq_lens.data_ptr(),
-            batch.block_tables.data_ptr(),
-            batch.seq_lens.shape[0],
-            batch.block_tables.shape[1],
+            *batch.kernel_args(),
             query.shape[1],
             kv_heads,
             head_dim,
