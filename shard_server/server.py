@@ -95,9 +95,9 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
             adapter.name,
             request.path,
             adapter.rank,
-            len(adapter.weights),
+            len(adapter.modules),
         )
-        return pb.LoadAdapterResponse(rank=adapter.rank, num_updates=len(adapter.weights))
+        return pb.LoadAdapterResponse(rank=adapter.rank, num_updates=len(adapter.modules))
 
     async def UnloadAdapter(
         self, request: pb.UnloadAdapterRequest, context: Any

@@ -300,6 +300,48 @@ def place(model: torch.nn.Module, adapter: LoraAdapter) -> list[Placement]:
     return placements
 
 
+def place_modules(
+    model: torch.nn.Module, adapter: LoraAdapter, head: torch.nn.Module | None = None
+) -> list[Placement]:
+    """Where each of `adapter`'s updates goes in a model run by transformers' own modules
+    (one shard, so nothing is split): the linear layer at its path, whole; changes nothing.
+    `head` (the output head, which runs on the sampled rows only, not the step's) is refused,
+    as is any module that is not a linear layer or whose shapes do not fit."""
+    placements = []
+    for path, (a, b) in adapter.modules.items():
+        try:
+            holder = model.get_submodule(path)
+        except AttributeError:
+            raise LoraError(
+                f"LoRA adapter {adapter.name!r} targets {path}, which the model does not have"
+            ) from None
+        if holder is head or not isinstance(holder, torch.nn.Linear):
+            what = "the output head" if holder is head else f"a {type(holder).__name__}"
+            raise LoraError(
+                f"LoRA adapter {adapter.name!r} targets {path}, {what}; supported: the "
+                "linear layers inside the model's decoder layers"
+            )
+        if a.shape[1] != holder.in_features or b.shape != (holder.out_features, a.shape[0]):
+            raise LoraError(
+                f"LoRA adapter {adapter.name!r} {path}: A {tuple(a.shape)} and B "
+                f"{tuple(b.shape)} do not fit the base layer ({holder.in_features} inputs, "
+                f"{holder.out_features} outputs)"
+            )
+        placements.append(Placement(holder, holder.out_features, 0, holder.out_features, a, b))
+    return placements
+
+
+def _add_to_output(module: torch.nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> Tensor:
+    """A transformers linear layer's forward hook: its output [..., out] plus the step's
+    updates of its inputs [..., in] (the step's rows in order: one row of T tokens)."""
+    layer: LoraLayer | None = module.lora  # type: ignore[assignment]
+    if layer is None:
+        return output
+    x = inputs[0]
+    out = layer.add(x.reshape(-1, x.shape[-1]), output.reshape(-1, output.shape[-1]))
+    return out.view(output.shape)
+
+
 def _split(
     holder: torch.nn.Module, part: int | None, sizes: list[int], a: Tensor, b: Tensor
 ) -> Placement:
@@ -341,6 +383,9 @@ def apply(
     caller folds the layers returned, once for several changes)."""
     touched: dict[int, LoraLayer] = {}
     for p in placements:
+        if not hasattr(p.holder, "lora"):  # a transformers module: updates join by a hook
+            p.holder.lora = None
+            p.holder.register_forward_hook(_add_to_output)
         if p.holder.lora is None:
             p.holder.lora = LoraLayer(p.out_features)
         p.holder.lora.updates.setdefault(slot, []).append((p.start, p.end, p.a, p.b, scale))

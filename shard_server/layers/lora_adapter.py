@@ -30,6 +30,10 @@ TARGETS: dict[str, tuple[str, int | None]] = {
 }
 
 
+PEFT_PREFIX = "base_model.model."
+"""What PEFT's saved keys put before the module's path in the model."""
+
+
 class LoraError(ValueError):
     """An adapter that cannot run on this base model; the message says why."""
 
@@ -41,8 +45,15 @@ class LoraAdapter:
     name: str
     rank: int
     scale: float
-    #: (layer index, PEFT target name) -> (A [r, in], B [out, r])
-    weights: dict[tuple[int, str], tuple[Tensor, Tensor]]
+    #: The targeted module's path in the model (`model.layers.0.self_attn.q_proj`) ->
+    #: (A [r, in], B [out, r])
+    modules: dict[str, tuple[Tensor, Tensor]]
+
+    @property
+    def weights(self) -> dict[tuple[int, str], tuple[Tensor, Tensor]]:
+        """(decoder layer index, PEFT target name) -> (A, B), as a native model's layers
+        take them (LoraError for a module they do not have)."""
+        return {_locate(self.name, path): pair for path, pair in self.modules.items()}
 
     @classmethod
     def load(
@@ -70,18 +81,18 @@ class LoraAdapter:
         if not files[0].is_file():
             raise LoraError(f"LoRA adapter {name!r}: {path} has no adapter_model.safetensors")
         tensors = load_file(files[0])
-        weights: dict[tuple[int, str], tuple[Tensor, Tensor]] = {}
+        modules: dict[str, tuple[Tensor, Tensor]] = {}
         for key, a in tensors.items():
             if ".lora_A." not in key:
                 continue
-            layer, target = _locate(name, key)
             b = tensors.get(key.replace(".lora_A.", ".lora_B."))
             if b is None:
                 raise LoraError(f"LoRA adapter {name!r}: {key} has no lora_B")
-            weights[(layer, target)] = (a.to(device, dtype), b.to(device, dtype))
-        if not weights:
+            path = key.split(".lora_A.")[0].removeprefix(PEFT_PREFIX)
+            modules[path] = (a.to(device, dtype), b.to(device, dtype))
+        if not modules:
             raise LoraError(f"LoRA adapter {name!r}: no lora_A / lora_B weights in {files[0]}")
-        return cls(name, rank, scale, weights)
+        return cls(name, rank, scale, modules)
 
 
 def _check_config(name: str, config: Mapping[str, object]) -> None:
@@ -94,13 +105,13 @@ def _check_config(name: str, config: Mapping[str, object]) -> None:
         raise LoraError(f"LoRA adapter {name!r} trains biases (bias={config['bias']!r})")
 
 
-def _locate(name: str, key: str) -> tuple[int, str]:
-    """(layer index, target) of a PEFT key `...layers.<i>.<module>.<target>.lora_A.weight`."""
-    parts = key.split(".")
-    target = parts[parts.index("lora_A") - 1]
+def _locate(name: str, path: str) -> tuple[int, str]:
+    """(layer index, target) of a module path `...layers.<i>.<module>.<target>`."""
+    parts = path.split(".")
+    target = parts[-1]
     if "layers" not in parts or target not in TARGETS:
         raise LoraError(
-            f"LoRA adapter {name!r} targets {key.split('.lora_A.')[0]}; supported: the "
-            f"decoder layers' {', '.join(TARGETS)}"
+            f"LoRA adapter {name!r} targets {path}; supported: the decoder layers' "
+            f"{', '.join(TARGETS)}"
         )
     return int(parts[parts.index("layers") + 1]), target

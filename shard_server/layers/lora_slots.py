@@ -23,7 +23,14 @@ from typing import Any
 
 import torch
 
-from textgate.shard_server.layers.lora import LoraLayer, Placement, apply, detach, place
+from textgate.shard_server.layers.lora import (
+    LoraLayer,
+    Placement,
+    apply,
+    detach,
+    place,
+    place_modules,
+)
 from textgate.shard_server.layers.lora_adapter import LoraAdapter, LoraError
 from textgate.shard_server.layers.lora_limits import LoraLimits
 
@@ -62,10 +69,18 @@ class LoraSlots:
         touched."""
         self._check_room(name)
         adapter = LoraAdapter.load(name, path, self.model.dtype, HOST, self.limits.max_rank)
-        placements = place(self.model, adapter)
+        placements = self._place(adapter)
         if torch.device(self.model.device).type == "cuda":
             placements = [p.pinned() for p in placements]
         return ReadAdapter(adapter, placements)
+
+    def _place(self, adapter: LoraAdapter) -> list[Placement]:
+        """A native model's layers by PEFT target (`place`); a model run by transformers'
+        modules (`hf`) by module path (`place_modules`)."""
+        hf = getattr(self.model, "hf", None)
+        if hf is None:
+            return place(self.model, adapter)
+        return place_modules(hf, adapter, hf.get_output_embeddings())
 
     def add(self, read: ReadAdapter) -> None:
         """Keep a `read` adapter (model thread, between steps); it becomes resident when a

@@ -94,17 +94,14 @@ def load_model(
         paged = load_native(build, model_path, dtype, torch_dtype, device, quantize)
         attach_adapters(paged, lora_adapters, lora_limits or LoraLimits())
         return paged
-    check_transformers_paged(model_path, model_type, world_size, quantize, lora_adapters)
+    check_transformers_paged(model_path, model_type, world_size, quantize)
     why = "--no-native" if model_type in supported_model_types() else "no native class"
     log.info("model type %r: transformers' modules on the paged engine (%s)", model_type, why)
     build = transformers_paged_builder(
         model_path, model_id, device, cache_config, attention, trust_remote_code, why
     )
     paged = load_paged(build, dtype, torch_dtype, device)
-    paged.lora.unsupported = (
-        f"LoRA adapters need a native implementation; model type {model_type!r} runs "
-        f"transformers' modules ({why})"
-    )
+    attach_adapters(paged, lora_adapters, lora_limits or LoraLimits())
     return paged
 
 
@@ -128,7 +125,7 @@ def load_native(
 def attach_adapters(
     paged: PagedModel, adapters: Sequence[tuple[str, str]], limits: LoraLimits
 ) -> None:
-    """Give the paged native model its LoRA slots (`limits`) and load each (id, folder)
+    """Give the paged model its LoRA slots (`limits`) and load each (id, folder)
     adapter (each rank its share of every update, `layers.lora.place`), resident while
     slots are free."""
     paged.lora = LoraSlots(paged.model, limits)
@@ -139,7 +136,7 @@ def attach_adapters(
             adapter.name,
             adapter.rank,
             adapter.scale,
-            len(adapter.weights),
+            len(adapter.modules),
             "resident" if name in paged.lora.slots else "on the host until a request needs it",
         )
 
@@ -184,7 +181,6 @@ def check_transformers_paged(
     model_type: str | None,
     world_size: int,
     quantize: str | None,
-    lora_adapters: Sequence[tuple[str, str]],
 ) -> None:
     """Refuse, naming the model type and why, a model transformers' modules cannot run
     on the paged engine, and flags that path cannot honour."""
@@ -200,8 +196,6 @@ def check_transformers_paged(
         raise ValueError(
             f"tensor parallel (--num-shard > 1) needs a native implementation; {where} on one shard"
         )
-    if lora_adapters:
-        raise ValueError(f"--lora-adapters needs a native implementation; {where}")
 
 
 def transformers_paged_builder(
