@@ -285,7 +285,8 @@ def place(model: torch.nn.Module, adapter: LoraAdapter) -> list[Placement]:
         except AttributeError:
             raise LoraError(
                 f"LoRA adapter {adapter.name!r} targets {target} of layer {index}, which "
-                "has none (a mixture-of-experts layer)"
+                "has none: its MLP is a mixture of experts, and LoRA on experts is not "
+                "supported (adapters on its attention are)"
             ) from None
         in_features, sizes = _layout(model.config, holder_name)  # type: ignore[attr-defined]
         start = 0 if part is None else sum(sizes[:part])

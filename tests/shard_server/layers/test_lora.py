@@ -399,3 +399,30 @@ def test_phi3s_fused_targets_give_peft_merged_models_logits(tmp_path) -> None:
         torch.testing.assert_close(logits[seq], expected, atol=1e-4, rtol=0, msg=f"seq {seq}")
         if slot_of[seq]:  # the adapter moved the logits, so the split was tested
             assert (expected - reference_logits(plain, prompt)).abs().max() > 1e-2
+
+
+def test_an_adapter_on_experts_is_refused_and_one_on_attention_serves(tmp_path) -> None:
+    """Mixture-of-experts layers take no LoRA: an adapter on Mixtral's experts stops the
+    load naming the layer; one on its attention gives PEFT's logits."""
+    from safetensors.torch import save_file
+
+    base = tmp_path / "mixtral"
+    build_tiny(base, "mixtral", num_local_experts=4, num_experts_per_tok=2)
+    model = load_model(base, torch.float32, "cpu")
+    slots = LoraSlots(model)
+    experts = tmp_path / "experts"
+    experts.mkdir()
+    (experts / "adapter_config.json").write_text(json.dumps({"r": 4, "peft_type": "LORA"}))
+    key = "base_model.model.model.layers.1.mlp.experts.0.down_proj"
+    pair = {f"{key}.lora_A.weight": torch.ones(4, 37), f"{key}.lora_B.weight": torch.ones(32, 4)}
+    save_file(pair, experts / "adapter_model.safetensors")
+    with pytest.raises(
+        LoraError, match="down_proj of layer 1, which has none: its MLP is a mixture"
+    ):
+        slots.read("experts", experts)
+    merged = make_adapter(base, tmp_path / "attn", 0, r=4, target_modules=["q_proj", "o_proj"])
+    slots.load("attn", tmp_path / "attn")
+    prompt = _prompt(6)
+    with lora_rows(LoraRows.from_slots([slots.slot_of("attn")] * 6, torch.device("cpu"))):
+        logits = PagedRunner(model).step({0: prompt}, all_logits=True)[0]
+    torch.testing.assert_close(logits, reference_logits(merged, prompt), atol=1e-4, rtol=0)
