@@ -3,6 +3,8 @@
 Every flag can also come from the environment variable of the same name in upper case
 (`--max-total-tokens` <- `MAX_TOTAL_TOKENS`), as with TGI's launcher. A child that dies
 stops the others; the launcher then exits non-zero and shows the child's last stderr lines.
+With `--nnodes` > 1 there is one launcher per node (launcher_nodes.py): node 0's runs the
+router, each watches the other nodes' shards, and one node lost stops them all.
 """
 
 from __future__ import annotations
@@ -27,6 +29,15 @@ from typing import Any
 # launcher_flags holds the flag table; its names (and the flag parsers) stay importable here.
 from textgate.launcher_flags import FLAGS, LauncherConfig, parse_bool
 from textgate.launcher_flags import QUANTIZE_METHODS as QUANTIZE_METHODS
+from textgate.launcher_nodes import (
+    PeerLost,
+    PeerWatch,
+    describe,
+    discover_remote_ranks,
+    peers_of,
+    shard_env,
+    shard_network_argv,
+)
 from textgate.logs import setup_logging
 from textgate.shard_server.flag_types import cuda_graph_sizes as cuda_graph_sizes
 
@@ -37,6 +48,10 @@ _STDERR_TAIL = 40
 # and flushes its last spans (telemetry.SHUTDOWN_TIMEOUT_S).
 ROUTER_EXIT_MARGIN_S = 10.0
 SHARD_EXIT_TIMEOUT_S = 10.0
+# After a failure every child is stopped at once, the shards within this (the router's
+# calls to them then fail at once, ending its streams with error events): a rank blocked
+# in a collective with a dead peer does not exit on SIGTERM, and is killed.
+FAILED_SHARDS_EXIT_TIMEOUT_S = 1.0
 
 
 def _graph_sizes_text(sizes: Sequence[int]) -> str:
@@ -46,13 +61,21 @@ def _graph_sizes_text(sizes: Sequence[int]) -> str:
 def parse_args(
     argv: Sequence[str] | None = None, env: dict[str, str] | None = None
 ) -> LauncherConfig:
-    """Flags first, then the upper-case env var of each flag, then its default."""
+    """Flags first, then the upper-case env var of each flag (then the other env vars
+    it names, LeaderWorkerSet's for the multi-node flags), then its default."""
     env = dict(os.environ) if env is None else env
     parser = argparse.ArgumentParser(prog="textgate-launcher", description=__doc__)
     for flag in FLAGS:
-        env_name = flag.name.upper().replace("-", "_")
-        default = flag.type(env[env_name]) if env_name in env else flag.default
-        kwargs: dict[str, Any] = {"default": default, "help": f"{flag.help} [env: {env_name}]"}
+        env_name = next((name for name in flag.env_names if name in env), None)
+        default = flag.default
+        if env_name is not None:
+            try:
+                default = flag.type(env[env_name])
+            except (ValueError, argparse.ArgumentTypeError) as exc:
+                # An error only if no flag overrides it (checked once argv is parsed).
+                default = _BadEnv(f"--{flag.name} from env {env_name}={env[env_name]!r}: {exc}")
+        where = ", ".join(flag.env_names)
+        kwargs: dict[str, Any] = {"default": default, "help": f"{flag.help} [env: {where}]"}
         if flag.type is parse_bool:
             kwargs.update(nargs="?", const=True, type=parse_bool)
         else:
@@ -62,11 +85,22 @@ def parse_args(
             names.append("--max-input-length")  # TGI's older name
         parser.add_argument(*names, **kwargs)
     namespace = parser.parse_args(argv)
+    bad_env = [v.message for v in vars(namespace).values() if isinstance(v, _BadEnv)]
+    if bad_env:
+        parser.error("; ".join(bad_env))
     try:
         return LauncherConfig(**vars(namespace))
     except ValueError as exc:
         parser.error(str(exc))
         raise
+
+
+class _BadEnv:
+    """An env var's value its flag's parser refused, kept as the flag's default (not a str:
+    argparse would parse it)."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
 
 
 class Child:
@@ -91,13 +125,21 @@ class Child:
         return self.process.poll()
 
     def stop(self, timeout: float = 10.0) -> None:
+        self.terminate()
+        self.wait_or_kill(timeout)
+
+    def terminate(self) -> None:
+        """SIGTERM, if it still runs."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+
+    def wait_or_kill(self, timeout: float) -> None:
+        """Wait up to `timeout` s for it to exit, then SIGKILL it."""
+        try:
+            self.process.wait(max(timeout, 0.0))
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
         self._reader.join(timeout=2)
 
 
@@ -189,16 +231,17 @@ def wait_for_shards(
     uds_path: str,
     timeout: float = 600.0,
     stop: threading.Event | None = None,
+    ranks: Sequence[int] | None = None,
 ) -> None:
     """Poll every shard's Health until all answer; fail fast if one dies, and raise
-    StopRequested as soon as `stop` is set."""
+    StopRequested as soon as `stop` is set. `ranks`: the children's (default 0, 1, ...)."""
     import grpc
 
     from textgate.proto import generate_pb2 as pb
     from textgate.proto import generate_pb2_grpc as pb_grpc
 
     deadline = time.monotonic() + timeout
-    for rank, child in enumerate(children):
+    for rank, child in zip(ranks or range(len(children)), children, strict=True):
         with grpc.insecure_channel(f"unix://{uds_path}-{rank}") as channel:
             stub = pb_grpc.TextGenerationServiceStub(channel)
             while True:
@@ -217,17 +260,14 @@ def wait_for_shards(
 
 
 def start_shards(model_path: Path, config: LauncherConfig) -> list[Child]:
+    """This node's shards: ranks `config.node_ranks` of `config.num_shard`."""
     children = []
-    for rank in range(config.num_shard):
+    for rank in config.node_ranks:
         Path(f"{config.shard_uds_path}-{rank}").unlink(missing_ok=True)
         env = dict(os.environ)
-        env.update(
-            RANK=str(rank),
-            WORLD_SIZE=str(config.num_shard),
-            MASTER_ADDR=config.master_addr,
-            MASTER_PORT=str(config.master_port),
-        )
-        children.append(Child(f"shard {rank}", shard_argv(model_path, config), env))
+        env.update(shard_env(config, rank))
+        argv = shard_argv(model_path, config) + shard_network_argv(config, rank)
+        children.append(Child(f"shard {rank}", argv, env))
     return children
 
 
@@ -237,23 +277,46 @@ def start_router(model_path: Path, config: LauncherConfig) -> Child:
     return Child("router", argv, dict(os.environ))
 
 
-def supervise(children: list[Child], stop: threading.Event) -> None:
-    """Block until a stop signal (return) or a child's exit (raise ChildFailed)."""
+def supervise(children: list[Child], stop: threading.Event, peers: PeerWatch | None = None) -> None:
+    """Block until a stop signal (return), a child's exit (raise ChildFailed) or another
+    node's shard lost (raise PeerLost)."""
     while not stop.wait(0.2):
         for child in children:
             if child.poll() is not None:
                 raise ChildFailed(child)
+        lost = peers.lost() if peers is not None else None
+        if lost is not None:
+            raise PeerLost(lost)
+
+
+def wait_for_master(
+    children: list[Child], peers: PeerWatch, stop_now: threading.Event, timeout: float
+) -> None:
+    """A headless node asked to stop serves on until rank 0 is gone (the router drains
+    first: a group deleted at once gets SIGTERM everywhere), `timeout` passes, one of its
+    shards exits or a second signal comes."""
+    log.info(
+        "Stopping once rank 0 has stopped (the router drains first), within %.0f s; "
+        "a second signal stops now",
+        timeout,
+    )
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not stop_now.is_set():
+        if peers.wait_lost(0.2) is not None or any(c.poll() is not None for c in children):
+            return
 
 
 def run(config: LauncherConfig) -> int:
     from textgate.shard_server.loading.model_source import resolve_model
 
-    stop = threading.Event()
+    stop, stop_now = threading.Event(), threading.Event()
     # Resolving (downloading, converting) runs in this thread: a signal interrupts it.
     # Once children exist, a signal only sets `stop`, which every wait polls.
     interrupt = True
 
     def on_signal(signum: int, frame: Any) -> None:
+        if stop.is_set():
+            stop_now.set()
         stop.set()
         if interrupt:
             raise StopRequested()
@@ -261,30 +324,68 @@ def run(config: LauncherConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
     children: list[Child] = []
+    peers: PeerWatch | None = None
+    failed = False
     try:
         model_path = resolve_model(config.model_id, config.revision)
         interrupt = False
         log.info("Serving %s from %s", config.model_id or "the embedded default model", model_path)
+        if config.nnodes > 1:
+            log.info("%s", describe(config))
         children = start_shards(model_path, config)
-        wait_for_shards(children, config.shard_uds_path, stop=stop)
+        wait_for_shards(children, config.shard_uds_path, stop=stop, ranks=config.node_ranks)
         if stop.is_set():
             raise StopRequested()
-        children.append(start_router(model_path, config))
-        supervise(children, stop)
+        if config.nnodes > 1:
+            remote = {} if config.headless else discover_remote_ranks(config.shard_uds_path)
+            watched = peers_of(config, remote)
+            peers = PeerWatch(watched).start()
+            log.info("Watching %s", ", ".join(f"{n} at {u}" for n, u in watched.items()))
+        if not config.headless:
+            children.append(start_router(model_path, config))
+        supervise(children, stop, peers)
+        if config.headless and peers is not None and peers.lost() is None:
+            wait_for_master(children, peers, stop_now, _master_stop_timeout(config))
         log.info("Stopping")
         return 0
     except StopRequested:
         log.info("Stopping while the model loads")
         return 0
-    except ChildFailed as exc:
+    except (ChildFailed, PeerLost) as exc:
+        failed = True
         log.error("%s", exc)
         return 1
     finally:
         interrupt = False
-        # The router goes first: it drains (in-flight requests finish, within
-        # --graceful-termination-timeout) while the shards still serve it.
-        for child in reversed(children):
+        if peers is not None:
+            peers.close()
+        stop_children(children, config, failed)
+
+
+def stop_children(children: list[Child], config: LauncherConfig, failed: bool) -> None:
+    """Stop every child: the router first, draining (in-flight requests finish, within
+    --graceful-termination-timeout) while the shards still serve it; after a failure all
+    at once, the shards killed past FAILED_SHARDS_EXIT_TIMEOUT_S, so that the router's
+    requests end in errors at once and its drain has nothing to wait for."""
+    shards = [child for child in children if child.name != "router"]
+    routers = [child for child in children if child.name == "router"]
+    if not failed:
+        for child in routers + shards[::-1]:
             child.stop(_stop_timeout(child, config))
+        return
+    for child in shards + routers:
+        child.terminate()
+    deadline = time.monotonic() + FAILED_SHARDS_EXIT_TIMEOUT_S
+    for shard in shards:
+        shard.wait_or_kill(deadline - time.monotonic())
+    for router in routers:
+        router.wait_or_kill(_stop_timeout(router, config))
+
+
+def _master_stop_timeout(config: LauncherConfig) -> float:
+    """How long a headless node asked to stop waits for rank 0 to go: the router's drain
+    and exit."""
+    return config.graceful_termination_timeout + ROUTER_EXIT_MARGIN_S
 
 
 def _stop_timeout(child: Child, config: LauncherConfig) -> float:

@@ -52,9 +52,12 @@ def flag(
     help: str,
     parse: Callable[[str], Any] = str,
     choices: Sequence[str] | None = None,
+    env: tuple[str, ...] = (),
 ) -> Any:
-    """A `LauncherConfig` field that is also a flag: `--field-name` and env `FIELD_NAME`."""
-    return field(default=default, metadata={"help": help, "parse": parse, "choices": choices})
+    """A `LauncherConfig` field that is also a flag: `--field-name` and env `FIELD_NAME`
+    (then each of `env`, in order, when `FIELD_NAME` is not set)."""
+    metadata = {"help": help, "parse": parse, "choices": choices, "env": env}
+    return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,13 @@ class Flag:
     default: Any
     help: str
     choices: Sequence[str] | None = None
+    env: tuple[str, ...] = ()
+    """Env vars read after the flag's own (`FIELD_NAME`) when that one is not set."""
+
+    @property
+    def env_names(self) -> tuple[str, ...]:
+        """Where the flag's value may come from besides argv, first found wins."""
+        return (self.name.upper().replace("-", "_"), *self.env)
 
 
 @dataclass(frozen=True)
@@ -248,8 +258,38 @@ class LauncherConfig:
     hostname: str = flag("0.0.0.0", "Address the HTTP server binds")
     port: int = flag(8080, "Port the HTTP server binds", int)
     shard_uds_path: str = flag("/tmp/textgate-server", "Prefix of the shards' unix sockets")
-    master_addr: str = flag("127.0.0.1", "torch.distributed rendezvous address")
-    master_port: int = flag(29500, "torch.distributed rendezvous port", int)
+    nnodes: int = flag(
+        1,
+        "Nodes the --num-shard ranks are split over, evenly, one launcher each (multi-node "
+        "tensor parallel, docs/scaling.md); node 0 runs the router",
+        int,
+        env=("LWS_GROUP_SIZE",),
+    )
+    node_rank: int = flag(
+        0,
+        "This node's index, 0 .. --nnodes - 1: it runs ranks node_rank * (num_shard / "
+        "nnodes) onwards; 0 also runs the router, the others are headless (shards only)",
+        int,
+        env=("LWS_WORKER_INDEX",),
+    )
+    master_addr: str = flag(
+        "127.0.0.1",
+        "torch.distributed rendezvous address: node 0's, reachable from every node",
+        env=("LWS_LEADER_ADDRESS",),
+    )
+    master_port: int = flag(29500, "torch.distributed rendezvous port (on node 0)", int)
+    shard_port: int = flag(
+        29600,
+        "Multi-node: rank r's gRPC server listens on TCP port shard_port + r (plaintext, no "
+        "TLS), where the router reaches the other nodes' ranks and they watch rank 0; the "
+        "same on every node",
+        int,
+    )
+    shard_host: str | None = flag(
+        None,
+        "Multi-node: the address the router dials this node's shards at; unset = this "
+        "host's address on its route to --master-addr",
+    )
     api_key: str | None = flag(
         None, "Require `Authorization: Bearer <key>` on the routes that generate"
     )
@@ -353,6 +393,7 @@ class LauncherConfig:
             raise ValueError("--cuda-memory-fraction must lie in (0, 1]")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port {self.port} is out of range")
+        self._check_nodes()
         if (
             self.max_input_tokens is not None
             and self.max_total_tokens is not None
@@ -360,13 +401,61 @@ class LauncherConfig:
         ):
             raise ValueError("--max-input-tokens must be smaller than --max-total-tokens")
 
+    def _check_nodes(self) -> None:
+        """--nnodes, --node-rank and the ports of a multi-node group."""
+        if self.nnodes < 1:
+            raise ValueError(f"--nnodes must be at least 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(
+                f"--node-rank {self.node_rank} is not a node of --nnodes {self.nnodes} "
+                f"(0 .. {self.nnodes - 1})"
+            )
+        if self.num_shard % self.nnodes:
+            raise ValueError(
+                f"--num-shard {self.num_shard} does not split evenly over --nnodes "
+                f"{self.nnodes}: it is the whole tensor-parallel size, num_shard / nnodes "
+                "shards on each node"
+            )
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"--master-port {self.master_port} is out of range")
+        if self.nnodes == 1:
+            return
+        last = self.shard_port + self.num_shard - 1
+        if not (self.shard_port > 0 and last < 65536):
+            raise ValueError(
+                f"--shard-port {self.shard_port}: ranks listen on {self.shard_port} .. {last}, "
+                "which must lie in 1 .. 65535"
+            )
+        if self.shard_port <= self.master_port <= last:
+            raise ValueError(
+                f"--master-port {self.master_port} is one of the shards' ports "
+                f"(--shard-port {self.shard_port} .. {last})"
+            )
+
+    @property
+    def shards_per_node(self) -> int:
+        return self.num_shard // self.nnodes
+
+    @property
+    def node_ranks(self) -> range:
+        """The global ranks this node's shards run."""
+        first = self.node_rank * self.shards_per_node
+        return range(first, first + self.shards_per_node)
+
+    @property
+    def headless(self) -> bool:
+        """A node other than 0: shards only, no router."""
+        return self.node_rank > 0
+
 
 def _flags() -> tuple[Flag, ...]:
     flags = []
     for f in fields(LauncherConfig):
         meta = f.metadata
         name = f.name.replace("_", "-")
-        flags.append(Flag(name, meta["parse"], f.default, meta["help"], meta["choices"]))
+        flags.append(
+            Flag(name, meta["parse"], f.default, meta["help"], meta["choices"], meta["env"])
+        )
     return tuple(flags)
 
 

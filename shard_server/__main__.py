@@ -1,7 +1,8 @@
 """`python -m textgate.shard_server`: load a model and serve it over gRPC (one process per shard).
 
 The launcher starts one of these per shard with RANK / WORLD_SIZE / MASTER_ADDR /
-MASTER_PORT set; it is rarely run by hand.
+MASTER_PORT set (and LOCAL_RANK / LOCAL_WORLD_SIZE, this node's share of the ranks, which
+picks the GPU); it is rarely run by hand.
 """
 
 from __future__ import annotations
@@ -16,7 +17,12 @@ from pathlib import Path
 
 from textgate.logs import setup_logging
 from textgate.shard_server import tracing
-from textgate.shard_server.flag_types import cuda_graph_sizes, lora_adapters
+from textgate.shard_server.flag_types import (
+    cuda_graph_sizes,
+    lora_adapters,
+    route_address,
+    tcp_url,
+)
 from textgate.shard_server.layers.lora_limits import (
     DEFAULT_MAX_LORA_RANK,
     DEFAULT_MAX_LORAS,
@@ -24,7 +30,7 @@ from textgate.shard_server.layers.lora_limits import (
 )
 from textgate.shard_server.loading.shard_loader import load_model
 from textgate.shard_server.protocols.paged_model import PagedModel
-from textgate.shard_server.server import model_thread, serve
+from textgate.shard_server.server import gather_urls, model_thread, serve
 from textgate.shard_server.startup.cache_config import CacheConfig
 from textgate.telemetry import start_tracing, stop_tracing
 
@@ -34,6 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     _model_flags(parser)
     _cache_flags(parser)
     _adapter_flags(parser)
+    _network_flags(parser)
     parser.add_argument("--json-output", action="store_true")
     parser.add_argument(
         "--otlp-endpoint", default=None, help="OTLP/gRPC collector for traces (unset: none)"
@@ -42,6 +49,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--otlp-service-name", default="textgate", help="shards trace as NAME.shard"
     )
     return parser.parse_args(argv)
+
+
+def _network_flags(parser: argparse.ArgumentParser) -> None:
+    """Where the shard listens besides its unix socket, and the address the router dials
+    it at (multi-node: the other nodes' ranks over TCP)."""
+    parser.add_argument(
+        "--tcp-port", type=int, default=0, help="also listen on this TCP port (0: none)"
+    )
+    parser.add_argument(
+        "--advertise-host",
+        default=None,
+        help="the router dials this rank at HOST:--tcp-port (auto: this host's address on "
+        "its route to MASTER_ADDR); unset: at its unix socket",
+    )
+
+
+def advertised_url(args: argparse.Namespace, rank: int) -> str:
+    """The address ServiceDiscovery lists for this rank."""
+    if args.advertise_host is None:
+        return f"unix://{args.uds_path}-{rank}"
+    if not args.tcp_port:
+        raise ValueError("--advertise-host needs --tcp-port")
+    host = args.advertise_host
+    if host == "auto":
+        host = route_address(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    return tcp_url(host, args.tcp_port)
 
 
 def _model_flags(parser: argparse.ArgumentParser) -> None:
@@ -128,6 +161,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
     setup_logging(args.json_output, f"shard-{rank}")
     executor = model_thread()
     model = executor.submit(
@@ -137,6 +172,8 @@ def main(argv: list[str] | None = None) -> None:
         dtype=args.dtype,
         rank=rank,
         world_size=world_size,
+        local_rank=local_rank,
+        local_world_size=local_world_size,
         trust_remote_code=args.trust_remote_code,
         cache_config=CacheConfig(
             block_size=args.block_size,
@@ -151,6 +188,8 @@ def main(argv: list[str] | None = None) -> None:
         lora_adapters=args.lora_adapters,
         lora_limits=LoraLimits(args.max_loras, args.max_lora_rank, args.max_cpu_loras),
     ).result()
+    # Every rank's address, for the router: after loading, the process group exists.
+    urls = executor.submit(gather_urls, advertised_url(args, rank), world_size).result()
     telemetry = start_tracing(
         args.otlp_endpoint,
         f"{args.otlp_service_name}.shard",
@@ -158,15 +197,27 @@ def main(argv: list[str] | None = None) -> None:
         **{"service.instance.id": f"shard-{rank}"},
     )
     try:
-        asyncio.run(_serve_until_signal(model, args.uds_path, rank, world_size, executor))
+        asyncio.run(
+            _serve_until_signal(
+                model, args.uds_path, rank, world_size, executor, args.tcp_port, urls
+            )
+        )
     finally:
         stop_tracing(telemetry)
 
 
 async def _serve_until_signal(
-    model: PagedModel, uds_path: str, rank: int, world_size: int, executor: ThreadPoolExecutor
+    model: PagedModel,
+    uds_path: str,
+    rank: int,
+    world_size: int,
+    executor: ThreadPoolExecutor,
+    tcp_port: int,
+    urls: list[str],
 ) -> None:
-    task = asyncio.ensure_future(serve(model, uds_path, rank, world_size, executor))
+    task = asyncio.ensure_future(
+        serve(model, uds_path, rank, world_size, executor, tcp_port=tcp_port, urls=urls)
+    )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, task.cancel)

@@ -1,4 +1,5 @@
-"""Parsers for shard flags the launcher also takes, importable without torch.
+"""Parsers for shard flags the launcher also takes, and the addresses made of them,
+importable without torch.
 
 The launcher validates these before it spawns a shard; the shard's own CLI parses the
 same text again. Both import them from here (the shard must not import the launcher).
@@ -7,6 +8,7 @@ same text again. Both import them from here (the shard must not import the launc
 from __future__ import annotations
 
 import argparse
+import socket
 
 
 def cuda_graph_sizes(text: str) -> tuple[int, ...]:
@@ -43,3 +45,17 @@ def lora_adapters(text: str) -> tuple[tuple[str, str], ...]:
     if len(set(names)) != len(names):
         raise argparse.ArgumentTypeError(f"LoRA adapter ids must be unique: {names}")
     return tuple(adapters)
+
+
+def tcp_url(host: str, port: int) -> str:
+    """gRPC's address of `host`:`port` (an IPv6 literal in brackets)."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def route_address(host: str, port: int) -> str:
+    """This host's address on its route to `host` (a UDP socket's connect picks the
+    interface and sends nothing): where another node can dial this one."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.connect(address)
+        return str(sock.getsockname()[0])

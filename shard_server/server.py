@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -126,6 +126,19 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         raise AssertionError("context.abort returned")  # it raises; this tells type checkers
 
 
+def gather_urls(own: str, world_size: int) -> list[str]:
+    """Every rank's address (`own` is this rank's), gathered over the process group: the
+    list ServiceDiscovery answers, so the router finds the ranks of other nodes. Collective:
+    every rank calls it once, after loading, in the model thread."""
+    if world_size == 1:
+        return [own]
+    import torch.distributed as dist
+
+    urls: list[Any] = [None] * world_size
+    dist.all_gather_object(urls, own)
+    return [str(url) for url in urls]
+
+
 def model_thread() -> ThreadPoolExecutor:
     """The single thread all of a shard's torch work runs in, loading included.
 
@@ -147,9 +160,18 @@ async def serve(
     rank: int,
     world_size: int,
     executor: ThreadPoolExecutor | None = None,
+    *,
+    tcp_port: int = 0,
+    urls: Sequence[str] | None = None,
 ) -> None:
-    """Serve `model` on unix://{uds_path}-{rank} until cancelled or SIGTERM."""
-    urls = [f"unix://{uds_path}-{r}" for r in range(world_size)]
+    """Serve `model` on unix://{uds_path}-{rank} (and on TCP port `tcp_port` of every
+    interface, unless 0) until cancelled or SIGTERM.
+
+    `urls` are every rank's address as the router dials it, what ServiceDiscovery answers
+    (`gather_urls`); unset: each rank's unix socket, one node's ranks.
+    """
+    uds_url = f"unix://{uds_path}-{rank}"
+    urls = list(urls) if urls is not None else [f"unix://{uds_path}-{r}" for r in range(world_size)]
     server = grpc.aio.server(
         options=[
             ("grpc.max_send_message_length", 256 * 1024 * 1024),
@@ -159,9 +181,14 @@ async def serve(
     pb_grpc.add_TextGenerationServiceServicer_to_server(
         ShardServicer(model, urls, executor), server
     )
-    server.add_insecure_port(urls[rank])
+    listening = [uds_url]
+    server.add_insecure_port(uds_url)
+    if tcp_port:
+        # [::] takes IPv4 too where the host has IPv6 (gRPC falls back to 0.0.0.0 without).
+        server.add_insecure_port(f"[::]:{tcp_port}")
+        listening.append(f"TCP port {tcp_port}")
     await server.start()
-    log.info("Shard %d ready on %s", rank, urls[rank])
+    log.info("Shard %d ready on %s", rank, " and ".join(listening))
     try:
         await server.wait_for_termination()
     finally:

@@ -38,8 +38,6 @@ GATEWAY, MULTINODE = DEPLOY / "inference-gateway", DEPLOY / "multinode"
 CRDS = Path(__file__).parent / "fixtures" / "crds"
 LWS_ENV = {"LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX"}
 """What the LWS controller sets in every container of a group (its api/leaderworkerset/v1)."""
-PENDING_FLAGS = {"--nnodes", "--node-rank"}
-"""Multi-node flags deploy/multinode passes that the launcher does not have yet."""
 KUBERNETES_VERSION = "1.33"
 KNOWN_KEYS = {"apiVersion", "kind", "resources", "images", "patches"}
 Doc = dict[str, Any]
@@ -340,17 +338,20 @@ def _lws_containers(docs: list[Doc]) -> dict[str, Doc]:
     return found
 
 
-def _without_pending(args: list[str]) -> list[str]:
-    """`args` less the pending flags and their values."""
-    kept, skip = [], False
-    for arg in args:
-        if skip:
-            skip = False
-        elif arg in PENDING_FLAGS:
-            skip = True
-        else:
-            kept.append(arg)
-    return kept
+def _expanded(args: list[str], env: dict[str, str]) -> list[str]:
+    """`args` with each `$(VAR)` replaced by `env[VAR]`, as Kubernetes expands them."""
+    for name, value in env.items():
+        args = [arg.replace(f"$({name})", value) for arg in args]
+    return args
+
+
+def _lws_env(worker_index: int, size: int) -> dict[str, str]:
+    """What the LWS controller sets in the pod of `worker_index` (0 = the leader)."""
+    return {
+        "LWS_LEADER_ADDRESS": "textgate-multinode-0.textgate-multinode.default",
+        "LWS_GROUP_SIZE": str(size),
+        "LWS_WORKER_INDEX": str(worker_index),
+    }
 
 
 def test_multinode_pods_pass_lws_env_to_launcher_flags() -> None:
@@ -365,18 +366,29 @@ def test_multinode_pods_pass_lws_env_to_launcher_flags() -> None:
         assert flags["--master-addr"] == "$(LWS_LEADER_ADDRESS)"
         referenced = {a[2:-1] for a in args if a.startswith("$(")}
         assert referenced <= LWS_ENV, "only variables LWS sets"
-        config = launcher.parse_args(_without_pending(args), env={})
+    nodes = _one(docs, "LeaderWorkerSet")["spec"]["leaderWorkerTemplate"]["size"]
+    for index, container in [(0, leader)] + [(i, worker) for i in range(1, nodes)]:
+        lws = _lws_env(index, nodes)
+        config = launcher.parse_args(_expanded(container["args"], lws), env={})
+        assert (config.nnodes, config.node_rank) == (nodes, index)
+        assert config.master_addr == lws["LWS_LEADER_ADDRESS"]
+        assert config.headless == (index > 0), "the leader runs the router, workers do not"
+        # Without the flags the launcher reads LWS's env itself: the same settings.
+        bare = _without(container["args"], {"--nnodes", "--node-rank", "--master-addr"})
+        assert launcher.parse_args(bare, env=lws) == config
         # --num-shard is the whole tensor-parallel size, split evenly over the group's nodes.
-        nodes = _one(docs, "LeaderWorkerSet")["spec"]["leaderWorkerTemplate"]["size"]
-        assert config.num_shard % nodes == 0
+        assert config.shards_per_node * nodes == config.num_shard
         for kind in ("requests", "limits"):
             gpus = container["resources"][kind]["nvidia.com/gpu"]
-            assert gpus == str(config.num_shard // nodes)
+            assert gpus == str(config.shards_per_node)
+        # Rank r listens on --shard-port + r: the node's ranks' ports are declared.
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports["shards"] == config.shard_port + config.node_ranks.start
     # A worker's flags are the leader's less the router's.
     assert worker["args"] == leader["args"][: len(worker["args"])]
-    config = launcher.parse_args(_without_pending(leader["args"]), env={})
+    config = launcher.parse_args(_expanded(leader["args"], _lws_env(0, nodes)), env={})
     ports = {p["name"]: p["containerPort"] for p in leader["ports"]}
-    assert ports == {"http": config.port, "rendezvous": config.master_port}
+    assert ports == {"http": config.port, "rendezvous": config.master_port, "shards": 29600}
     for probe in ("startupProbe", "readinessProbe"):
         assert leader[probe]["httpGet"] == {"path": "/health", "port": "http"}
     service = _one(docs, "Service")
@@ -388,12 +400,33 @@ def test_multinode_pods_pass_lws_env_to_launcher_flags() -> None:
     assert service["spec"]["ports"][0]["targetPort"] == "http"
 
 
-def test_the_pending_flags_are_still_pending_and_documented() -> None:
-    """When the launcher grows --nnodes/--node-rank, drop them from PENDING_FLAGS (parse
-    them above) and the pending notes in deploy/."""
+def _without(args: list[str], names: set[str]) -> list[str]:
+    """`args` less the flags `names` and their values."""
+    kept, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg in names:
+            skip = True
+        else:
+            kept.append(arg)
+    return kept
+
+
+def test_the_multinode_flags_are_documented_with_what_lws_sets() -> None:
+    """deploy/README.md's table: each multi-node flag, the LWS variable it reads, and no
+    pending note left from before the launcher had them."""
     existing = {f"--{flag.name}" for flag in FLAGS}
-    assert not PENDING_FLAGS & existing, "the flags exist now: drop the pending notes"
-    assert {"--master-addr", "--master-port"} <= existing
     readme = (DEPLOY / "README.md").read_text()
-    for name in PENDING_FLAGS:
-        assert f"| `{name}` |" in readme and "pending" in readme
+    assert "pending" not in readme.lower()
+    for name, lws in [
+        ("--nnodes", "LWS_GROUP_SIZE"),
+        ("--node-rank", "LWS_WORKER_INDEX"),
+        ("--master-addr", "LWS_LEADER_ADDRESS"),
+    ]:
+        assert name in existing
+        (flag,) = [f for f in FLAGS if f"--{f.name}" == name]
+        assert lws in flag.env, f"{name} falls back to {lws}"
+        assert f"| `{name}` | `$({lws})`" in readme
+    for path in MULTINODE.glob("*.yaml"):
+        assert "pending" not in path.read_text().lower(), path

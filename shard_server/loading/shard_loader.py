@@ -59,6 +59,8 @@ def load_model(
     rank: int = 0,
     world_size: int = 1,
     trust_remote_code: bool = False,
+    local_rank: int | None = None,
+    local_world_size: int | None = None,
     cache_config: CacheConfig | None = None,
     native: bool = True,
     quantize: str | None = None,
@@ -74,12 +76,17 @@ def load_model(
     `lora_adapters` are (id, PEFT folder) pairs, loaded on a native model (the first
     --max-loras resident); `lora_limits` (--max-loras, --max-cpu-loras, --max-lora-rank)
     bound them and the ones loaded later.
+    `local_rank` of `local_world_size`: the rank's place among its node's ranks, which picks
+    its GPU (multi-node; unset: `rank` of `world_size`, one node).
 
     `dtype` "auto" on CPU builds the model in each candidate dtype and keeps the one whose
     own step measured fastest (`dtype_choice.pick_dtype`). A model that cannot run paged
     (recurrent layers, an encoder-decoder, ...) is a ValueError saying why.
     """
-    device = shard_device(rank, world_size)
+    device = shard_device(
+        rank if local_rank is None else local_rank,
+        world_size if local_world_size is None else local_world_size,
+    )
     if device.type == "cpu" and rank == 0:
         log.info(report_line())
     model_type = read_model_type(model_path)

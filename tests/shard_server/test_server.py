@@ -113,3 +113,29 @@ async def test_paged_clear_cache_forgets_requests_and_unknown_ones_are_internal(
     code, details = await status_of(paged.Step(pb.StepRequest(plan=plan)))
     assert code == grpc.StatusCode.INTERNAL
     assert "request 2 is not known to this shard" in details
+
+
+async def test_a_multinode_rank_answers_on_tcp_too_and_lists_every_rank(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """With --tcp-port the shard also listens on TCP (where other nodes reach it), and
+    ServiceDiscovery answers the gathered addresses of every rank."""
+    from textgate.launcher import free_port
+    from textgate.shard_server.server import gather_urls
+
+    model = load_model(tiny_model_dir, "tiny", "float32", cache_config=CacheConfig(BLOCK))
+    port, uds = free_port(), str(tmp_path / "s")
+    urls = ["unix:///elsewhere-0", f"127.0.0.1:{port}"]
+    assert gather_urls(urls[1], world_size=1) == [urls[1]]
+    task = asyncio.create_task(serve(model, uds, 1, 2, tcp_port=port, urls=urls))
+    try:
+        for url in (f"unix://{uds}-1", f"127.0.0.1:{port}"):
+            async with grpc.aio.insecure_channel(url) as channel:
+                stub = Stub(channel)
+                await stub.Health(pb.HealthRequest(), wait_for_ready=True, timeout=10)
+                found = await stub.ServiceDiscovery(pb.ServiceDiscoveryRequest())
+                assert list(found.urls) == urls
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
