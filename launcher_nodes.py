@@ -81,9 +81,14 @@ def discover_remote_ranks(uds_path: str, timeout_s: float = 10.0) -> dict[int, s
     from textgate.proto import generate_pb2 as pb
     from textgate.proto import generate_pb2_grpc as pb_grpc
 
-    with grpc.insecure_channel(f"unix://{uds_path}-0") as channel:
+    url = f"unix://{uds_path}-0"
+    with grpc.insecure_channel(url) as channel:
         stub = pb_grpc.TextGenerationServiceStub(channel)
-        urls = stub.ServiceDiscovery(pb.ServiceDiscoveryRequest(), timeout=timeout_s).urls
+        try:
+            urls = stub.ServiceDiscovery(pb.ServiceDiscoveryRequest(), timeout=timeout_s).urls
+        except grpc.RpcError as exc:
+            code = exc.code().name if isinstance(exc, grpc.Call) else type(exc).__name__
+            raise PeerLost(f"rank 0 at {url} did not list the group's ranks ({code})") from exc
     return {rank: url for rank, url in enumerate(urls) if not url.startswith("unix:")}
 
 

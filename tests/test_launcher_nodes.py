@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -135,8 +136,14 @@ def test_the_shard_advertises_its_socket_or_its_tcp_address(
 
 
 class _Health(pb_grpc.TextGenerationServiceServicer):
-    def __init__(self) -> None:
+    def __init__(self, urls: tuple[str, ...] = ()) -> None:
         self.hang = threading.Event()
+        self.urls = urls
+
+    def ServiceDiscovery(
+        self, request: pb.ServiceDiscoveryRequest, context: Any
+    ) -> pb.ServiceDiscoveryResponse:
+        return pb.ServiceDiscoveryResponse(urls=self.urls)
 
     def Health(self, request: pb.HealthRequest, context: Any) -> pb.HealthResponse:
         if self.hang.is_set():
@@ -145,16 +152,34 @@ class _Health(pb_grpc.TextGenerationServiceServicer):
 
 
 @contextmanager
-def _health_server() -> Iterator[tuple[grpc.Server, _Health, str]]:
+def _health_server(
+    uds: str | None = None, urls: tuple[str, ...] = ()
+) -> Iterator[tuple[grpc.Server, _Health, str]]:
+    """A shard stand-in on 127.0.0.1 (or on unix://{uds}-0) answering Health and
+    ServiceDiscovery (`urls`)."""
     server = grpc.server(ThreadPoolExecutor(max_workers=8))
-    servicer = _Health()
+    servicer = _Health(urls)
     pb_grpc.add_TextGenerationServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    if uds is None:
+        url = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    else:
+        url = f"unix://{uds}-0"
+        server.add_insecure_port(url)
     server.start()
     try:
-        yield server, servicer, f"127.0.0.1:{port}"
+        yield server, servicer, url
     finally:
         server.stop(grace=None)
+
+
+def test_node_0_learns_the_other_nodes_ranks_from_rank_0(tmp_path: Path) -> None:
+    uds = str(tmp_path / "s")
+    urls = (f"unix://{uds}-0", f"unix://{uds}-1", "10.0.0.2:29602", "[fe80::2]:29603")
+    with _health_server(uds, urls):
+        remote = launcher_nodes.discover_remote_ranks(uds)
+    assert remote == {2: "10.0.0.2:29602", 3: "[fe80::2]:29603"}
+    with pytest.raises(launcher_nodes.PeerLost, match="did not list the group's ranks"):
+        launcher_nodes.discover_remote_ranks(uds, timeout_s=0.5)
 
 
 FAST = {"interval_s": 0.1, "timeout_s": 0.3, "silent_s": 1.0, "startup_s": 2.0}
