@@ -125,7 +125,7 @@ class Speculator:
         """Drafts per request for this step; {} when the step is better off without.
 
         `num_decodes` counts every decode of the step (speculating or not)."""
-        if not candidates or not self._batch_may_gain(num_decodes, cost):
+        if not candidates or not self._batch_may_gain(candidates, num_decodes, cost):
             return {}
         drafts: dict[int, tuple[int, ...]] = {}
         expected = 0.0
@@ -197,10 +197,17 @@ class Speculator:
             return 1 if state.steps_since_probe >= PROBE_INTERVAL else 0
         return max(1, int(self.config.num_tokens * alpha / FULL_ALPHA))
 
-    @staticmethod
-    def _batch_may_gain(num_decodes: int, cost: StepCostModel) -> bool:
-        """A cheap first test: before the fit is ready, small batches only."""
-        return cost.is_ready or num_decodes <= FALLBACK_MAX_BATCH
+    def _batch_may_gain(
+        self, candidates: Sequence[Candidate], num_decodes: int, cost: StepCostModel
+    ) -> bool:
+        """A cheap first test, before any lookup: before the fit is ready, small batches
+        only; after, whether even every candidate's full proposal, all accepted, would gain
+        (a large batch is turned down without proposing anything)."""
+        if not cost.is_ready:
+            return num_decodes <= FALLBACK_MAX_BATCH
+        most = sum(min(self.config.num_tokens, c.max_drafts) for c in candidates)
+        context = sum(len(c.token_ids) for c in candidates) // len(candidates)
+        return self._gains(num_decodes, most, float(most), context, cost)
 
     @staticmethod
     def _gains(
