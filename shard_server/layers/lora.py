@@ -163,69 +163,94 @@ class LoraLayer:
     """The adapters' updates of one native layer of `out_features` outputs.
 
     `updates`: slot -> [(columns start, end, A, B, scale)], one entry per fused part the
-    adapter targets. `fuse` folds each slot's parts into one pair: the parts' A stacked
-    [sum r, in], their B (times scale) block-diagonal [out, sum r], so a step runs two
-    matmuls per adapter and layer, however many parts it updates."""
+    adapter targets. The forms a step runs are folded from them when first needed (`fused`:
+    each slot's parts in one pair, so a step runs two matmuls per adapter and layer however
+    many parts it updates; `dense`; `stacked`), and forgotten when they change (`fuse`)."""
 
     out_features: int
     updates: dict[int, list[tuple[int, int, Tensor, Tensor, float]]] = field(default_factory=dict)
-    _fused: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    _fused: dict[int, tuple[Tensor, Tensor]] | None = None
+    """Each slot's folded pair (None: not folded since the last change)."""
     _stacked: tuple[Tensor, Tensor] | None = None
     """Every slot's pair zero-padded to one rank and stacked (slot 1 first), where the
     grouped matmul or the SGMV kernel runs: A [S, r, in], B [S, out, r]."""
+    _stacked_folded: bool = False
     _dense: _DenseUpdates | None = None
 
     def fuse(self) -> None:
-        """Fold every slot's parts again (after an adapter came or went)."""
-        self._fused, self._stacked, self._dense = {}, None, None
-        for slot, parts in self.updates.items():
-            a = torch.cat([part[2] for part in parts])  # [sum r, in]
-            b = a.new_zeros(self.out_features, a.shape[0])
-            offset = 0
-            for start, end, part_a, part_b, scale in parts:
-                rank = part_a.shape[0]
-                b[start:end, offset : offset + rank] = part_b * scale
-                offset += rank
-            self._fused[slot] = (a, b)
-        if self._fused:
-            self._dense = _DenseUpdates.of(self.updates)
-            self._stack()
+        """Forget the folded forms (after an adapter came or went). Each is folded again
+        when a step first runs it, so the step after a swap pays only for the form it runs
+        (a decode step the dense one, a long prompt's chunk the stacked one)."""
+        self._fused, self._stacked, self._stacked_folded, self._dense = None, None, False, None
 
-    def _stack(self) -> None:
-        """Stack every slot's pair where the grouped matmul (16-byte aligned rows) or the
-        SGMV kernel runs."""
-        first = next(iter(self._fused.values()))[0]
+    def fused(self) -> dict[int, tuple[Tensor, Tensor]]:
+        """Each slot's parts folded into one pair: A stacked [sum r, in], B (times scale)
+        block-diagonal [out, sum r]."""
+        if self._fused is None:
+            self._fused = {}
+            for slot, parts in self.updates.items():
+                a = torch.cat([part[2] for part in parts])  # [sum r, in]
+                b = a.new_zeros(self.out_features, a.shape[0])
+                offset = 0
+                for start, end, part_a, part_b, scale in parts:
+                    rank = part_a.shape[0]
+                    b[start:end, offset : offset + rank] = part_b * scale
+                    offset += rank
+                self._fused[slot] = (a, b)
+        return self._fused
+
+    def dense(self) -> _DenseUpdates | None:
+        """The dense path's form of every update (None: the layer has none)."""
+        if self._dense is None and self.updates:
+            self._dense = _DenseUpdates.of(self.updates)
+        return self._dense
+
+    def stacked(self) -> tuple[Tensor, Tensor] | None:
+        """Every slot's pair stacked, where the grouped matmul (16-byte aligned rows) or the
+        SGMV kernel runs; None elsewhere."""
+        if not self._stacked_folded:
+            self._stacked, self._stacked_folded = self._stack(), True
+        return self._stacked
+
+    def _stack(self) -> tuple[Tensor, Tensor] | None:
+        fused = self.fused()
+        if not fused:
+            return None
+        first = next(iter(fused.values()))[0]
         inputs, size = first.shape[1], first.element_size()
         aligned = all(n * size % 16 == 0 for n in (inputs, self.out_features))
         grouped = aligned and grouped_mm_runs(first.dtype, first.device)
         if not grouped and not supports(first):
-            return
-        slots = max(self._fused)
-        rank = -(-max(a.shape[0] for a, _ in self._fused.values()) // 4) * 4
+            return None
+        slots = max(fused)
+        rank = -(-max(a.shape[0] for a, _ in fused.values()) // 4) * 4
         a_all = first.new_zeros(slots, rank, inputs)
         b_all = first.new_zeros(slots, self.out_features, rank)
-        for slot, (a, b) in self._fused.items():
+        for slot, (a, b) in fused.items():
             a_all[slot - 1, : a.shape[0]] = a
             b_all[slot - 1, :, : a.shape[0]] = b
-        self._stacked = (a_all, b_all)
+        return a_all, b_all
 
     def add(self, x: Tensor, out: Tensor) -> Tensor:
         """`out` (the base layer's output for inputs `x` [T, in]) plus every row's update."""
         rows = _ROWS.get()
         if rows is None:
             return out
-        if rows.dense and self._dense is not None:
-            return self._dense.add(x, out, rows)
-        if self._stacked is not None:
-            done = lora_sgmv_add(x, out, rows.order, rows.ends, *self._stacked)
+        dense = self.dense() if rows.dense else None
+        if dense is not None:
+            return dense.add(x, out, rows)
+        stacked = self.stacked()
+        if stacked is not None:
+            done = lora_sgmv_add(x, out, rows.order, rows.ends, *stacked)
             if done is not None:
                 return done
-        if self._stacked is not None and GROUPED_MM is not None:
-            return self._add_grouped(x, out, rows, *self._stacked)
+            if GROUPED_MM is not None:
+                return self._add_grouped(x, out, rows, *stacked)
+        fused = self.fused()
         for slot, index in rows.groups.items():
-            fused = self._fused.get(slot)
-            if fused is not None:
-                a, b = fused
+            pair = fused.get(slot)
+            if pair is not None:
+                a, b = pair
                 out.index_add_(0, index, (x.index_select(0, index) @ a.T) @ b.T)
         return out
 

@@ -109,7 +109,7 @@ def test_a_step_mixing_three_adapters_and_the_base_gives_each_its_own(
         monkeypatch.setattr(lora, "grouped_mm_runs", lambda dtype, device: False)
     model, slots = native_with(base, adapters)
     layers = [m.lora for m in model.modules() if getattr(m, "lora", None) is not None]
-    assert layers and all((layer._stacked is not None) == grouped for layer in layers)
+    assert layers and all((layer.stacked() is not None) == grouped for layer in layers)
     plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
     references = {0: plain} | {slots[n]: merged for n, (_, merged) in adapters.items()}
     prompts = {seq: _prompt(4 + seq, seed=seq) for seq in range(8)}
