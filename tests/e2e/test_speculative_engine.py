@@ -12,18 +12,20 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+import pytest_asyncio
 
 from textgate.proto import generate_pb2 as pb
 from textgate.router.engine.channel import Channel, StepEvent
 from textgate.router.engine.paged_engine import PagedEngine
 from textgate.router.engine.request import SamplingParams, StoppingParams, ValidRequest
 from textgate.router.engine.scheduler import Scheduler, SchedulerConfig
-from textgate.router.engine.speculation import SpeculationConfig
+from textgate.router.engine.speculation import SpeculationConfig, SpeculationStats
 from textgate.router.shard_client import ShardedClient
 from textgate.shard_server.loading.shard_loader import load_model
 from textgate.shard_server.server import serve
 
-pytestmark = pytest.mark.slow
+# One shard for the module (loading and warming the model up is most of a test's time).
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog near the river bank.",
@@ -38,16 +40,16 @@ TEXTS = [
     "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday.",
 ]
 QUESTIONS = [
-    "What is the capital of France?",
-    "Name three primary colors.",
-    "Write a haiku about the sea.",
-    "How many legs does a spider have?",
-    "Explain photosynthesis in one sentence.",
-    "What is 12 times 12?",
-    "Translate 'good morning' into Spanish.",
-    "Give me a synonym for happy.",
-    "Why is the sky blue?",
-    "Tell me a fun fact about cats.",
+    "What is the tallest mountain in Africa?",
+    "Name three kinds of clouds.",
+    "Write a limerick about a cat.",
+    "How many days are there in a leap year?",
+    "Explain gravity in one sentence.",
+    "What is 15 plus 27?",
+    "Translate 'thank you' into French.",
+    "Give me an antonym for cold.",
+    "Why do leaves change colour in autumn?",
+    "Tell me a fun fact about octopuses.",
 ]
 MAX_NEW = 24
 
@@ -68,10 +70,12 @@ def prompts(default_model_dir: Path) -> list[list[int]]:
     ]
 
 
-@pytest.fixture
-async def shards(default_model_dir: Path, tmp_path: Path) -> AsyncIterator[ShardedClient]:
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def shards(
+    default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[ShardedClient]:
     model = load_model(default_model_dir, "smol", "float32")
-    uds = str(tmp_path / "s")
+    uds = str(tmp_path_factory.mktemp("speculative") / "s")
     task = asyncio.create_task(serve(model, uds, rank=0, world_size=1))
     client = await ShardedClient.connect(uds, timeout_s=60)
     warm = await client.warmup(pb.WarmupRequest(max_prefill_tokens=128))
@@ -117,6 +121,21 @@ async def run_waves(engine: PagedEngine, requests: list[ValidRequest]) -> list[l
     return outputs
 
 
+async def plain_and_speculated(
+    shards: ShardedClient, requests: list[ValidRequest]
+) -> tuple[list[list[int]], list[list[int]], SpeculationStats]:
+    """The requests' tokens without speculation, then with it (4 drafts), and its stats."""
+    plain = await make_engine(shards, 0)
+    expected = await run_waves(plain, requests)
+    await plain.close()
+    engine = await make_engine(shards, 4)
+    outputs = await run_waves(engine, requests)
+    assert engine.scheduler.speculator is not None
+    stats = engine.scheduler.speculator.stats
+    await engine.close()
+    return expected, outputs, stats
+
+
 def mixed(prompts: list[list[int]]) -> list[list[int]]:
     """Copying and plain prompts interleaved."""
     return [p for pair in zip(prompts[:10], prompts[10:], strict=True) for p in pair]
@@ -125,14 +144,9 @@ def mixed(prompts: list[list[int]]) -> list[list[int]]:
 async def test_greedy_tokens_equal_without_speculation(
     shards: ShardedClient, prompts: list[list[int]]
 ) -> None:
-    requests = [request(p) for p in mixed(prompts)]
-    plain = await make_engine(shards, 0)
-    expected = await run_waves(plain, requests)
-    await plain.close()
-    engine = await make_engine(shards, 4)
-    outputs = await run_waves(engine, requests)
-    stats = engine.scheduler.speculator.stats  # type: ignore[union-attr]
-    await engine.close()
+    expected, outputs, stats = await plain_and_speculated(
+        shards, [request(p) for p in mixed(prompts)]
+    )
     for index, (output, reference) in enumerate(zip(outputs, expected, strict=True)):
         assert output == reference, f"prompt {index}"
     # The copying prompts had drafts verified and accepted, several tokens per step.
@@ -147,13 +161,7 @@ async def test_seeded_sampling_equals_without_speculation(
         request(p, do_sample=True, temperature=0.7, top_p=0.95, seed=seed)
         for seed, p in enumerate(mixed(prompts)[:8])
     ]
-    plain = await make_engine(shards, 0)
-    expected = await run_waves(plain, requests)
-    await plain.close()
-    engine = await make_engine(shards, 4)
-    outputs = await run_waves(engine, requests)
-    stats = engine.scheduler.speculator.stats  # type: ignore[union-attr]
-    await engine.close()
+    expected, outputs, stats = await plain_and_speculated(shards, requests)
     assert outputs == expected
     assert stats.num_accepted_tokens > 0, stats
 
