@@ -220,6 +220,36 @@ class Int8DecoderStack:
         self._caches_key = key
         return True
 
+    def _fits(self, hidden: Tensor, cos: Tensor, sin_signed: Tensor, slot_mapping: Tensor) -> bool:
+        """Whether the kernels read this step's inputs as they are."""
+        rows = hidden.shape[0]
+        rotary = (rows, self.head_dim)
+        return (
+            hidden.dtype == self.dtype
+            and hidden.shape == (rows, self.hidden)
+            and cos.dtype == self.dtype
+            and cos.shape == rotary
+            and sin_signed.shape == rotary
+            and slot_mapping.dtype == torch.int64
+            and cos.is_contiguous()
+            and sin_signed.is_contiguous()
+            and slot_mapping.is_contiguous()
+        )
+
+    def _scratch(self, rows: int) -> list[Tensor]:
+        """The step's scratch buffers, in `_DecoderStep`'s order: normed, qkv, query,
+        attended, gate_up, activated."""
+        q_width = self.num_heads * self.head_dim
+        widths = [
+            self.hidden,
+            q_width + 2 * self.num_kv_heads * self.head_dim,
+            q_width,
+            q_width,
+            2 * self.intermediate,
+            self.intermediate,
+        ]
+        return [torch.empty(rows, width, dtype=self.dtype) for width in widths]
+
     def run(
         self,
         hidden: Tensor,
@@ -234,41 +264,21 @@ class Int8DecoderStack:
         """Every layer over `hidden` [T, hidden] (the residual stream so far, or None before
         the first layer): (the last layer's output, the residual stream), or None where this
         step does not fit (then nothing was written)."""
-        rows = hidden.shape[0]
-        rotary = (rows, self.head_dim)
-        if (
-            hidden.dtype != self.dtype
-            or hidden.shape != (rows, self.hidden)
-            or cos.dtype != self.dtype
-            or cos.shape != rotary
-            or sin_signed.shape != rotary
-            or slot_mapping.dtype != torch.int64
-            or not (cos.is_contiguous() and sin_signed.is_contiguous())
-            or not slot_mapping.is_contiguous()
-            or not self._attach_caches(key_caches, value_caches)
+        if not self._fits(hidden, cos, sin_signed, slot_mapping) or not self._attach_caches(
+            key_caches, value_caches
         ):
             return None
+        rows = hidden.shape[0]
         hidden = hidden.contiguous().clone()  # written in place by every layer
         out_residual = (
             torch.empty_like(hidden) if residual is None else residual.contiguous().clone()
         )
-
-        def scratch(width: int) -> Tensor:
-            return torch.empty(rows, width, dtype=self.dtype)
-
-        heads = (self.num_heads, self.num_kv_heads)
-        buffers = [
-            scratch(self.hidden),  # normed
-            scratch((heads[0] + 2 * heads[1]) * self.head_dim),  # qkv
-            scratch(heads[0] * self.head_dim),  # query
-            scratch(heads[0] * self.head_dim),  # attended
-            scratch(2 * self.intermediate),  # gate_up
-            scratch(self.intermediate),  # activated
-        ]
+        buffers = self._scratch(rows)  # alive until the call returns
         step = _DecoderStep(
             rows,
             self.hidden,
-            *heads,
+            self.num_heads,
+            self.num_kv_heads,
             self.head_dim,
             self.intermediate,
             SUPPORTED_DTYPES[self.dtype],
