@@ -38,7 +38,7 @@ from textgate.launcher_nodes import (
     shard_env,
     shard_network_argv,
 )
-from textgate.logs import setup_logging
+from textgate.logs import level_from_env, setup_logging
 from textgate.shard_server.flag_types import cuda_graph_sizes as cuda_graph_sizes
 
 log = logging.getLogger("textgate.launcher")
@@ -397,7 +397,11 @@ def _stop_timeout(child: Child, config: LauncherConfig) -> float:
 
 def main(argv: Sequence[str] | None = None) -> None:
     config = parse_args(argv)
-    setup_logging(config.json_output, "launcher")
+    try:
+        level = level_from_env()
+    except ValueError as exc:
+        raise SystemExit(f"textgate-launcher: error: {exc}") from None
+    setup_logging(config.json_output, "launcher", level)
     log.info("Args %s", json.dumps(dataclasses.asdict(config)))
     sys.exit(run(config))
 

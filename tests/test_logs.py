@@ -7,7 +7,8 @@ import logging
 
 import pytest
 
-from textgate.logs import JsonFormatter, setup_logging
+from textgate.launcher import main as launcher_main
+from textgate.logs import JsonFormatter, level_from_env, setup_logging
 
 
 def record(message: str, **extra: object) -> logging.LogRecord:
@@ -51,3 +52,33 @@ def test_setup_logging_writes_one_shape(
         assert json.loads(line)["message"] == "Args {}"
     else:
         assert line.endswith(" INFO [launcher] textgate.launcher: Args {}")
+
+
+@pytest.mark.parametrize(
+    ("value", "level"),
+    [("", logging.INFO), ("debug", logging.DEBUG), (" WARNING ", logging.WARNING),
+     ("error", logging.ERROR)],
+)  # fmt: skip
+def test_log_level_comes_from_tgis_env_var(
+    value: str, level: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LOG_LEVEL", value)
+    assert level_from_env() == level
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        setup_logging(False, "router")
+        assert root.level == level
+    finally:
+        root.handlers[:], old = saved
+        root.setLevel(old)
+
+
+def test_an_unknown_log_level_is_refused_naming_the_choices(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("LOG_LEVEL", "chatty")
+    with pytest.raises(ValueError, match="LOG_LEVEL='chatty': expected one of debug, error"):
+        level_from_env()
+    with pytest.raises(SystemExit, match="textgate-launcher: error: LOG_LEVEL='chatty'"):
+        launcher_main(["--port", "1"])

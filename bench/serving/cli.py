@@ -7,7 +7,7 @@
         --grammar-on B --concurrency 8        # unconstrained (A) vs JSON-constrained (B)
 
 Prints a throughput table and a latency table (mean/p50/p90/p99 of TTFT, TPOT, ITL, E2E),
-and with `--compare` the A/B ratios; `--json-out` appends one JSON line per run and
+and with `--compare` the A/B ratios; `--json-out` appends one JSON line per run (`--requests-out`: per request) and
 `--plot` writes a PNG. Exits 1 when any request failed.
 """
 
@@ -29,6 +29,7 @@ from textgate.bench.serving.report import (
     compare_results,
     format_results,
     format_spread,
+    request_records,
     result_record,
 )
 from textgate.bench.serving.runner import BenchConfig, RunResult, Target, run_benchmark
@@ -116,6 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     out = parser.add_argument_group("output")
     out.add_argument("--json-out", default=None, help="append one JSON line per run")
+    out.add_argument(
+        "--requests-out",
+        default=None,
+        help="append one JSON line per measured request (round, start, TTFT, worst gap)",
+    )
     out.add_argument("--plot", default=None, help="write a PNG of the sweep")
     out.add_argument("--label", default="", help="free text stored in the JSON records")
     return parser
@@ -204,6 +210,10 @@ def report(results: Sequence[RunResult], args: argparse.Namespace, context: dict
         print(compare_results(results))
     if args.json_out:
         append_json_lines(args.json_out, [result_record(r, context) for r in results])
+    if args.requests_out:
+        append_json_lines(
+            args.requests_out, [rec for r in results for rec in request_records(r, context)]
+        )
     if args.plot:
         from textgate.bench.serving.plot import plot_results
 

@@ -219,6 +219,37 @@ def result_record(result: RunResult, context: Mapping[str, Any]) -> dict[str, An
     )
 
 
+def request_records(result: RunResult, context: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One JSON record per measured request of `result`: its round, its start (seconds after
+    the round's first request started) and what the client saw, times in milliseconds."""
+    records: list[dict[str, Any]] = []
+    begin = 0
+    for round_index, size in enumerate(result.round_sizes):
+        outcomes = result.outcomes[begin : begin + size]
+        begin += size
+        origin = min((o.start_time for o in outcomes), default=0.0)
+        for index, o in enumerate(outcomes):
+            records.append(
+                {
+                    **context,
+                    "target": result.target.name,
+                    "concurrency": result.level.concurrency,
+                    "request_rate": result.level.request_rate,
+                    "round": round_index + 1,
+                    "index": index,
+                    "success": o.success,
+                    "start_s": round(o.start_time - origin, 6),
+                    "prompt_len": o.prompt_len,
+                    "output_tokens": o.output_tokens,
+                    "ttft_ms": round(o.ttft * 1000, 3),
+                    "itl_max_ms": round(max(o.itl, default=0.0) * 1000, 3),
+                    "latency_ms": round(o.latency * 1000, 3),
+                    "error": o.error,
+                }
+            )
+    return records
+
+
 def append_json_lines(path: str | Path, records: Sequence[Mapping[str, Any]]) -> None:
     """Append one JSON object per line to `path` (created when missing)."""
     with Path(path).open("a", encoding="utf-8") as f:

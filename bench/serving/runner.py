@@ -86,10 +86,13 @@ class RunResult:
     goodput: GoodputTargets = field(default_factory=GoodputTargets)
     round_metrics: list[BenchmarkMetrics] = field(default_factory=list)
     """Each round on its own, for the spread between rounds."""
+    round_sizes: list[int] = field(default_factory=list)
+    """How many of `outcomes` each round added, in order."""
 
     def add_round(self, outcomes: Sequence[RequestOutcome], duration_s: float) -> None:
         """Pool one more round into this result."""
         self.round_metrics.append(compute_metrics(outcomes, duration_s, self.goodput))
+        self.round_sizes.append(len(outcomes))
         self.outcomes.extend(outcomes)
         self.duration_s += duration_s
         self.rounds += 1

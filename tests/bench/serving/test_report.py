@@ -13,6 +13,7 @@ from textgate.bench.serving.report import (
     format_spread,
     format_table,
     ratio,
+    request_records,
     result_record,
 )
 from textgate.bench.serving.runner import RunResult, Target
@@ -83,6 +84,22 @@ def test_records_are_json_lines(tmp_path) -> None:
         ("x", 4, 2), ("y", 8, 2)
     ]  # fmt: skip
     assert records[0]["tpot"]["p99_ms"] > 0
+
+
+def test_request_records_keep_each_round_and_start_from_its_first_request() -> None:
+    r = RunResult(Target("http://A", "tgi", None, "A"), LoadLevel(concurrency=2))
+    late = RequestOutcome(True, 10, 3, 0.3, [0.01, 0.05], 0.36, start_time=100.5)
+    r.add_round([ok(0.1, 0.01), late], 1.0)
+    r.add_round([RequestOutcome(False, 10, start_time=7.0, error="HTTP 503")], 1.0)
+    for o in r.outcomes[:1]:
+        o.start_time = 100.0
+    records = request_records(r, {"label": "x"})
+    assert [(x["round"], x["index"], x["start_s"]) for x in records] == [
+        (1, 0, 0.0), (1, 1, 0.5), (2, 0, 0.0)
+    ]  # fmt: skip
+    assert records[1]["ttft_ms"] == 300.0 and records[1]["itl_max_ms"] == 50.0
+    assert records[2]["success"] is False and records[2]["error"] == "HTTP 503"
+    assert {x["label"] for x in records} == {"x"} and records[0]["concurrency"] == 2
 
 
 def test_plot_writes_a_png(tmp_path) -> None:
