@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from textgate.proto import generate_pb2 as pb
@@ -155,10 +155,14 @@ class Admitted:
         generations: Iterable[pb.Generation],
         expected_ids: Iterable[int],
         running: Collection[int] | None = None,
+        num_drafts: Mapping[int, int] | None = None,
     ) -> Routed:
         """Send each Generation to its request, release the finished ones, and fail those
         `expected_ids` the shards neither finished nor keep `running` (default: the ones
-        answered with a token), which would otherwise wait forever."""
+        answered with a token), which would otherwise wait forever. `num_drafts`: the
+        drafts each speculating request had verified in the step (its channel counts them,
+        and the ones accepted, before it hears the step's tokens)."""
+        drafts = num_drafts or {}
         routed = Routed()
         for generation in generations:
             entry = self._entries.get(generation.request_id)
@@ -170,6 +174,8 @@ class Admitted:
                 routed.failed += self.fail([entry], generation.error, "validation")
                 continue
             event = StepEvent.from_pb(generation, entry.request.skip_special_tokens)
+            if drafts.get(entry.id):
+                entry.channel.verified(drafts[entry.id], len(generation.tokens.ids))
             if entry.out_of_time and event.finished is None and event.tokens:
                 event = _ended_by_deadline(entry, event)
             entry.channel.push(event)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+import statistics
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -87,6 +88,24 @@ class StepEvent:
             finished=finished,
         )
 
+    def split(self, num_tokens: int) -> tuple[StepEvent, StepEvent]:
+        """The event's first `num_tokens` tokens (with its prompt tokens) and the rest (with
+        its end), each an event of its own; 0 < `num_tokens` < len(tokens)."""
+        if not 0 < num_tokens < len(self.tokens):
+            raise ValueError(f"cannot split {len(self.tokens)} tokens at {num_tokens}")
+        head = StepEvent(
+            tokens=self.tokens[:num_tokens],
+            top_tokens=self.top_tokens[:num_tokens],
+            prefill=self.prefill,
+            prefill_top=self.prefill_top,
+        )
+        rest = StepEvent(
+            tokens=self.tokens[num_tokens:],
+            top_tokens=self.top_tokens[num_tokens:],
+            finished=self.finished,
+        )
+        return head, rest
+
     @classmethod
     def joined(cls, events: Sequence[StepEvent]) -> StepEvent:
         """One event carrying the steps of `events` in order, ending as the last one does."""
@@ -130,6 +149,18 @@ def tokens_from_pb(tokens: pb.Tokens) -> list[TokenInfo]:
     return result
 
 
+@dataclass(frozen=True)
+class Arrival:
+    """When a pushed event came, and how many tokens its step brought (an event split by
+    `Channel.take` keeps its step's arrival)."""
+
+    at: float
+    num_step_tokens: int
+
+
+NUM_STEP_GAPS = 4
+"""Gaps between a request's last steps that `Channel.step_interval` is the median of."""
+
 STREAM_BUFFER_OVERFLOW = "stream_buffer_overflow"
 """The `error_type` of a stream cancelled because its client left too many tokens unread."""
 
@@ -149,9 +180,11 @@ class Channel:
     dropped, the request is cancelled, and an error event is all that is left to read.
     """
 
-    def __init__(self, input_length: int) -> None:
+    def __init__(self, input_length: int, clock: Callable[[], float] = time.monotonic) -> None:
+        """`clock` gives the monotonic seconds the channel's timings are in."""
         self.input_length = input_length
-        self.queued_at = time.monotonic()
+        self._clock = clock
+        self.queued_at = clock()
         """When the request was admitted."""
         self.started_at: float | None = None
         """When its first prefill was sent."""
@@ -162,7 +195,15 @@ class Channel:
         self.num_token_events = 0
         """Steps that brought it tokens (fewer than its tokens where speculation's drafts
         were accepted)."""
+        self.num_draft_tokens = 0
+        """Speculation's drafts the shards verified for it."""
+        self.num_accepted_tokens = 0
+        """Of those, the ones accepted (each a token it got without a step of its own)."""
         self._events: deque[Event] = deque()
+        self._arrivals: deque[Arrival] = deque()
+        """Beside each event of `_events`: when its step came."""
+        self._step_gaps: deque[float] = deque(maxlen=NUM_STEP_GAPS)
+        self._last_step_at: float | None = None
         self._num_pending_tokens = 0
         self._max_pending_tokens: int | None = None
         self._on_overflow: Callable[[], None] | None = None
@@ -200,6 +241,28 @@ class Channel:
         """The request's last event waits to be taken."""
         return bool(self._events) and is_final(self._events[-1])
 
+    @property
+    def newest_pending(self) -> tuple[Event, Arrival] | None:
+        """The last event waiting to be taken (what is left of it) and when its step came."""
+        if not self._events:
+            return None
+        return self._events[-1], self._arrivals[-1]
+
+    @property
+    def step_interval(self) -> float | None:
+        """Seconds between the request's steps lately (the median of the gaps between its
+        last token-bearing steps); None before its second such step."""
+        if not self._step_gaps:
+            return None
+        return statistics.median(self._step_gaps)
+
+    def verified(self, num_drafts: int, num_emitted: int) -> None:
+        """A step verified `num_drafts` drafts for the request and gave it `num_emitted`
+        tokens: the accepted drafts, then the step's own token (fewer where the request
+        ended inside the accepted run)."""
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += max(0, min(num_emitted - 1, num_drafts))
+
     def bound(self, max_pending_tokens: int, on_overflow: Callable[[], None] | None = None) -> None:
         """Cancel the request when more than `max_pending_tokens` tokens would wait untaken,
         and call `on_overflow` then (the reader may not look for a long time).
@@ -223,8 +286,13 @@ class Channel:
             return
         final = is_final(event)
         num_tokens = 0 if isinstance(event, ErrorEvent) else len(event.tokens)
-        if num_tokens and self.first_token_at is None:
-            self.first_token_at = time.monotonic()
+        now = self._clock()
+        if num_tokens:
+            if self.first_token_at is None:
+                self.first_token_at = now
+            if self._last_step_at is not None:
+                self._step_gaps.append(now - self._last_step_at)
+            self._last_step_at = now
         self.num_generated += num_tokens
         self.num_token_events += num_tokens > 0
         limit = self._max_pending_tokens
@@ -233,20 +301,31 @@ class Channel:
             return
         self._closed = final
         self._events.append(event)
+        self._arrivals.append(Arrival(now, num_tokens))
         self._num_pending_tokens += num_tokens
         self._arrived.set()
 
-    def take(self, max_tokens: int | None = None) -> list[Event]:
+    def take(self, max_tokens: int | None = None, split: bool = False) -> list[Event]:
         """The events waiting, oldest first: all of them, or whole events up to `max_tokens`
-        tokens (at least one event when any waits)."""
+        tokens (at least one event when any waits). With `split`, exactly `max_tokens`
+        tokens where that many wait: the event that would pass the bound gives its first
+        tokens (`StepEvent.split`) and the rest of it stays first in line."""
         taken: list[Event] = []
         num_tokens = 0
         while self._events:
             event = self._events[0]
             size = 0 if isinstance(event, ErrorEvent) else len(event.tokens)
-            if taken and max_tokens is not None and num_tokens + size > max_tokens:
-                break
+            if max_tokens is not None and num_tokens + size > max_tokens:
+                room = max_tokens - num_tokens
+                if split and room > 0 and isinstance(event, StepEvent):
+                    head, self._events[0] = event.split(room)
+                    taken.append(head)
+                    num_tokens += room
+                    break
+                if taken:
+                    break
             taken.append(self._events.popleft())
+            self._arrivals.popleft()
             num_tokens += size
         self._num_pending_tokens -= num_tokens
         return taken
@@ -286,6 +365,7 @@ class Channel:
         """Too much waits unread: drop it, cancel the request, leave only the error to read."""
         unread = self._num_pending_tokens
         self._events.clear()
+        self._arrivals.clear()
         self._num_pending_tokens = 0
         self.cancel()
         self._closed = True
@@ -294,6 +374,7 @@ class Channel:
             f"so the request was cancelled ({unread} unread tokens dropped)"
         )
         self._events.append(ErrorEvent(message, STREAM_BUFFER_OVERFLOW))
+        self._arrivals.append(Arrival(self._clock(), 0))
         self._arrived.set()
         if self._on_overflow is not None:
             self._on_overflow()

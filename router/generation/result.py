@@ -43,6 +43,10 @@ class Generated:
     ended_at: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     """When its first generated token arrived; None: it generated none."""
+    num_draft_tokens: int = 0
+    """Speculation's drafts verified for it (`Channel.num_draft_tokens`)."""
+    num_accepted_tokens: int = 0
+    """Of those, the ones accepted."""
 
     @property
     def logprob_sum(self) -> float:
@@ -111,6 +115,8 @@ async def collect(channel: Channel) -> Generated:
                 prefill=prefill,
                 prefill_top=prefill_top,
                 first_token_at=channel.first_token_at,
+                num_draft_tokens=channel.num_draft_tokens,
+                num_accepted_tokens=channel.num_accepted_tokens,
             )
     raise GenerationError(INCOMPLETE)
 

@@ -85,3 +85,17 @@ def test_fail_ids_fails_only_the_admitted_ones() -> None:
     failed = admitted.fail_ids([entry.id, 42], "boom")
     assert failed == [entry] and len(admitted) == 0
     assert entry.channel.take() == [ErrorEvent("boom")]
+
+
+def test_route_counts_each_requests_verified_and_accepted_drafts() -> None:
+    admitted = Admitted(max_active=4)
+    speculating, plain = admitted.admit([request(), request()], on_cancel=lambda: None)
+    three = pb.Generation(request_id=speculating.id, tokens=pb.Tokens(ids=[1, 2, 3]))
+    admitted.route(
+        [three, token(plain.id, 9)], [speculating.id, plain.id], num_drafts={speculating.id: 4}
+    )
+    one = pb.Generation(request_id=speculating.id, tokens=pb.Tokens(ids=[4]))
+    admitted.route([one], [speculating.id], num_drafts={speculating.id: 2})
+    # 4 drafts, 2 accepted (3 tokens); then 2 drafts, none accepted (1 token).
+    assert (speculating.channel.num_draft_tokens, speculating.channel.num_accepted_tokens) == (6, 2)
+    assert (plain.channel.num_draft_tokens, plain.channel.num_accepted_tokens) == (0, 0)
