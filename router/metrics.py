@@ -8,8 +8,9 @@ picker and llm-d read to route between replicas (`vllm:num_requests_waiting`,
 Every app owns a `Metrics` with its own `CollectorRegistry` (tests build many apps in
 one process). The HTTP handlers record per-request metrics (`request_*`), the engines
 record per-step ones (`batch_*`, `queue_size`, `running_batch`) and expose their KV
-cache, batch controller and adapters through `watch_kv_cache`, `watch_batch_controller`
-and `watch_adapters`, read at scrape time (router/metrics_collectors.py).
+cache, batch controller, adapters and cost per token through `watch_kv_cache`,
+`watch_batch_controller`, `watch_adapters` and `watch_cost`, read at scrape time
+(router/metrics_collectors.py).
 
 `render()` writes the Prometheus text format the way TGI's exporter does: counters keep
 their bare name (`tgi_request_count`, not `tgi_request_count_total`) and there are no
@@ -32,6 +33,8 @@ from textgate.router.metrics_collectors import (
     AdapterStats,
     BatchControllerCollector,
     BatchControllerState,
+    CostCollector,
+    CostReport,
     KvCacheCollector,
     KvCacheStats,
 )
@@ -78,6 +81,7 @@ class Metrics:
         self._kv_cache: KvCacheCollector | None = None
         self._batch_controller: BatchControllerCollector | None = None
         self._adapters: AdapterCollector | None = None
+        self._cost: CostCollector | None = None
         self._define_request_metrics(max_input_tokens, max_total_tokens)
         self._define_batch_metrics()
         self._define_tenant_metrics()
@@ -248,6 +252,14 @@ class Metrics:
             self.registry.register(self._adapters)
         else:
             self._adapters.stats = stats
+
+    def watch_cost(self, report: Callable[[], CostReport]) -> None:
+        """Export cost per token (--device-hour-cost): `report` is called at every scrape."""
+        if self._cost is None:
+            self._cost = CostCollector(report)
+            self.registry.register(self._cost)
+        else:
+            self._cost.report = report
 
     # ---- exposition ----
 

@@ -1,5 +1,5 @@
-"""What the metrics read from a paged engine at scrape time: its KV cache, batch controller
-and LoRA adapters, as Prometheus collectors (textgate's own series and the vLLM-named
+"""What the metrics read from a paged engine at scrape time: its KV cache, batch controller,
+LoRA adapters and cost per token, as Prometheus collectors (textgate's own series and the vLLM-named
 ones routers read; router/metrics.py registers them).
 """
 
@@ -69,6 +69,39 @@ class AdapterStats:
     """Adapters made resident since startup (first uses and reloads after eviction)."""
     num_evictions: int = 0
     """Resident adapters evicted to make room for another since startup."""
+
+
+@dataclass(frozen=True)
+class CostRates:
+    """Busy time attributed to input and output tokens, the tokens, and the cost per 1k
+    tokens of each (None where no token of that kind was counted)."""
+
+    input_busy_s: float
+    output_busy_s: float
+    num_input_tokens: int
+    """Prompt tokens computed (prefix-cache hits are not)."""
+    num_output_tokens: int
+    """Tokens generated."""
+    per_1k_input_tokens_usd: float | None
+    per_1k_output_tokens_usd: float | None
+
+
+@dataclass(frozen=True)
+class CostReport:
+    """A paged engine's cost per token (`engine.cost_meter.CostMeter`), read at scrape time."""
+
+    device_hour_cost_usd: float
+    """--device-hour-cost: what one hour of the serving group's devices costs."""
+    window_s: float
+    """Seconds of steps `window` and `tenants` cover."""
+    window: CostRates
+    """Every request's steps in the window."""
+    lifetime: CostRates
+    """Every step since startup."""
+    tenants: Mapping[str, CostRates]
+    """Named tenant -> its requests' share of the window (anonymous requests: none)."""
+    tenants_lifetime: Mapping[str, CostRates]
+    """Named tenant -> its share since startup."""
 
 
 class KvCacheCollector(Collector):
@@ -208,3 +241,71 @@ class AdapterCollector(Collector):
 
 def _adapter_names(counts: Mapping[str, int]) -> str:
     return ",".join(sorted(name for name, count in counts.items() if count > 0))
+
+
+class CostCollector(Collector):
+    """Cost per 1k input and output tokens over the recent window, overall and per tenant,
+    and the busy time, tokens and cost behind them since startup (--device-hour-cost)."""
+
+    def __init__(self, report: Callable[[], CostReport]) -> None:
+        self.report = report
+
+    def collect(self) -> Iterable[Metric]:
+        r = self.report()
+        yield GaugeMetricFamily(
+            "textgate_device_hour_cost_usd",
+            "What one hour of the serving group's devices costs (--device-hour-cost)",
+            r.device_hour_cost_usd,
+        )
+        yield GaugeMetricFamily(
+            "textgate_cost_window_seconds", "Seconds of steps the cost gauges cover", r.window_s
+        )
+        for kind in ("input", "output"):
+            overall = GaugeMetricFamily(
+                f"textgate_cost_per_1k_{kind}_tokens_usd",
+                f"USD per 1k {kind} tokens: device-hour cost x busy hours attributed to "
+                f"{kind} tokens / {kind} tokens, over the window (absent without any)",
+            )
+            value = _per_1k(r.window, kind)
+            if value is not None:
+                overall.add_metric([], value)
+            yield overall
+            tenants = GaugeMetricFamily(
+                f"textgate_tenant_cost_per_1k_{kind}_tokens_usd",
+                f"USD per 1k {kind} tokens of each tenant's requests, over the window",
+                labels=["tenant"],
+            )
+            for tenant, rates in r.tenants.items():
+                value = _per_1k(rates, kind)
+                if value is not None:
+                    tenants.add_metric([tenant], value)
+            yield tenants
+        busy = CounterMetricFamily(
+            "textgate_cost_busy_seconds",
+            "Busy device seconds attributed to input (prompt) and output (generated) tokens",
+            labels=["kind"],
+        )
+        busy.add_metric(["input"], r.lifetime.input_busy_s)
+        busy.add_metric(["output"], r.lifetime.output_busy_s)
+        yield busy
+        tokens = CounterMetricFamily(
+            "textgate_cost_tokens",
+            "Tokens the busy seconds bought: prompt tokens computed, tokens generated",
+            labels=["kind"],
+        )
+        tokens.add_metric(["input"], r.lifetime.num_input_tokens)
+        tokens.add_metric(["output"], r.lifetime.num_output_tokens)
+        yield tokens
+        spent = CounterMetricFamily(
+            "textgate_tenant_cost_usd",
+            "USD of busy device time attributed to each tenant's requests",
+            labels=["tenant"],
+        )
+        for tenant, rates in r.tenants_lifetime.items():
+            busy_s = rates.input_busy_s + rates.output_busy_s
+            spent.add_metric([tenant], r.device_hour_cost_usd * busy_s / 3600.0)
+        yield spent
+
+
+def _per_1k(rates: CostRates, kind: str) -> float | None:
+    return rates.per_1k_input_tokens_usd if kind == "input" else rates.per_1k_output_tokens_usd
