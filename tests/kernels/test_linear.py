@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from textgate.kernels.linear import (
+    EXACT_ROWS,
     FastLinear,
     can_prepack,
     packed_linear,
+    padded_rows,
     prepack,
     reference_linear,
 )
@@ -20,7 +22,7 @@ needs_packing = pytest.mark.skipif(
 
 @needs_packing
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [0, 1, 5, 33])
+@pytest.mark.parametrize("rows", [0, 1, 5, 33, 161])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_matches_reference(dtype, rows, bias):
     if not can_prepack(torch.zeros(2, 2, dtype=dtype)):
@@ -50,6 +52,40 @@ def test_packed_takes_batched_and_strided_inputs():
     torch.testing.assert_close(packed_linear(x, packed), reference_linear(x, weight))
     strided = torch.randn(4, 32)[:, ::2]
     torch.testing.assert_close(packed_linear(strided, packed), reference_linear(strided, weight))
+
+
+def test_row_counts_past_the_exact_ones_round_up_to_eight_per_doubling():
+    assert [padded_rows(n) for n in (0, 1, 17, EXACT_ROWS)] == [0, 1, 17, EXACT_ROWS]
+    assert [padded_rows(n) for n in (33, 36, 37, 64, 65, 161, 256, 257, 1281)] == [
+        36, 36, 40, 64, 72, 176, 256, 288, 1408
+    ]  # fmt: skip
+    counts = {padded_rows(n) for n in range(1, 4097)}
+    assert len(counts) <= EXACT_ROWS + 8 * 7  # few kernels for oneDNN to build and keep
+    for n in range(1, 4097):
+        assert n <= padded_rows(n) <= n * 9 / 8
+
+
+@needs_packing
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padded_rows_give_each_real_row_what_it_gets_alone(dtype):
+    """The padding's rows are dropped, and a real row is the same whatever pads it: a
+    161-row product (multiplied as 176) equals its rows multiplied at a count that needs no
+    padding (160 and 1, exact), up to summation order (oneDNN may block another count
+    differently)."""
+    if not can_prepack(torch.zeros(2, 2, dtype=dtype)):
+        pytest.skip(f"{dtype} packing unsupported on this CPU")
+    generator = torch.Generator().manual_seed(7)
+    weight = torch.randn(48, 64, generator=generator).to(dtype)
+    x = torch.randn(3, 161, 64, generator=generator).to(dtype)[1]
+    packed = prepack(weight)
+    out = packed_linear(x, packed)
+    assert out.shape == (161, 48) and out.is_contiguous()
+    parts = torch.cat([packed_linear(x[:160], packed), packed_linear(x[160:], packed)])
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(out, parts, rtol=1.6e-2, atol=1e-2)
+    else:
+        torch.testing.assert_close(out, parts, rtol=0, atol=1e-5)
+    torch.testing.assert_close(out, reference_linear(x, weight), rtol=2e-2, atol=2e-2)
 
 
 def test_what_is_not_packed():
