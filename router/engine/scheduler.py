@@ -12,8 +12,11 @@ computing that prompt, then joins on a prefix-cache hit of the prompt's full blo
 
 The waiting queue is ordered by `priority` (lower first) and is first come, first served
 within one priority: a request joins behind every waiting one of its priority or better,
-and a preempted one goes back ahead of every waiting one of its priority. Only admission
-follows priority; a running request is never preempted for a better one.
+and a preempted one goes back ahead of every waiting one of its priority. A request of a
+better priority than some running one, at the head of the queue and unable to join (the
+batch limit is reached, or its blocks are not free), preempts the newest running request
+of the worst priority, as many as it needs (`_make_way`): recompute, so the preempted one
+resumes with its tokens kept and greedy output unchanged.
 
 Within the best waiting priority class, tenants share fairly (`fairness`, the Virtual
 Token Counter): the next request is the first of the backlogged tenant whose weighted
@@ -157,6 +160,8 @@ class Scheduler:
         self._in_flight_counts: tuple[int, int, float] = (0, 0, 0.0)
         self._num_steps_without_join = 0
         self.num_preemptions = 0
+        self.num_priority_preemptions = 0
+        """Of those, the preemptions for a waiting request of a better priority."""
         self.speculator = speculator
         """N-gram speculation's proposals and acceptance rates; None = off."""
         if speculator is None and config.speculation is not None:
@@ -292,9 +297,11 @@ class Scheduler:
         num_drafts = sum(len(tokens) for tokens in drafts.values())
         budget = min(self.config.max_num_batched_tokens, budget + num_drafts)
         draft = _StepDraft(budget=budget, drafts=drafts)
+        self._make_way(draft)
+        made_way = len(draft.preempted_ids)
         self._schedule_running(draft)
         # Admitting while running requests are short of blocks would only preempt more.
-        if not draft.preempted_ids:
+        if len(draft.preempted_ids) == made_way:
             self._schedule_waiting(draft)
         if draft.new_request_ids or not self._waiting:
             self._num_steps_without_join = 0
@@ -396,6 +403,33 @@ class Scheduler:
                 for r in pending
             )
         )
+
+    def _make_way(self, draft: _StepDraft) -> None:
+        """Preempt for the head of the queue when a running request has a worse priority and
+        the head cannot join otherwise: no seat below the batch limit, or fewer free blocks
+        than its tokens need (prefix hits not counted). The victims are the newest running
+        requests of the worst priority, one at a time until the head fits; none of a
+        priority as good as the head's is ever preempted. A head on a LoRA adapter, or a
+        copy waiting for its original's prefill, does not preempt (a seat would not be
+        what it waits for)."""
+        if not self._waiting or not self._running:
+            return
+        head = next(iter(self._waiting))
+        if head.adapter or self._awaits_prompt(head):
+            return
+        size = self.config.block_size
+        tokens = min(head.num_tokens + self.config.num_reserved_tokens, head.max_total_tokens)
+        needed = -(-tokens // size)
+        while self._running:
+            seated = len(self._running) < self.batch_limit
+            if seated and self.allocator.num_free_blocks >= needed:
+                return
+            worst = max(request.priority for request in self._running)
+            if worst <= head.priority:
+                return
+            victim = next(r for r in reversed(self._running) if r.priority == worst)
+            self._preempt(victim, draft)
+            self.num_priority_preemptions += 1
 
     def _schedule_running(self, draft: _StepDraft) -> None:
         """Give every running request its next tokens, oldest first.
