@@ -96,6 +96,8 @@ class FakeServer:
         self.token_delay_s = token_delay_s
         self.transformers_serve = False
         self.bodies: list[dict[str, Any]] = []
+        self.authorizations: list[str] = []
+        """The Authorization header of each chat request ("" when none)."""
         self.app = Starlette(
             routes=[
                 Route("/health", self.health),
@@ -185,6 +187,7 @@ class FakeServer:
     async def chat(self, request: Request) -> Response:
         body = await request.json()
         self.bodies.append(body)
+        self.authorizations.append(request.headers.get("authorization", ""))
         n = body["max_tokens"]
         text = " ".join(m["content"] for m in body["messages"])
         if (error := self._reject(text, body)) is not None:
