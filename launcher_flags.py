@@ -255,6 +255,12 @@ class LauncherConfig:
     max_stream_buffer: int = flag(
         2048, "Tokens a stream may leave unread before its request is cancelled", int
     )
+    smooth_speculative_streams: bool = flag(
+        False,
+        "Spread the tokens one step brings at once (--speculate's accepted drafts) over the "
+        "stream's recent step interval instead of sending them in a burst",
+        parse_bool,
+    )
     hostname: str = flag("0.0.0.0", "Address the HTTP server binds")
     port: int = flag(8080, "Port the HTTP server binds", int)
     shard_uds_path: str = flag("/tmp/textgate-server", "Prefix of the shards' unix sockets")

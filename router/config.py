@@ -101,6 +101,10 @@ class RouterConfig:
     """Most tokens per second sent to one stream (a steady pace for UIs); None = unpaced."""
     max_stream_buffer: int = DEFAULT_MAX_STREAM_BUFFER
     """Tokens a stream may hold unread before its request is cancelled with an error event."""
+    smooth_speculative_streams: bool = False
+    """`--smooth-speculative-streams`: the tokens one step brings at once (speculation's
+    accepted drafts) go out spread over the stream's recent step interval, not in a burst
+    (router/http/delivery.py `smoothed_due`)."""
     api_key: str | None = None
     """When set, every route requires `Authorization: Bearer <api_key>`."""
     api_keys_file: str | None = None

@@ -158,7 +158,10 @@ class PagedEngine:
             await self.shard_calls.clear_cache()
             return
         answered = time.monotonic()
-        routed = self._admitted.route(response.generations, expected_ids=producing)
+        drafts = {s.request_id: s.num_draft_tokens for s in output.scheduled if s.num_draft_tokens}
+        routed = self._admitted.route(
+            response.generations, expected_ids=producing, num_drafts=drafts
+        )
         self._forget(routed.failed)
         self._metrics.adapter_tokens(routed.adapter_tokens)
         self._metrics.skipped_tokens(routed.skipped_tokens)

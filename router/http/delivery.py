@@ -4,7 +4,9 @@ The first token goes out at once. After that a stream follows its reader: while 
 previous write is still being sent (the client reads slower than tokens come), new
 events wait in their channels, and the next write takes all of them together — nothing
 dropped, order kept. Pacing for UIs holds tokens back on purpose: `interval` tokens per
-write (vLLM's `--stream-interval`) and at most `max_rate` tokens per second. What waits
+write (vLLM's `--stream-interval`), at most `max_rate` tokens per second, and `smooth`:
+the tokens one step brings at once (speculation's accepted drafts) spread over the
+stream's recent step interval (`smoothed_due`). What waits
 unread is bounded by `max_buffer` tokens per channel (`guard_stream`, `Channel.bound`):
 past it the request is cancelled and the stream ends with an error event.
 
@@ -26,6 +28,7 @@ from textgate.router.engine.channel import (
     Channel,
     ErrorEvent,
     Event,
+    StepEvent,
     is_final,
 )
 from textgate.router.metrics import Metrics
@@ -47,10 +50,18 @@ class StreamPacing:
     """Most tokens per second per channel; None = as fast as the client reads."""
     max_buffer: int = DEFAULT_MAX_STREAM_BUFFER
     """Tokens a channel may hold unread before its request is cancelled."""
+    smooth: bool = False
+    """Spread the tokens a step brings at once over the stream's step interval
+    (--smooth-speculative-streams)."""
 
     @classmethod
     def from_config(cls, config: RouterConfig) -> StreamPacing:
-        return cls(config.stream_interval, config.max_stream_rate, config.max_stream_buffer)
+        return cls(
+            config.stream_interval,
+            config.max_stream_rate,
+            config.max_stream_buffer,
+            config.smooth_speculative_streams,
+        )
 
 
 async def deliveries(
@@ -112,6 +123,35 @@ def guard_stream(
     return disconnected
 
 
+def smoothed_due(channel: Channel, now: float) -> tuple[int, float | None]:
+    """How many of `channel`'s waiting tokens are due at `now` when steps are smoothed, and
+    when the next one held back is due (None: none is held).
+
+    A step that brought k tokens spreads them over the request's recent step interval T
+    (`Channel.step_interval`): its token j is due T * j / k after the step came, so the
+    stream's pace follows its rate instead of arriving in bursts. Only the newest step's
+    tokens are ever held: once a later step came, or the step ends the request (its last
+    token and final event), all of it is due; so nothing waits past the next step, and
+    the end of a request is never delayed.
+    """
+    newest = channel.newest_pending
+    num_pending = channel.num_pending_tokens
+    interval = channel.step_interval
+    if newest is None or not interval or is_final(newest[0]):
+        return num_pending, None
+    event, arrival = newest
+    assert isinstance(event, StepEvent)  # an error event is final
+    num_left = len(event.tokens)
+    num_step = arrival.num_step_tokens
+    spacing = interval / max(num_step, 1)
+    # The epsilon: at a due time computed below, that token counts as due.
+    num_due_in_step = min(num_step, math.floor((now - arrival.at) / spacing + 1e-9) + 1)
+    num_released = max(num_due_in_step, num_step - num_left)
+    if num_released >= num_step:
+        return num_pending, None
+    return num_pending - (num_step - num_released), arrival.at + num_released * spacing
+
+
 class _Reader:
     """Takes one channel's events when they are due under the pacing."""
 
@@ -119,6 +159,7 @@ class _Reader:
         self._channel = channel
         self._interval = pacing.interval
         self._rate = pacing.max_rate
+        self._smooth = pacing.smooth
         self._started = False
         self._allowance = 0.0
         """Tokens the rate allows now (a bucket of `interval` tokens, refilled at `rate`)."""
@@ -138,18 +179,19 @@ class _Reader:
             first = channel.take(None if self._rate is None else self._interval)
             return self._taken(first), None
         pending = channel.num_pending_tokens
+        due, held_until = smoothed_due(channel, now) if self._smooth else (pending, None)
         need = min(self._interval, pending) if channel.final_pending else self._interval
-        if pending < need:
-            return [], None
+        if due < need:
+            return [], held_until
         if self._rate is None:
-            return self._taken(channel.take()), None
+            return self._taken(channel.take(due, split=self._smooth)), None
         self._allowance = min(
             float(self._interval), self._allowance + (now - self._refilled_at) * self._rate
         )
         self._refilled_at = now
         if self._allowance < need:
             return [], now + (need - self._allowance) / self._rate
-        events = channel.take(max(math.floor(self._allowance), 1))
+        events = channel.take(min(max(math.floor(self._allowance), 1), due), split=self._smooth)
         self._allowance -= sum(0 if isinstance(e, ErrorEvent) else len(e.tokens) for e in events)
         return self._taken(events), None
 

@@ -17,6 +17,7 @@ from textgate.router.tgi.schemas import (
     Details,
     GenerateResponse,
     PrefillToken,
+    SpeculationDetails,
     StreamDetails,
     StreamResponse,
     Token,
@@ -48,6 +49,7 @@ def generate_response(
             tokens=[_token(t) for t in best.tokens],
             top_tokens=[[_token(t) for t in top] for top in best.top_tokens],
             best_of_sequences=[_best_of_sequence(o, prefix) for o in others] if others else None,
+            speculation=SpeculationDetails.of(best.num_draft_tokens, best.num_accepted_tokens),
         )
     return GenerateResponse(generated_text=prefix + best.finished.text, details=details)
 
@@ -115,6 +117,7 @@ def _stream_details(
         generated_tokens=finished.generated_tokens,
         seed=finished.seed if sampled else None,
         input_length=channel.input_length,
+        speculation=SpeculationDetails.of(channel.num_draft_tokens, channel.num_accepted_tokens),
     )
 
 

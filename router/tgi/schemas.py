@@ -61,10 +61,25 @@ class BestOfSequence(_Response):
     top_tokens: list[list[Token]] = Field(default_factory=list)
 
 
+class SpeculationDetails(_Response):
+    """textgate's own (TGI has no such field): what speculative decoding did for one
+    request (docs/speculative.md)."""
+
+    draft_tokens: int
+    """Proposed tokens (drafts) the model verified for it."""
+    accepted_tokens: int
+    """Of those, the ones accepted: tokens it got without a decode step of their own."""
+
+    @classmethod
+    def of(cls, num_drafts: int, num_accepted: int) -> SpeculationDetails | None:
+        """The details of a request that had drafts verified; None for one that had none."""
+        return cls(draft_tokens=num_drafts, accepted_tokens=num_accepted) if num_drafts else None
+
+
 class Details(_Response):
     """`details` of a /generate response."""
 
-    _omit_if_empty = frozenset({"best_of_sequences", "top_tokens"})
+    _omit_if_empty = frozenset({"best_of_sequences", "top_tokens", "speculation"})
 
     finish_reason: FinishReason
     generated_tokens: int
@@ -73,6 +88,8 @@ class Details(_Response):
     tokens: list[Token]
     best_of_sequences: list[BestOfSequence] | None = None
     top_tokens: list[list[Token]] = Field(default_factory=list)
+    speculation: SpeculationDetails | None = None
+    """Left out when no draft was verified for the request (always without --speculate)."""
 
 
 class GenerateResponse(_Response):
@@ -87,10 +104,14 @@ class GenerateResponse(_Response):
 class StreamDetails(_Response):
     """`details` of the last /generate_stream event."""
 
+    _omit_if_empty = frozenset({"speculation"})
+
     finish_reason: FinishReason
     generated_tokens: int
     seed: int | None
     input_length: int
+    speculation: SpeculationDetails | None = None
+    """As in `Details`."""
 
 
 class StreamResponse(_Response):

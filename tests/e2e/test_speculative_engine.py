@@ -3,7 +3,9 @@ greedy tokens equal those without speculation, token for token, over 20 prompts 
 copy text from the prompt, so drafts are accepted, ten that do not), run in mixed waves (so
 steps mix sequences that verify drafts with ones that do not); seeded sampling is the same
 token for token too, and a stop sequence or max_new_tokens landing inside an accepted run
-ends the request exactly where it would end without speculation."""
+ends the request exactly where it would end without speculation. Each request's channel
+counts its verified and accepted drafts (TGI `details.speculation`), and they add up to
+/metrics' totals."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from textgate.router.engine.paged_engine import PagedEngine
 from textgate.router.engine.request import SamplingParams, StoppingParams, ValidRequest
 from textgate.router.engine.scheduler import Scheduler, SchedulerConfig
 from textgate.router.engine.speculation import SpeculationConfig, SpeculationStats
+from textgate.router.metrics import Metrics
 from textgate.router.shard_client import ShardedClient
 from textgate.shard_server.loading.shard_loader import load_model
 from textgate.shard_server.server import serve
@@ -86,7 +89,9 @@ async def shards(
     await asyncio.gather(task, return_exceptions=True)
 
 
-async def make_engine(shards: ShardedClient, speculate: int) -> PagedEngine:
+async def make_engine(
+    shards: ShardedClient, speculate: int, metrics: Metrics | None = None
+) -> PagedEngine:
     await shards.clear_cache()
     config = SchedulerConfig(
         num_blocks=shards.num_blocks,  # type: ignore[attr-defined]
@@ -95,7 +100,7 @@ async def make_engine(shards: ShardedClient, speculate: int) -> PagedEngine:
         max_num_seqs=16,
         speculation=SpeculationConfig(speculate, 1, 3) if speculate else None,
     )
-    return PagedEngine(shards, Scheduler(config), max_concurrent_requests=64)
+    return PagedEngine(shards, Scheduler(config), max_concurrent_requests=64, metrics=metrics)
 
 
 def request(prompt: list[int], n: int = MAX_NEW, **sampling: object) -> ValidRequest:
@@ -111,14 +116,26 @@ async def events_of(channel: Channel) -> list[StepEvent]:
     return events
 
 
-async def run_waves(engine: PagedEngine, requests: list[ValidRequest]) -> list[list[int]]:
-    """Four requests at a time, copying and plain ones mixed in each wave."""
+async def run_waves(
+    engine: PagedEngine, requests: list[ValidRequest], ended: list[Channel] | None = None
+) -> list[list[int]]:
+    """Four requests at a time, copying and plain ones mixed in each wave; their channels
+    are added to `ended`."""
     outputs: list[list[int]] = []
     for start in range(0, len(requests), 4):
         channels = engine.submit(requests[start : start + 4])
         for events in await asyncio.gather(*(events_of(c) for c in channels)):
             outputs.append([t.id for e in events for t in e.tokens])
+        if ended is not None:
+            ended += channels
     return outputs
+
+
+def sample(metrics: Metrics, name: str) -> float:
+    for line in metrics.render().decode().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} not exported")
 
 
 async def plain_and_speculated(
@@ -152,6 +169,32 @@ async def test_greedy_tokens_equal_without_speculation(
     # The copying prompts had drafts verified and accepted, several tokens per step.
     assert stats.num_accepted_tokens > 50, stats
     assert stats.num_emitted_tokens > 1.5 * stats.num_verify_steps, stats
+
+
+async def test_each_requests_drafts_add_up_to_the_metrics(
+    shards: ShardedClient, prompts: list[list[int]]
+) -> None:
+    metrics = Metrics()
+    engine = await make_engine(shards, 4, metrics)
+    channels: list[Channel] = []
+    await run_waves(engine, [request(p) for p in mixed(prompts)[:8]], channels)
+    await engine.close()
+    drafts = sum(c.num_draft_tokens for c in channels)
+    accepted = sum(c.num_accepted_tokens for c in channels)
+    assert accepted > 10 and drafts >= accepted
+    assert sample(metrics, "textgate_speculative_draft_tokens") == drafts
+    assert sample(metrics, "textgate_speculative_accepted_tokens") == accepted
+    assert sample(metrics, "textgate_speculative_acceptance_rate") == pytest.approx(
+        accepted / drafts
+    )
+    steps = sample(metrics, "textgate_speculative_verify_steps")
+    emitted = sample(metrics, "textgate_speculative_emitted_tokens")
+    assert sample(metrics, "textgate_speculative_tokens_per_step") == pytest.approx(emitted / steps)
+    assert emitted / steps > 1.5, "copying prompts: several tokens per verifying step"
+    # TGI's skipped tokens: each finished request's tokens beyond one per step.
+    skipped = sum(c.num_skipped_tokens for c in channels)
+    assert sample(metrics, "tgi_request_skipped_tokens_sum") == skipped
+    assert sample(metrics, "tgi_request_skipped_tokens_count") == len(channels)
 
 
 async def test_seeded_sampling_equals_without_speculation(

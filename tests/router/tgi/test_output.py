@@ -149,3 +149,22 @@ async def test_stream_end_is_reported_before_the_last_frame() -> None:
     cut = channel_with(StepEvent([], finished=done("", 0)))
     [f async for f in stream_frames(cut, params, "", on_end=ends.append)]
     assert ends[-1].error_type == "incomplete_generation"
+
+
+async def test_details_say_what_speculation_did_for_the_request() -> None:
+    steps = (StepEvent([tok(1)]), StepEvent([tok(2), tok(3), tok(4)], finished=done("", 4)))
+    speculated = channel_with(*steps)
+    speculated.verified(num_drafts=4, num_emitted=3)  # two of four drafts accepted
+    generated = await collect(speculated)
+    body = generate_response(generated, [], GenerateParameters(details=True), "")
+    details = body.model_dump(mode="json")["details"]
+    assert details["speculation"] == {"draft_tokens": 4, "accepted_tokens": 2}
+    streamed = channel_with(*steps)
+    streamed.verified(num_drafts=4, num_emitted=3)
+    frames = await frames_of(streamed, details=True)
+    assert frames[-1]["details"]["speculation"] == {"draft_tokens": 4, "accepted_tokens": 2}
+    # Without drafts (no --speculate), TGI's details exactly: no such field.
+    plain = await collect(channel_with(*steps))
+    plain_body = generate_response(plain, [], GenerateParameters(details=True), "")
+    assert "speculation" not in plain_body.model_dump(mode="json")["details"]
+    assert "speculation" not in (await frames_of(channel_with(*steps), details=True))[-1]["details"]
