@@ -6,6 +6,7 @@ into a `LauncherConfig`.
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -342,6 +343,13 @@ class LauncherConfig:
         "Seconds a client has to send a request's body once its headers arrived, else 408",
         float,
     )
+    device_hour_cost: float | None = flag(
+        None,
+        "USD one hour of this server's devices (all its shards, every node) costs: /metrics "
+        "and /info then report cost per 1k input and output tokens, overall and per tenant, "
+        "from the busy time measured (docs/scaling.md); unset = no costs",
+        float,
+    )
     json_output: bool = flag(False, "Log JSON lines", parse_bool)
 
     def __post_init__(self) -> None:
@@ -367,6 +375,12 @@ class LauncherConfig:
             from textgate.router.http.tenants import load_keys_file  # no torch: pydantic, yaml
 
             load_keys_file(self.api_keys_file)  # a bad file fails before the model loads
+        if self.device_hour_cost is not None and not (
+            math.isfinite(self.device_hour_cost) and self.device_hour_cost > 0
+        ):
+            raise ValueError(
+                f"--device-hour-cost must be a number of USD > 0, got {self.device_hour_cost}"
+            )
         if not self.graceful_termination_timeout >= 0:
             raise ValueError("--graceful-termination-timeout must be >= 0 seconds")
         for name in ("shard_step_timeout", "header_timeout", "body_timeout"):

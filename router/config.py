@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,6 +144,10 @@ class RouterConfig:
     """Dtype shown by /info; None = the shard's Info."""
     model_device_type: str | None = None
     """Device type shown by /info; None = the shard's Info."""
+    device_hour_cost: float | None = None
+    """`--device-hour-cost`: USD one hour of the serving group's devices costs; /metrics and
+    /info then report cost per 1k input and output tokens (router/engine/cost_meter.py);
+    None: no costs."""
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -184,6 +189,10 @@ class RouterConfig:
         for name in ("shard_step_timeout", "header_timeout", "body_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.device_hour_cost is not None and not (
+            math.isfinite(self.device_hour_cost) and self.device_hour_cost > 0
+        ):
+            raise ValueError(f"device_hour_cost must be > 0, got {self.device_hour_cost}")
         if self.waiting_served_ratio < 0:
             raise ValueError(f"waiting_served_ratio must be >= 0, got {self.waiting_served_ratio}")
         self._check_token_limits()

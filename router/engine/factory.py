@@ -14,6 +14,7 @@ from textgate.proto import generate_pb2 as pb
 from textgate.router.config import RouterConfig, parse_ngram_range
 from textgate.router.engine.batch_controller import BatchController, StartupSteps
 from textgate.router.engine.channel import Channel
+from textgate.router.engine.cost_meter import CostMeter
 from textgate.router.engine.lora_registry import LoraRegistry
 from textgate.router.engine.lora_residency import LoraResidency
 from textgate.router.engine.paged_engine import PagedEngine
@@ -36,6 +37,8 @@ class Engine(Protocol):
     """The LoRA adapters the shards hold (requests are checked and salted by it)."""
     residency: LoraResidency | None
     """Which of them are resident (--max-loras); None: no limit."""
+    cost: CostMeter | None
+    """Cost per token (--device-hour-cost); None without a price."""
 
     @property
     def num_active(self) -> int: ...
@@ -94,6 +97,7 @@ def make_engine(
         residency=LoraResidency(info.max_loras, info.resident_lora_adapters)
         if info.max_loras
         else None,
+        cost=CostMeter(config.device_hour_cost) if config.device_hour_cost else None,
     )
 
 

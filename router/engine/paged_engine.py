@@ -14,6 +14,7 @@ It is the router's one engine; its face to the HTTP handlers is `submit` -> chan
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -24,6 +25,7 @@ from textgate.router.engine.admission import Admitted, Entry
 from textgate.router.engine.batch_controller import ControllerState
 from textgate.router.engine.busy_meter import BusyMeter
 from textgate.router.engine.channel import Channel
+from textgate.router.engine.cost_meter import CostMeter, TokenWork
 from textgate.router.engine.lora_registry import LoraRegistry
 from textgate.router.engine.lora_residency import LoraResidency
 from textgate.router.engine.request import ValidRequest
@@ -57,11 +59,13 @@ class PagedEngine:
         adapters: LoraRegistry | None = None,
         max_loras: int = 0,
         residency: LoraResidency | None = None,
+        cost: CostMeter | None = None,
     ) -> None:
         """`metrics` gets the step metrics and watches the KV cache, the batch controller and
         the adapters (a private one by default); `adapters` are the LoRA adapters the shards
         hold, at most `max_loras` resident (0: the model takes none), which ones
-        `residency` decides (None: no limit)."""
+        `residency` decides (None: no limit); `cost` gets every served step's busy time
+        and tokens (None: no cost per token)."""
         self.scheduler = scheduler
         self.residency = residency
         """Which adapters the shards hold resident; the scheduler admits by it."""
@@ -82,6 +86,10 @@ class PagedEngine:
         self._metrics.watch_kv_cache(self._kv_cache_stats)
         self._metrics.watch_batch_controller(self._controller_state)
         self._metrics.watch_adapters(self._adapter_stats)
+        self.cost = cost
+        """Cost per token (--device-hour-cost); None without a price."""
+        if cost is not None:
+            self._metrics.watch_cost(cost.report)
 
     @property
     def num_active(self) -> int:
@@ -143,6 +151,8 @@ class PagedEngine:
             return
         producing = [s.request_id for s in output.scheduled if s.produces_token]
         method = self._method(output)
+        # Before routing: a request that finishes in this step is released by it.
+        works = self._token_works(output) if self.cost is not None else {}
         call_started = time.monotonic()
         try:
             response = await self._run(output, method, producing)
@@ -169,6 +179,8 @@ class PagedEngine:
         ended = time.monotonic()
         self._metrics.batch_filtered(method, ended - answered)
         self._busy.record(call_started, ended)
+        if self.cost is not None:
+            self._record_cost(self.cost, ended - call_started, works, routed.sampled)
         self.scheduler.update(
             ModelStepResult(
                 sampled_token_ids=routed.sampled,
@@ -298,6 +310,42 @@ class PagedEngine:
             if num_known > 1 or scheduled.start_position < prompt_length:
                 return PREFILL
         return DECODE
+
+    def _token_works(self, output: SchedulerOutput) -> dict[int, TokenWork]:
+        """Each scheduled request's part of the step, for the cost meter: its known tokens
+        below its prompt's length are prompt tokens; one known token past it is a decode."""
+        works = {}
+        for s in output.scheduled:
+            entry = self._admitted.get(s.request_id)
+            if entry is None:
+                continue
+            prompt_length = entry.request.input_length
+            num_known = s.num_new_tokens - s.num_draft_tokens
+            decodes = num_known == 1 and s.start_position >= prompt_length
+            num_prompt = min(s.start_position + num_known, prompt_length) - s.start_position
+            works[s.request_id] = TokenWork(
+                tenant=entry.request.tenant,
+                start_position=s.start_position,
+                num_known_tokens=num_known,
+                num_prompt_tokens=0 if decodes else max(0, num_prompt),
+                decodes=decodes,
+                num_draft_tokens=s.num_draft_tokens,
+            )
+        return works
+
+    def _record_cost(
+        self,
+        cost: CostMeter,
+        busy_s: float,
+        works: Mapping[int, TokenWork],
+        sampled: Mapping[int, Sequence[int]],
+    ) -> None:
+        """The step's busy time and tokens to `cost`, split by the fitted step cost."""
+        counted = [
+            dataclasses.replace(work, num_output_tokens=len(sampled.get(request_id, ())))
+            for request_id, work in works.items()
+        ]
+        cost.record(busy_s, counted, self.scheduler.controller.cost.coefficients)
 
     def _report_speculation(
         self, output: SchedulerOutput, sampled: Mapping[int, Sequence[int]]

@@ -41,7 +41,7 @@ from textgate.router.http.sse import SseResponse
 from textgate.router.http.state import RouterState
 from textgate.router.metrics import CONTENT_TYPE, RequestTimings
 from textgate.router.tgi.output import generate_response, stream_frames
-from textgate.router.tgi.schemas import Info
+from textgate.router.tgi.schemas import CostInfo, Info
 
 HEALTH_TIMEOUT_S = 5.0
 # nginx's code for "client closed request": nobody reads it, but logs show why.
@@ -124,7 +124,9 @@ class TgiHandlers:
     async def info(self, request: Request) -> Response:
         # Adapters come and go at runtime (/v1/load_lora_adapter): listed as they are now.
         adapters = list(self._state.validator.adapters) or None
-        info = self._info.model_copy(update={"lora_adapters": adapters})
+        cost = self._state.engine.cost
+        report = CostInfo.from_report(cost.report()) if cost is not None else None
+        info = self._info.model_copy(update={"lora_adapters": adapters, "cost": report})
         return JSONResponse(info.model_dump(mode="json"))
 
     async def metrics(self, request: Request) -> Response:

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer
 from pydantic import SerializerFunctionWrapHandler as Handler
 
 from textgate.router.engine.channel import FinishReason
+from textgate.router.metrics_collectors import CostRates, CostReport
 
 
 class _Response(BaseModel):
@@ -126,6 +127,55 @@ class StreamResponse(_Response):
     details: StreamDetails | None = None
 
 
+class CostRatesInfo(_Response):
+    """Busy device seconds attributed to input and output tokens, the tokens counted, and
+    USD per 1k tokens of each (null without any token of that kind)."""
+
+    input_busy_seconds: float
+    output_busy_seconds: float
+    input_tokens: int
+    output_tokens: int
+    per_1k_input_tokens_usd: float | None
+    per_1k_output_tokens_usd: float | None
+
+    @classmethod
+    def from_rates(cls, rates: CostRates) -> CostRatesInfo:
+        return cls(
+            input_busy_seconds=rates.input_busy_s,
+            output_busy_seconds=rates.output_busy_s,
+            input_tokens=rates.num_input_tokens,
+            output_tokens=rates.num_output_tokens,
+            per_1k_input_tokens_usd=rates.per_1k_input_tokens_usd,
+            per_1k_output_tokens_usd=rates.per_1k_output_tokens_usd,
+        )
+
+
+class CostInfo(_Response):
+    """textgate's cost per token (--device-hour-cost; docs/scaling.md, "Cost per token")."""
+
+    device_hour_cost_usd: float
+    window_seconds: float
+    #: the steps of the last `window_seconds`: the live costs.
+    window: CostRatesInfo
+    #: every step since startup.
+    lifetime: CostRatesInfo
+    #: named tenant -> its requests' share of the window (anonymous requests count only
+    #: in `window` and `lifetime`).
+    tenants: dict[str, CostRatesInfo]
+
+    @classmethod
+    def from_report(cls, report: CostReport) -> CostInfo:
+        return cls(
+            device_hour_cost_usd=report.device_hour_cost_usd,
+            window_seconds=report.window_s,
+            window=CostRatesInfo.from_rates(report.window),
+            lifetime=CostRatesInfo.from_rates(report.lifetime),
+            tenants={
+                name: CostRatesInfo.from_rates(rates) for name, rates in report.tenants.items()
+            },
+        )
+
+
 class Info(_Response):
     """Body of GET /info (TGI's fields across versions: `max_input_length` is the old name)."""
 
@@ -182,3 +232,6 @@ class Info(_Response):
     #: the shards' measured step, with their sources; docs/autoconfig.md); None when the
     #: shards measured nothing.
     autoconfig: dict[str, Any] | None = None
+    #: textgate's: cost per 1k input and output tokens from measured busy time
+    #: (--device-hour-cost); None without the flag.
+    cost: CostInfo | None = None

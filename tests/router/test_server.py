@@ -82,6 +82,15 @@ async def test_the_engine_takes_the_shards_blocks(
         make_engine(config, sharded, pb.InfoResponse(block_size=16), pb.WarmupResponse())
 
 
+async def test_a_device_hour_cost_gives_the_engine_a_cost_meter(
+    sharded: ShardedClient, make_config: Callable[..., RouterConfig]
+) -> None:
+    info, warmup = pb.InfoResponse(block_size=16), pb.WarmupResponse(num_blocks=64)
+    priced = make_engine(make_config(device_hour_cost=2.5), sharded, info, warmup)
+    assert priced.cost is not None and priced.cost.device_hour_cost == 2.5
+    assert make_engine(make_config(), sharded, info, warmup).cost is None
+
+
 async def test_prompts_longer_than_the_prefill_budget_are_chunked(
     sharded: ShardedClient, make_config: Callable[..., RouterConfig]
 ) -> None:
