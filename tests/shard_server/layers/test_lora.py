@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from textgate.shard_server.layers.lora import LoraRows, attach, lora_rows
+from textgate.shard_server.layers.lora import LoraLayer, LoraRows, attach, lora_rows
 from textgate.shard_server.layers.lora_adapter import LoraAdapter, LoraError
 from textgate.shard_server.layers.lora_limits import LoraLimits
 from textgate.shard_server.layers.lora_slots import LoraSlots
@@ -94,7 +94,7 @@ def test_an_adapter_gives_peft_merged_models_logits(base, adapters, name) -> Non
     torch.testing.assert_close(logits, reference_logits(merged, prompt), atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("path", ["dense", "grouped-matmul", "per-adapter"])
+@pytest.mark.parametrize("path", ["batched", "dense", "grouped-matmul", "per-adapter"])
 def test_a_step_mixing_three_adapters_and_the_base_gives_each_its_own(
     base, adapters, path, monkeypatch
 ) -> None:
@@ -102,14 +102,16 @@ def test_a_step_mixing_three_adapters_and_the_base_gives_each_its_own(
 
     from textgate.shard_server.layers import lora
 
-    grouped = path != "per-adapter"
-    if path != "dense":  # the step's 60 rows run densely unless told otherwise
+    stacked = path != "per-adapter"
+    if path != "batched":  # the CPU's path; the others are the GPU's, run here on the CPU
+        monkeypatch.setattr(lora, "BATCHED_DEVICES", ())
+    if path not in ("batched", "dense"):  # the step's 60 rows run densely unless told otherwise
         monkeypatch.setattr(lora, "DENSE_MAX_ROWS", 0)
-    if not grouped:
+    if path == "per-adapter":
         monkeypatch.setattr(lora, "grouped_mm_runs", lambda dtype, device: False)
     model, slots = native_with(base, adapters)
     layers = [m.lora for m in model.modules() if getattr(m, "lora", None) is not None]
-    assert layers and all((layer.stacked() is not None) == grouped for layer in layers)
+    assert layers and all((layer.stacked() is not None) == stacked for layer in layers)
     plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
     references = {0: plain} | {slots[n]: merged for n, (_, merged) in adapters.items()}
     prompts = {seq: _prompt(4 + seq, seed=seq) for seq in range(8)}
@@ -121,6 +123,46 @@ def test_a_step_mixing_three_adapters_and_the_base_gives_each_its_own(
     for seq, prompt in prompts.items():
         expected = reference_logits(references[slot_of[seq]], prompt)
         torch.testing.assert_close(logits[seq], expected, atol=1e-4, rtol=0, msg=f"seq {seq}")
+
+
+@pytest.mark.parametrize(
+    "slots",
+    [
+        [1, 2, 4, 1, 2, 4] * 4,  # every row on an adapter, evenly: no padding
+        [1, 0, 4, 1, 5, 1, 1, 0, 4, 5, 1, 0, 1],  # padding, slot 2 unused, slot 5 past the layer
+        [4, 0, 4],  # only slot 4, whose adapter this layer lacks (zero updates)
+        [0, 5, 5],  # no row on a slot of the layer: the base alone
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_batched_path_equals_one_pair_of_matmuls_per_adapter(slots, dtype, monkeypatch):
+    from textgate.shard_server.layers import lora
+
+    generator = torch.Generator().manual_seed(3)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator).to(dtype)
+
+    layer = LoraLayer(24)
+    for slot, rank in ((1, 8), (2, 4), (3, 16)):  # slot 3 takes the first 8 outputs only
+        layer.updates[slot] = [
+            (0, 8 if slot == 3 else 24, randn(rank, 20), randn(8 if slot == 3 else 24, rank), 0.5)
+        ]
+    x, base = randn(len(slots), 20), randn(len(slots), 24)
+    rows = LoraRows.from_slots(slots, torch.device("cpu"))
+    with lora_rows(rows):
+        got = layer.add(x, base.clone())
+        monkeypatch.setattr(lora, "BATCHED_DEVICES", ())
+        monkeypatch.setattr(lora, "DENSE_MAX_ROWS", 0)
+        monkeypatch.setattr(lora, "grouped_mm_runs", lambda dtype, device: False)
+        layer.fuse()
+        want = layer.add(x, base.clone())
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)
+    on_layer = [row for row, slot in enumerate(slots) if slot in (1, 2, 3)]
+    untouched = [row for row in range(len(slots)) if row not in on_layer]
+    assert torch.equal(got[untouched], base[untouched])
+    assert not on_layer or not torch.allclose(got[on_layer], base[on_layer], atol=1e-2)
 
 
 def test_no_rows_means_the_base_alone(base, adapters) -> None:
