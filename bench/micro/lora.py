@@ -5,10 +5,10 @@ projection; random A and B) for the model (default: the embedded one), loads it 
 a shard does with them attached, then times, interleaved over `--rounds`, decode steps
 of `--batch` sequences all on the base and the same batch spread evenly over the
 adapters (`bench.micro.step.time_batch`). Prints each side's decode tok/s (best round)
-and their ratio, the milliseconds one adapter takes to load (its folder read into a host
+and their ratio, the same for the batch's prefill step, the milliseconds one adapter takes to load (its folder read into a host
 copy and checked) and to be made resident (attached between two steps and its layers'
-dense form folded: what a swap past `--max-loras` adds to the decode step after it). That adapter is evicted again before the
-steps are timed, so exactly `--adapters` are resident.
+form its steps run folded: what a swap past `--max-loras` adds to the step after it). That
+adapter is evicted again before the steps are timed, so exactly `--adapters` are resident.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from textgate.bench.micro.step import BLOCK_SIZE, time_batch
 from textgate.bench.serving.tokenizer import default_model_dir
 from textgate.proto import generate_pb2 as pb
-from textgate.shard_server.layers.lora import LoraLayer
+from textgate.shard_server.layers.lora import BATCHED_DEVICES, LoraLayer
 from textgate.shard_server.layers.lora_limits import LoraLimits
 from textgate.shard_server.loading.shard_loader import load_model
 from textgate.shard_server.protocols.paged_model import CacheConfig, PagedModel
@@ -53,14 +53,19 @@ def make_adapters(model_dir: Path, out: Path, count: int, rank: int) -> list[tup
     return adapters
 
 
-def fold_dense(model: torch.nn.Module) -> None:
-    """Fold every LoRA layer's dense form now, as the first decode step after a change does
-    (in inference mode, as a step runs: outside it the packing takes ~10x as long)."""
+def fold(model: torch.nn.Module) -> None:
+    """Fold every LoRA layer's form for this device's steps now, as the first step after a
+    change does (the CPU's stacked pairs, else the dense form; in inference mode, as a step
+    runs)."""
+    device = next(model.parameters()).device.type
     with torch.inference_mode():
         for module in model.modules():
             layer = getattr(module, "lora", None)
             if isinstance(layer, LoraLayer):
-                layer.dense()
+                if device in BATCHED_DEVICES:
+                    layer.stacked()
+                else:
+                    layer.dense()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,24 +102,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         model.lora.add(model.lora.read("extra", Path(adapters[0][1])))
         loaded = time.perf_counter()
         model.lora.reside([*names, "extra"])
-        fold_dense(model.model)  # what the next decode step pays for the swap
+        fold(model.model)  # what the next step pays for the swap
         load_ms, attach_ms = (
             (t - s) * 1e3 for s, t in ((started, loaded), (loaded, time.perf_counter()))
         )
         model.lora.reside(names)  # evicted: the steps run exactly --adapters
     model.warmup(pb.WarmupRequest(max_prefill_tokens=args.prompt_len))
     best = {"base": float("inf"), "lora": float("inf")}
+    prefills = {"base": float("inf"), "lora": float("inf")}
     for round_index in range(args.rounds):
         for side, using in (("base", ()), ("lora", names)):
             first = (2 * round_index + (side == "lora")) * 10_000
-            _, decodes = time_batch(model, args.batch, args.prompt_len, args.steps, first, using)
+            prefill, decodes = time_batch(
+                model, args.batch, args.prompt_len, args.steps, first, using
+            )
             best[side] = min(best[side], sorted(decodes)[len(decodes) // 2])
+            prefills[side] = min(prefills[side], prefill)
     base, lora = args.batch / best["base"], args.batch / best["lora"]
+    prompt_tokens = args.batch * args.prompt_len
+    base_prefill, lora_prefill = (prompt_tokens / prefills[side] for side in ("base", "lora"))
     print(
         f"{model_dir.name}, {model.model.dtype}, {torch.get_num_threads()} threads: batch "
         f"{args.batch}, {args.adapters} adapters of rank {args.rank} mixed evenly"
     )
     print(f"decode tok/s: base {base:.1f}, with adapters {lora:.1f}, ratio {lora / base:.2f}")
+    print(
+        f"prefill tok/s ({args.batch} prompts of {args.prompt_len}): base {base_prefill:.0f}, "
+        f"with adapters {lora_prefill:.0f}, ratio {lora_prefill / base_prefill:.2f}"
+    )
     print(f"one adapter load + attach: {load_ms:.0f} + {attach_ms:.0f} ms")
     return 0
 
