@@ -5,7 +5,9 @@ with AVX512-BF16 and no AMX a plain bf16 matmul was slower than fp32, yet the en
 batch-1 step was faster in bf16 and its batch-32 step slower), so CPU flags cannot tell.
 Each candidate is built by the same loader that serves it and its step timed
 (`trial_timings`, with `step_timing.measure_steps`); the lowest `dtype_score` wins
-(`pick_dtype`). The model keeps how its dtype was chosen (`DtypeChoice`), which its warmup
+(`pick_dtype`). A trial the machine disturbed (still busy after its retries) would hand
+the other candidate a win it did not earn, so then the two models at hand are timed again
+back to back, each keeping its faster times. The model keeps how its dtype was chosen (`DtypeChoice`), which its warmup
 reports to the router.
 """
 
@@ -108,10 +110,13 @@ def pick_dtype(
     Each candidate is built by `build` (the loader serving uses: its weights are packed
     for that dtype, so a cast of another candidate would not time what serves), timed in
     a small cache of its own, and the slower of the two models at hand is freed before
-    the next is built: at most two copies of the weights exist at once.
+    the next is built: at most two copies of the weights exist at once. When either of
+    those two trials was disturbed (`StepTimings.busy`), both models are timed again, one
+    after the other, before the slower goes (`_retimed`).
     """
-    trials: list[DtypeTrial] = []
+    trials: dict[torch.dtype, DtypeTrial] = {}
     best: Model | None = None
+    best_dtype: torch.dtype | None = None
     plan: ProbePlan | None = None
     start = time.perf_counter()
     building = 0.0
@@ -120,13 +125,15 @@ def pick_dtype(
         model = build(dtype)
         building += time.perf_counter() - built
         plan = plan or trial_plan(model)
-        trials.append(DtypeTrial(dtype, trial_timings(model, plan)))
-        if choose_dtype(trials).dtype == dtype:
-            best = model
+        trials[dtype] = DtypeTrial(dtype, trial_timings(model, plan))
+        if best is not None and best_dtype is not None:
+            trials |= _retimed(trials, {best_dtype: best, dtype: model}, plan)
+        if choose_dtype(list(trials.values())).dtype == dtype:
+            best, best_dtype = model, dtype
         del model
         gc.collect()  # the loser's weights go now, before the next candidate loads
     assert best is not None
-    best.dtype_choice = choose_dtype(trials)
+    best.dtype_choice = choose_dtype(list(trials.values()))
     log.info(
         "--dtype auto: %s (%.1f s: building %.1f s, timing %.1f s; score = decode steps at "
         "batch %s + a %d-token prefill: %s)",
@@ -134,11 +141,29 @@ def pick_dtype(
         time.perf_counter() - start,
         building,
         time.perf_counter() - start - building,
-        " and ".join(str(b) for b in trials[0].timings.decode_ms),
-        trials[0].timings.prefill_tokens,
-        ", ".join(f"{dtype_name(t.dtype)} {t.score_ms:.1f} ms" for t in trials),
+        " and ".join(str(b) for b in best.dtype_choice.trials[0].timings.decode_ms),
+        best.dtype_choice.trials[0].timings.prefill_tokens,
+        ", ".join(f"{dtype_name(t.dtype)} {t.score_ms:.1f} ms" for t in trials.values()),
     )
     return best
+
+
+def _retimed(
+    trials: dict[torch.dtype, DtypeTrial], pair: dict[torch.dtype, Model], plan: ProbePlan
+) -> dict[torch.dtype, DtypeTrial]:
+    """The trials of `pair` (the best model so far and the one just timed, by dtype) timed
+    again back to back when either was disturbed, each keeping its faster times; none
+    changed otherwise."""
+    if not any(trials[dtype].timings.busy for dtype in pair):
+        return {}
+    log.info(
+        "--dtype auto: a trial was disturbed; timing %s again",
+        " and ".join(dtype_name(dtype) for dtype in pair),
+    )
+    return {
+        dtype: DtypeTrial(dtype, trials[dtype].timings.fastest(trial_timings(m, plan)))
+        for dtype, m in pair.items()
+    }
 
 
 def trial_plan(model: MeasuredModel) -> ProbePlan:

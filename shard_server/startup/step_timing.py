@@ -115,6 +115,16 @@ class StepTimings:
     def decode_pb(self) -> list[pb.DecodeTiming]:
         return [pb.DecodeTiming(batch_size=b, step_ms=ms) for b, ms in self.decode_ms.items()]
 
+    def fastest(self, again: StepTimings) -> StepTimings:
+        """Each step's faster time of these and the same steps timed `again` (contention
+        only ever adds time); busy as `again` was."""
+        return StepTimings(
+            {b: min(ms, again.decode_ms[b]) for b, ms in self.decode_ms.items()},
+            self.prefill_tokens,
+            min(self.prefill_ms, again.prefill_ms),
+            busy=again.busy,
+        )
+
 
 def decode_batch_sizes(max_batch: int, capacity: int) -> list[int]:
     """The decode batch sizes to time: DECODE_BATCH_SIZES up to `max_batch` (0: unset, then
@@ -203,12 +213,7 @@ def measure_steps(model: MeasuredModel, plan: ProbePlan) -> StepTimings:
             break
         time.sleep(BUSY_RETRY_PAUSE_S)
         again, contention = _measure_once(model, plan)
-        timings = StepTimings(
-            {b: min(ms, again.decode_ms[b]) for b, ms in timings.decode_ms.items()},
-            plan.prefill_tokens,
-            min(timings.prefill_ms, again.prefill_ms),
-            busy=again.busy,
-        )
+        timings = timings.fastest(again)
     if timings.busy:
         log.warning(
             "The machine looked busy while the step was timed, %d times (last: %s): the "

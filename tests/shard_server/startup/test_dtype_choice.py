@@ -16,7 +16,7 @@ from textgate.shard_server.loading import shard_loader
 from textgate.shard_server.protocols.paged_model import PagedModel
 from textgate.shard_server.startup import dtype_choice
 from textgate.shard_server.startup.dtype_choice import DtypeTrial
-from textgate.shard_server.startup.step_timing import ProbePlan, StepTimings
+from textgate.shard_server.startup.step_timing import ProbePlan, StepTimings, dtype_name
 from textgate.tests.shard_server.startup.test_step_timing import load, timings
 
 # -- the rule --------------------------------------------------------------------------------
@@ -90,6 +90,37 @@ def test_auto_on_cpu_keeps_the_measured_winner_and_frees_the_loser(
     decode = {t.batch_size: t.step_ms for t in warm.decode_timings}
     assert list(decode) == [1, 8, 32]
     assert decode[1] == decode[32] == 10.0  # the trial's steps, not timed twice
+
+
+@pytest.mark.parametrize("disturbed", ["bfloat16", "float32", None])
+def test_a_disturbed_trial_has_both_models_timed_again_before_one_goes(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, disturbed: str | None
+) -> None:
+    # bf16 is the faster (10 ms a step to fp32's 20), but the disturbed dtype's first trial
+    # saw a busy machine and took 50 ms a step: timed again, it shows its real speed.
+    runs: list[tuple[str, int]] = []
+
+    def fixed(model: PagedModel, plan: ProbePlan) -> StepTimings:
+        name = "bfloat16" if model.model.dtype == torch.bfloat16 else "float32"
+        runs.append((name, len(runs)))
+        first = sum(1 for n, _ in runs if n == name) == 1
+        busy = first and name == disturbed
+        step = 50.0 if busy else 10.0 if name == "bfloat16" else 20.0
+        decode = dict.fromkeys(plan.batch_sizes, step)
+        return StepTimings(decode, plan.prefill_tokens, step, busy=busy)
+
+    monkeypatch.setattr(dtype_choice, "trial_timings", fixed)
+    chosen = dtype_choice.pick_dtype(
+        lambda dtype: load(tiny_model_dir, "float32" if dtype == torch.float32 else "bfloat16")
+    )
+    assert chosen.model.dtype == torch.bfloat16
+    scores = {dtype_name(t.dtype): t.score_ms for t in chosen.dtype_choice.trials}
+    assert scores == {"bfloat16": pytest.approx(30.0), "float32": pytest.approx(60.0)}
+    names = [name for name, _ in runs]
+    if disturbed is None:  # nothing disturbed: each candidate timed once
+        assert names == ["float32", "bfloat16"]
+    else:  # both timed again, back to back, after the second one's trial
+        assert names == ["float32", "bfloat16", "float32", "bfloat16"]
 
 
 def test_auto_on_cpu_measures_both_dtypes_through_the_loader(tiny_model_dir: Path) -> None:
