@@ -33,7 +33,7 @@ from textgate.router.engine.scheduler import ModelStepResult, Scheduler, Schedul
 from textgate.router.engine.shard_calls import ShardCalls, StepFailed
 from textgate.router.engine.step_task import SHUTDOWN_MESSAGE, StepTask
 from textgate.router.metrics import DECODE, PREFILL, Metrics
-from textgate.router.metrics_collectors import AdapterStats, KvCacheStats
+from textgate.router.metrics_collectors import AdapterStats, KvCacheStats, KvTierStats
 from textgate.router.shard_client import ShardedClient
 from textgate.router.tracing import enabled as tracing_enabled
 
@@ -117,8 +117,6 @@ class PagedEngine:
                     tenant=request.tenant,
                     weight=request.tenant_weight,
                     adapter=request.adapter_id or "",
-                    # Drafts are not checked against a grammar (docs/speculative.md).
-                    speculate=request.grammar is None,
                 )
             except ValueError as exc:
                 self._admitted.fail([entry], str(exc), "validation")
@@ -163,6 +161,7 @@ class PagedEngine:
             # The scheduler's plan is unrun: everything in flight fails with it.
             self._forget(self._admitted.fail(self._admitted, str(exc)))
             self.scheduler.update(ModelStepResult())
+            self._forget_kv_tiers()
             # The gauges turn before the shards are cleared: their requests were answered.
             self._report_step()
             await self.shard_calls.clear_cache()
@@ -209,6 +208,10 @@ class PagedEngine:
                 for s in output.scheduled
             ],
             finished_ids=self._take_finished(),
+            kv_transfers=[
+                pb.KvTransfer(kind=t.kind.value, block_hash=t.block_hash, block_id=t.block_id)
+                for t in output.kv_transfers
+            ],
         )
         resident = self.residency.changes() if self.residency is not None else None
         if resident is not None:
@@ -277,12 +280,26 @@ class PagedEngine:
         speculator = self.scheduler.speculator
         if speculator is not None:
             speculator.clear()
-        self.scheduler = Scheduler(self.scheduler.config, self.scheduler.controller, speculator)
+        tiers = self.scheduler.allocator.kv_tiers
+        if tiers is not None:
+            tiers.forget_host()
+        self.scheduler = Scheduler(
+            self.scheduler.config, self.scheduler.controller, speculator, tiers
+        )
         self.scheduler.residency = self.residency
         if self.residency is not None:
             self.residency.resend()
         self._went_idle()
         await self.shard_calls.clear_cache()
+
+    def _forget_kv_tiers(self) -> None:
+        """After a failed step, whose KV-tier transfers may or may not have run: drop the
+        prefix blocks it may have restored (every request failed, so all are evictable)
+        and the host tier (the shards drop theirs on ClearCache)."""
+        allocator = self.scheduler.allocator
+        if allocator.kv_tiers is not None:
+            allocator.reset_prefix_cache()
+            allocator.kv_tiers.forget_host()
 
     async def _drop_finished_in_shards(self) -> None:
         """An empty step that only drops what the shards hold for requests that left."""
@@ -397,6 +414,22 @@ class PagedEngine:
             num_prefix_hit_tokens=allocator.num_prefix_hit_tokens,
             num_prefix_query_tokens=allocator.num_prefix_query_tokens,
             num_preemptions=self.scheduler.num_preemptions,
+            kv_tiers=self._kv_tier_stats(),
+        )
+
+    def _kv_tier_stats(self) -> KvTierStats | None:
+        allocator = self.scheduler.allocator
+        tiers = allocator.kv_tiers
+        if tiers is None:
+            return None
+        hits = allocator.num_prefix_hit_tokens_by_tier
+        return KvTierStats(
+            hit_tokens={tier.value: count for tier, count in hits.items()},
+            num_offloaded_blocks=tiers.num_offloaded_blocks,
+            num_restored_blocks={t.value: n for t, n in tiers.num_restored_blocks.items()},
+            num_host_blocks=tiers.num_host_used,
+            num_disk_blocks=tiers.num_disk_blocks,
+            block_bytes=tiers.block_bytes,
         )
 
     def _adapter_stats(self) -> AdapterStats:

@@ -51,6 +51,7 @@ from textgate.router.engine.batch_controller import BatchController, StepSample
 from textgate.router.engine.block_allocator import BlockAllocator
 from textgate.router.engine.fairness import ANONYMOUS_TENANT, VirtualCounters
 from textgate.router.engine.first_token import Backlog
+from textgate.router.engine.kv_tiers import KvTierIndex
 from textgate.router.engine.lora_residency import LoraResidency
 from textgate.router.engine.speculation import Candidate, Speculator
 from textgate.router.engine.step_cost import attention_pairs
@@ -90,8 +91,6 @@ class _Request:
     num_prompt_charged: int = 0
     """Prompt tokens already added to its tenant's counter (a recompute is not charged
     twice, a prefix-cache hit not at all)."""
-    speculate: bool = True
-    """It may get drafts when speculation is on (not with a grammar)."""
 
     @property
     def num_tokens(self) -> int:
@@ -135,16 +134,18 @@ class Scheduler:
         config: SchedulerConfig,
         controller: BatchController | None = None,
         speculator: Speculator | None = None,
+        kv_tiers: KvTierIndex | None = None,
     ):
         """`controller` and `speculator` carry learned ones over (a scheduler rebuilt after
-        a failure)."""
+        a failure); `kv_tiers` is the host and disk KV tiers' index (None: evicted prefix
+        blocks are dropped), kept over a rebuilt scheduler too."""
         self.config = config
         self.residency: LoraResidency | None = None
         """Which LoRA adapters the shards hold (`--max-loras`; the engine sets it and keeps it
         over a rebuilt scheduler): admission makes a request's resident first, or the
         request waits for a slot. None: no limit."""
         self.allocator = BlockAllocator(
-            config.num_blocks, config.block_size, config.enable_prefix_caching
+            config.num_blocks, config.block_size, config.enable_prefix_caching, kv_tiers
         )
         self.controller = controller or BatchController(config.controller_config())
         self.fairness = VirtualCounters()
@@ -220,7 +221,6 @@ class Scheduler:
         tenant: str = ANONYMOUS_TENANT,
         weight: float = 1.0,
         adapter: str = "",
-        speculate: bool = True,
     ) -> None:
         """Queue a request; ValueError if it is malformed or could never fit the KV cache.
 
@@ -228,8 +228,7 @@ class Scheduler:
         waits for and then reuses through the prefix cache. `priority`: lower joins the
         queue ahead (behind every waiting request of the same priority or better).
         `tenant`, `weight`: whose fair share serves it, and that tenant's weight (> 0).
-        `adapter`: the LoRA adapter it runs on ("" the base).
-        `speculate`: whether it may get drafts when speculation is on."""
+        `adapter`: the LoRA adapter it runs on ("" the base)."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id} is already scheduled")
         if not prompt_token_ids:
@@ -258,7 +257,6 @@ class Scheduler:
             priority=priority,
             tenant=tenant,
             adapter=adapter,
-            speculate=speculate,
         )
         self._requests[request_id] = request
         self.fairness.arrive(tenant, weight)
@@ -313,6 +311,7 @@ class Scheduler:
             preempted_ids=tuple(draft.preempted_ids),
             finished_ids=tuple(self._finished_ids),
             token_budget=budget,
+            kv_transfers=tiers.take_transfers() if (tiers := self.allocator.kv_tiers) else (),
         )
         self._finished_ids.clear()
         self._in_flight = output.scheduled
@@ -534,7 +533,7 @@ class Scheduler:
         candidates = [
             Candidate(r.request_id, r.token_ids, r.max_new_tokens - r.num_output_tokens - 1)
             for r in decoding
-            if r.speculate and r.max_new_tokens - r.num_output_tokens > 1
+            if r.max_new_tokens - r.num_output_tokens > 1
         ]
         drafts = self.speculator.plan(candidates, len(decoding), self.controller.cost)
         self.speculator.tick([c.request_id for c in candidates if c.request_id not in drafts])

@@ -272,13 +272,13 @@ class PagedModel:
         rows = SampleRows.expand(inputs.sampled, inputs.drafts)
         # Grammar masks are filled on a worker thread while the forward pass runs.
         states = [seq.grammar for seq in rows.sequences]
-        masks = self.mask_filler.start(states, self.grammars.vocab_size)
+        masks = self.mask_filler.start(states, self.grammars.vocab_size, rows.conditioned)
         with torch.inference_mode():
             logits = self._forward(inputs)  # [N, V]
             self.prompt_logprobs.record(inputs.prefill_rows, self.sequences, logits)
             result = self._sample(inputs, rows, logits, masks) if inputs.sampled else None
         forward_done = time.perf_counter_ns()
-        generations = self._append(inputs, result) if result is not None else []
+        generations = self._append(inputs, result, masks) if result is not None else []
         return pb.StepResponse(
             generations=rejected + generations,
             forward_ns=forward_done - start,
@@ -340,11 +340,14 @@ class PagedModel:
             self.sampler, sampled, rows.sequences, params, self.info, grammar, rows.conditioned
         )
 
-    def _append(self, inputs: StepInputs, result: SamplerOutput) -> list[pb.Generation]:
+    def _append(
+        self, inputs: StepInputs, result: SamplerOutput, masks: PendingMasks | None
+    ) -> list[pb.Generation]:
         """Feed the sampled tokens (accepted drafts, then each sequence's own) to their
         sequences; drop the ones that finished."""
         sampled = inputs.sampled
-        generations, running = append_tokens(sampled, result, self.info, inputs.drafts)
+        grammar = masks.result() if masks is not None else None
+        generations, running = append_tokens(sampled, result, self.info, inputs.drafts, grammar)
         self.prompt_logprobs.attach(sampled, generations, self.info)
         still = set(running)
         for seq in sampled:

@@ -21,10 +21,19 @@ token opens the thinking; any other first token is the grammar's.
 Masks are filled on a worker thread (`MaskFiller`) while the model's forward pass runs:
 both release the GIL, so for batches of a few grammar requests the masks cost no step
 time. Requests without a grammar have no row in the bitmask and are sampled unchanged.
+
+Speculation (docs/speculative.md): a request verifying drafts has a row per draft and one
+more; row k is masked from a fork of its state that accepted drafts 0..k-1, so it allows
+what a plain step after those drafts would. A draft the grammar does not allow ends the
+chain (the rows after it are never reached: the draft's own row cannot sample it), and so
+does a row whose budget check needs its logits (`GrammarState.needs_check`): the rows
+after it are not verified this step. The request's state then becomes the fork of the row
+its last token came from; the forks of rejected rows are dropped, which is the rollback.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -54,8 +63,17 @@ class GrammarMasks:
 
     bitmask: torch.Tensor  # [B, ceil(V / 32)] int32, bit set = allowed; a row per sampled row
     rows: list[int]  # [G] the rows with a grammar (the others' masks are not read)
-    states: Sequence[GrammarState] = ()
-    """[G] the rows' states, for those whose budget needs their likeliest tokens checked."""
+    states: Sequence[GrammarState | None] = ()
+    """[G] the state each row was masked from (for a row after drafts, its sequence's state
+    after them); None for a draft row left unmasked, which speculation does not verify."""
+
+    def by_row(self) -> dict[int, GrammarState]:
+        """The masked rows' states by row."""
+        return {
+            row: state
+            for row, state in zip(self.rows, self.states, strict=True)
+            if state is not None
+        }
 
     def apply(self, logits: torch.Tensor, sampled: Sequence[bool] | None = None) -> torch.Tensor:
         """logits [B, V] float32 with every token a row's grammar forbids at -inf (a new
@@ -73,7 +91,7 @@ class GrammarMasks:
         checked = [
             (row, state)
             for row, state in zip(self.rows, self.states, strict=True)
-            if state.needs_check
+            if state is not None and state.needs_check
         ]
         if checked:
             _keep_fitting(masked, checked, sampled)
@@ -127,6 +145,13 @@ class GrammarState:
         (the first token may open the thinking)."""
         if thinking is not None:
             self._phase = "thinking" if thinking.starts_inside else "first"
+
+    def fork(self) -> GrammarState:
+        """An independent copy at the same point (grammar, budget and thinking)."""
+        twin = copy.copy(self)
+        twin._matcher = self._matcher.fork()
+        twin._closer = None if self._closer is None else self._closer.fork()
+        return twin
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens that may come next into row `row` of `bitmask`: the grammar's,
@@ -322,16 +347,26 @@ class MaskFiller:
     def __init__(self) -> None:
         self._executor: ThreadPoolExecutor | None = None
 
-    def start(self, states: Sequence[GrammarState | None], vocab_size: int) -> PendingMasks | None:
-        """Begin filling the masks of the rows that have a grammar; None when none does."""
+    def start(
+        self,
+        states: Sequence[GrammarState | None],
+        vocab_size: int,
+        conditioned: Sequence[tuple[int, ...]] | None = None,
+    ) -> PendingMasks | None:
+        """Begin filling the masks of the rows that have a grammar; None when none does.
+
+        `states[r]`: row r's sequence's state; `conditioned[r]`: the drafts row r follows
+        (speculation: a sequence's rows are consecutive, each one draft longer).
+        """
         rows = [row for row, state in enumerate(states) if state is not None]
         if not rows:
             return None
+        after = list(conditioned) if conditioned is not None else [()] * len(states)
         bitmask = torch.full((len(states), -(-vocab_size // BITS)), -1, dtype=torch.int32)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
-        future = self._executor.submit(_fill, list(states), bitmask)
-        return PendingMasks(future, bitmask, rows, [s for s in states if s is not None])
+        future = self._executor.submit(_fill, list(states), after, bitmask)
+        return PendingMasks(future, bitmask, rows)
 
     def close(self) -> None:
         if self._executor is not None:
@@ -342,17 +377,39 @@ class MaskFiller:
 class PendingMasks:
     """Masks being filled; `result()` waits for them."""
 
-    future: Future[None]
+    future: Future[list[GrammarState | None]]
     bitmask: torch.Tensor
     rows: list[int]
-    states: list[GrammarState]
 
     def result(self) -> GrammarMasks:
-        self.future.result()
-        return GrammarMasks(self.bitmask, self.rows, self.states)
+        filled = self.future.result()
+        return GrammarMasks(self.bitmask, self.rows, [filled[row] for row in self.rows])
 
 
-def _fill(states: Sequence[GrammarState | None], bitmask: torch.Tensor) -> None:
-    for index, state in enumerate(states):
+def _fill(
+    states: Sequence[GrammarState | None],
+    conditioned: Sequence[tuple[int, ...]],
+    bitmask: torch.Tensor,
+) -> list[GrammarState | None]:
+    """Fill each row's mask; return the state each row was masked from (a row after
+    drafts: a fork of the previous row's state past its draft, or None, left unmasked,
+    when that row ends the chain)."""
+    filled: list[GrammarState | None] = []
+    for row, state in enumerate(states):
+        if state is not None and conditioned[row]:
+            state = _past_draft(filled[row - 1], conditioned[row][-1])
         if state is not None:
-            state.fill(bitmask, index)
+            state.fill(bitmask, row)
+        filled.append(state)
+    return filled
+
+
+def _past_draft(state: GrammarState | None, draft: int) -> GrammarState | None:
+    """A fork of `state` (already filled for its row) past `draft`; None when the grammar
+    does not allow the draft, the draft ends the text (its row ends the sequence), or the
+    row's budget check needs its logits (which the fork's budget would have to see, as a
+    plain step's does, before the draft)."""
+    if state is None or state.needs_check:
+        return None
+    fork = state.fork()
+    return fork if fork.accept(draft) and not fork.terminated else None

@@ -24,6 +24,7 @@ too small for the shortest completion from the start.
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -232,6 +233,13 @@ class BudgetCloser:
         """This step's likeliest tokens must be checked (`refine`) before sampling."""
         self.steered = False
         """The budget took a token away from the model at least once."""
+
+    def fork(self) -> BudgetCloser:
+        """An independent copy (its step's candidates and completion included)."""
+        twin = copy.copy(self)
+        twin._closing = list(self._closing)
+        twin._paths = dict(self._paths)
+        return twin
 
     @property
     def remaining(self) -> int:

@@ -17,6 +17,11 @@ model's. For a one-token draft x this is the rejection rule of speculative sampl
 (Leviathan et al., 2023): x is accepted with probability p(x), and a rejected row's token
 is a draw from p without x, renormalised. Stops (eos, stop sequences, max_new_tokens) are
 checked token by token, so a stop among accepted drafts ends the sequence there.
+
+Under a grammar each row is masked from the sequence's state after the drafts before it
+(shard_server/step/grammar.py), so a draft the grammar forbids is never sampled, hence
+never accepted; the walk also stops at the last row the masks verified, and the sequence's
+state becomes that of the row its last token came from.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from textgate.proto import generate_pb2 as pb
-from textgate.shard_server.step.grammar import GrammarMasks
+from textgate.shard_server.step.grammar import GrammarMasks, GrammarState
 from textgate.shard_server.step.sampler import Sampler, SamplerOutput, SamplingTensors
 from textgate.shard_server.step.sequence import Sequence, TokenizerInfo
 
@@ -90,14 +95,17 @@ def append_tokens(
     result: SamplerOutput,
     info: TokenizerInfo,
     drafts: Seq[tuple[int, ...]] | None = None,
+    grammar: GrammarMasks | None = None,
 ) -> tuple[list[pb.Generation], list[int]]:
     """Feed each sequence its sampled tokens (its accepted drafts, then its own token);
-    return one generation per sequence and the unfinished ids."""
+    return one generation per sequence and the unfinished ids. `grammar`: the masks the
+    rows were sampled with (a sequence with a grammar verifies only the rows they masked)."""
     generations, running = [], []
+    states = grammar.by_row() if grammar is not None else {}
     row = 0
     for index, seq in enumerate(sequences):
         seq_drafts = drafts[index] if drafts is not None else ()
-        generation, finished, num_rows = _append_run(seq, seq_drafts, result, row, info)
+        generation, finished, num_rows = _append_run(seq, seq_drafts, result, row, info, states)
         row += num_rows
         generations.append(generation)
         if not finished:
@@ -106,22 +114,43 @@ def append_tokens(
 
 
 def _append_run(
-    seq: Sequence, drafts: tuple[int, ...], result: SamplerOutput, row: int, info: TokenizerInfo
+    seq: Sequence,
+    drafts: tuple[int, ...],
+    result: SamplerOutput,
+    row: int,
+    info: TokenizerInfo,
+    states: dict[int, GrammarState],
 ) -> tuple[pb.Generation, bool, int]:
     """Append the sequence's tokens from its rows starting at `row`, until one differs from
-    its draft, one stops the sequence, or the rows end; (generation, finished, rows used)."""
+    its draft, one stops the sequence, or the verified rows end; (generation, finished,
+    rows used)."""
     generation: pb.Generation | None = None
     finished = False
-    for offset in range(len(drafts) + 1):
+    last = _num_verified(seq, len(drafts), row, states)
+    for offset in range(last + 1):
         r = row + offset
+        if offset and seq.grammar is not None:
+            # The row's state is the sequence's after the drafts accepted so far.
+            seq.grammar = states[r]
         token = result.next_ids[r]
         top = (result.top_ids[r], result.top_logprobs[r])
         step, finished = seq.append(token, result.logprobs[r], top, info)
         generation = step if generation is None else _joined(generation, step)
-        if finished or offset == len(drafts) or token != drafts[offset]:
+        if finished or offset == last or token != drafts[offset]:
             break
     assert generation is not None
     return generation, finished, len(drafts) + 1
+
+
+def _num_verified(seq: Sequence, num_drafts: int, row: int, states: dict[int, GrammarState]) -> int:
+    """The drafts the sequence's rows from `row` verify: all of them, or under a grammar
+    those before the first row its masks left out."""
+    if seq.grammar is None:
+        return num_drafts
+    num = 0
+    while num < num_drafts and row + num + 1 in states:
+        num += 1
+    return num
 
 
 def _joined(generation: pb.Generation, step: pb.Generation) -> pb.Generation:

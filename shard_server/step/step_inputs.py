@@ -97,8 +97,6 @@ def _checked_drafts(item: pb.ScheduledRequest, seq: Sequence) -> int:
             f"request {item.request_id}: {num_drafts} drafts need a step that samples and "
             "computes at least one known token before them"
         )
-    if seq.grammar is not None:
-        raise ValueError(f"request {item.request_id}: drafts are not verified under a grammar")
     if item.start_position < seq.prompt_len:
         raise ValueError(f"request {item.request_id}: drafts only follow a decoded token")
     return num_drafts
