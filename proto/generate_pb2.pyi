@@ -20,6 +20,13 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_EOS_TOKEN: _ClassVar[FinishReason]
     FINISH_REASON_STOP_SEQUENCE: _ClassVar[FinishReason]
+
+class KvTransferKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_TRANSFER_KIND_UNSPECIFIED: _ClassVar[KvTransferKind]
+    KV_TRANSFER_KIND_OFFLOAD: _ClassVar[KvTransferKind]
+    KV_TRANSFER_KIND_RESTORE: _ClassVar[KvTransferKind]
+    KV_TRANSFER_KIND_DEMOTE: _ClassVar[KvTransferKind]
 GRAMMAR_TYPE_UNSPECIFIED: GrammarType
 GRAMMAR_TYPE_JSON: GrammarType
 GRAMMAR_TYPE_REGEX: GrammarType
@@ -28,6 +35,10 @@ FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_EOS_TOKEN: FinishReason
 FINISH_REASON_STOP_SEQUENCE: FinishReason
+KV_TRANSFER_KIND_UNSPECIFIED: KvTransferKind
+KV_TRANSFER_KIND_OFFLOAD: KvTransferKind
+KV_TRANSFER_KIND_RESTORE: KvTransferKind
+KV_TRANSFER_KIND_DEMOTE: KvTransferKind
 
 class InfoRequest(_message.Message):
     __slots__ = ()
@@ -258,7 +269,7 @@ class WarmupRequest(_message.Message):
     def __init__(self, max_input_tokens: _Optional[int] = ..., max_prefill_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ...) -> None: ...
 
 class WarmupResponse(_message.Message):
-    __slots__ = ("max_supported_total_tokens", "num_blocks", "decode_timings", "prefill_tokens_per_s", "prefill_chunk_tokens", "measure_ms", "device_name", "num_threads", "dtype", "dtype_source", "dtype_trials")
+    __slots__ = ("max_supported_total_tokens", "num_blocks", "decode_timings", "prefill_tokens_per_s", "prefill_chunk_tokens", "measure_ms", "device_name", "num_threads", "dtype", "dtype_source", "dtype_trials", "kv_offload_disk_hashes")
     MAX_SUPPORTED_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DECODE_TIMINGS_FIELD_NUMBER: _ClassVar[int]
@@ -270,6 +281,7 @@ class WarmupResponse(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_SOURCE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_TRIALS_FIELD_NUMBER: _ClassVar[int]
+    KV_OFFLOAD_DISK_HASHES_FIELD_NUMBER: _ClassVar[int]
     max_supported_total_tokens: int
     num_blocks: int
     decode_timings: _containers.RepeatedCompositeFieldContainer[DecodeTiming]
@@ -281,7 +293,8 @@ class WarmupResponse(_message.Message):
     dtype: str
     dtype_source: str
     dtype_trials: _containers.RepeatedCompositeFieldContainer[DtypeTrial]
-    def __init__(self, max_supported_total_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., decode_timings: _Optional[_Iterable[_Union[DecodeTiming, _Mapping]]] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefill_chunk_tokens: _Optional[int] = ..., measure_ms: _Optional[float] = ..., device_name: _Optional[str] = ..., num_threads: _Optional[int] = ..., dtype: _Optional[str] = ..., dtype_source: _Optional[str] = ..., dtype_trials: _Optional[_Iterable[_Union[DtypeTrial, _Mapping]]] = ...) -> None: ...
+    kv_offload_disk_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, max_supported_total_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., decode_timings: _Optional[_Iterable[_Union[DecodeTiming, _Mapping]]] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefill_chunk_tokens: _Optional[int] = ..., measure_ms: _Optional[float] = ..., device_name: _Optional[str] = ..., num_threads: _Optional[int] = ..., dtype: _Optional[str] = ..., dtype_source: _Optional[str] = ..., dtype_trials: _Optional[_Iterable[_Union[DtypeTrial, _Mapping]]] = ..., kv_offload_disk_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class DecodeTiming(_message.Message):
     __slots__ = ("batch_size", "step_ms")
@@ -314,14 +327,26 @@ class StepRequest(_message.Message):
     def __init__(self, requests: _Optional[_Iterable[_Union[Request, _Mapping]]] = ..., plan: _Optional[_Union[StepPlan, _Mapping]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("scheduled", "finished_ids", "lora_residency")
+    __slots__ = ("scheduled", "finished_ids", "lora_residency", "kv_transfers")
     SCHEDULED_FIELD_NUMBER: _ClassVar[int]
     FINISHED_IDS_FIELD_NUMBER: _ClassVar[int]
     LORA_RESIDENCY_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     scheduled: _containers.RepeatedCompositeFieldContainer[ScheduledRequest]
     finished_ids: _containers.RepeatedScalarFieldContainer[int]
     lora_residency: LoraResidency
-    def __init__(self, scheduled: _Optional[_Iterable[_Union[ScheduledRequest, _Mapping]]] = ..., finished_ids: _Optional[_Iterable[int]] = ..., lora_residency: _Optional[_Union[LoraResidency, _Mapping]] = ...) -> None: ...
+    kv_transfers: _containers.RepeatedCompositeFieldContainer[KvTransfer]
+    def __init__(self, scheduled: _Optional[_Iterable[_Union[ScheduledRequest, _Mapping]]] = ..., finished_ids: _Optional[_Iterable[int]] = ..., lora_residency: _Optional[_Union[LoraResidency, _Mapping]] = ..., kv_transfers: _Optional[_Iterable[_Union[KvTransfer, _Mapping]]] = ...) -> None: ...
+
+class KvTransfer(_message.Message):
+    __slots__ = ("kind", "block_hash", "block_id")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    kind: KvTransferKind
+    block_hash: bytes
+    block_id: int
+    def __init__(self, kind: _Optional[_Union[KvTransferKind, str]] = ..., block_hash: _Optional[bytes] = ..., block_id: _Optional[int] = ...) -> None: ...
 
 class LoraResidency(_message.Message):
     __slots__ = ("adapter_ids",)

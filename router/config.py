@@ -75,6 +75,12 @@ class RouterConfig:
     """Threads that tokenize and validate requests off the event loop."""
     prefix_caching: bool = True
     """Paged shards: share the KV blocks of identical prompt prefixes between requests."""
+    kv_offload_bytes: int = 0
+    """Bytes of host memory per shard for prefix-cache blocks evicted from the device cache
+    (they come back on a prefix hit instead of being recomputed); 0 = no host tier."""
+    kv_offload_dir: str | None = None
+    """Directory of the disk KV tier, below the host tier (blocks survive a restart of the
+    same model and KV layout); None = no disk tier. The router only reads whether it is set."""
     target_itl_ms: float | None = None
     """Paged shards: inter-token latency the batch controller keeps each step under; None =
     derived from the machine (`batch_controller` docstring), 0 = fixed budgets."""
@@ -193,6 +199,10 @@ class RouterConfig:
             math.isfinite(self.device_hour_cost) and self.device_hour_cost > 0
         ):
             raise ValueError(f"device_hour_cost must be > 0, got {self.device_hour_cost}")
+        if self.kv_offload_bytes < 0:
+            raise ValueError(f"kv_offload_bytes must be >= 0, got {self.kv_offload_bytes}")
+        if (self.kv_offload_bytes or self.kv_offload_dir) and not self.prefix_caching:
+            raise ValueError("kv_offload_bytes and kv_offload_dir need prefix_caching")
         if self.waiting_served_ratio < 0:
             raise ValueError(f"waiting_served_ratio must be >= 0, got {self.waiting_served_ratio}")
         self._check_token_limits()

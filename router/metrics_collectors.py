@@ -49,6 +49,26 @@ class KvCacheStats:
     """Prompt tokens looked up in the prefix cache since the scheduler started."""
     num_preemptions: int
     """Requests whose blocks were taken back (recompute) since the scheduler started."""
+    kv_tiers: KvTierStats | None = None
+    """The host and disk KV tiers (--kv-offload-bytes / --kv-offload-dir); None: off."""
+
+
+@dataclass(frozen=True)
+class KvTierStats:
+    """The KV tiers below the device cache, read at scrape time."""
+
+    hit_tokens: Mapping[str, int]
+    """Tier ("device", "host", "disk") -> prompt tokens its prefix hits served."""
+    num_offloaded_blocks: int
+    """Blocks copied from the device into the host tier."""
+    num_restored_blocks: Mapping[str, int]
+    """Tier ("host", "disk") -> blocks copied back into the device cache from it."""
+    num_host_blocks: int
+    """Blocks the host tier holds now."""
+    num_disk_blocks: int
+    """Blocks the disk tier holds now."""
+    block_bytes: int
+    """Bytes one block takes on a shard."""
 
 
 @dataclass(frozen=True)
@@ -142,6 +162,8 @@ class KvCacheCollector(Collector):
         yield CounterMetricFamily(
             "textgate_preemptions", "Requests preempted to free KV blocks", s.num_preemptions
         )
+        if s.kv_tiers is not None:
+            yield from _kv_tier_metrics(s.kv_tiers)
         # vLLM's: the fraction of the pool held by requests (evictable prefix-cache blocks
         # count as free, as in vLLM's BlockPool.get_usage), 0..1 despite the name.
         yield GaugeMetricFamily(
@@ -156,6 +178,38 @@ class KvCacheCollector(Collector):
         )
         config.add_metric([str(s.block_size), str(total)], 1.0)
         yield config
+
+
+def _kv_tier_metrics(t: KvTierStats) -> Iterable[Metric]:
+    hits = CounterMetricFamily(
+        "textgate_prefix_cache_tier_hit_tokens",
+        "Prompt tokens served from the prefix cache, by the tier that held them",
+        labels=["tier"],
+    )
+    for tier, count in t.hit_tokens.items():
+        hits.add_metric([tier], count)
+    yield hits
+    yield CounterMetricFamily(
+        "textgate_kv_offload_blocks",
+        "Prefix-cache blocks copied from the device into the host tier on eviction",
+        t.num_offloaded_blocks,
+    )
+    restored = CounterMetricFamily(
+        "textgate_kv_restore_blocks",
+        "Prefix-cache blocks copied back into the device cache, by tier",
+        labels=["tier"],
+    )
+    for tier, count in t.num_restored_blocks.items():
+        restored.add_metric([tier], count)
+    yield restored
+    yield GaugeMetricFamily(
+        "textgate_kv_offload_host_bytes",
+        "Bytes the host KV tier holds on each shard",
+        t.num_host_blocks * t.block_bytes,
+    )
+    yield GaugeMetricFamily(
+        "textgate_kv_offload_disk_blocks", "Blocks the disk KV tier holds", t.num_disk_blocks
+    )
 
 
 class BatchControllerCollector(Collector):

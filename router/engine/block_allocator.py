@@ -11,6 +11,12 @@ Shared blocks carry a reference count; when the last request releases a publishe
 block it is kept, contents intact, in an LRU of evictable blocks and only evicted when
 a fresh block is needed and no never-used block is left.
 
+KV tiers (`kv_tiers.KvTierIndex`, optional): an evicted cached block is offloaded to the
+host (then disk) tier instead of dropped, and a prompt block that misses the device cache
+but is in a tier is restored into a fresh block, which is published at once: the shards
+run the step's transfers before it writes or reads any KV, so its contents are in place
+by the time anything reads them.
+
 Invariants (checked by `check_invariants`, asserted by the tests):
 - every block is in exactly one state: free (no hash, ref 0), used (ref > 0) or
   cached-evictable (hash, ref 0), so free + used + cached-evictable == num_blocks;
@@ -27,6 +33,8 @@ import hashlib
 import struct
 from collections import OrderedDict, deque
 from collections.abc import Sequence
+
+from textgate.router.engine.kv_tiers import KvTier, KvTierIndex
 
 BlockHash = bytes
 """Chain hash of a full block: identifies the block's tokens *and* everything before them."""
@@ -59,7 +67,15 @@ class BlockAllocator:
     nothing changed.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        kv_tiers: KvTierIndex | None = None,
+    ):
+        """`kv_tiers`: where evicted cached blocks go and prefix hits may come back from
+        (None: an evicted block is dropped, as without --kv-offload-bytes)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
         if block_size < 1:
@@ -78,8 +94,11 @@ class BlockAllocator:
         # Chain hashes of each request's leading full blocks, hit or published so far.
         self._request_hashes: dict[int, list[BlockHash]] = {}
         self._request_roots: dict[int, BlockHash] = {}
+        self.kv_tiers = kv_tiers if enable_prefix_caching else None
         self.num_prefix_query_tokens = 0
         self.num_prefix_hit_tokens = 0
+        self.num_prefix_hit_tokens_by_tier = dict.fromkeys(KvTier, 0)
+        """Of `num_prefix_hit_tokens`, those found on the device and restored from each tier."""
 
     # ---- capacity and metrics ----
 
@@ -129,7 +148,8 @@ class BlockAllocator:
         blocks found in the prefix cache are shared instead of allocated. Returns how
         many tokens are already computed (a multiple of block_size, always less than
         len(token_ids) so the last token is recomputed for its logits), or None when
-        the pool cannot hold the request now.
+        the pool cannot hold the request now. Blocks restored from a KV tier count as
+        computed: the next step's transfers copy them in.
         """
         if request_id in self._tables:
             raise ValueError(f"request {request_id} already has a block table")
@@ -139,19 +159,23 @@ class BlockAllocator:
             )
         root = _root_hash(salt)
         hits, hashes = self._match_prefix(token_ids, root)
-        num_fresh = self.num_blocks_for(num_tokens) - len(hits)
-        num_revived = sum(1 for block in hits if self._ref_counts[block] == 0)
+        device_hits = [block for block in hits if block is not None]
+        num_fresh = self.num_blocks_for(num_tokens) - len(device_hits)
+        num_revived = sum(1 for block in device_hits if self._ref_counts[block] == 0)
         if num_fresh > self.num_free_blocks - num_revived:
             return None
-        for block in hits:
+        for block in device_hits:
             self._acquire_cached(block)
-        self._tables[request_id] = hits + [self._take_fresh() for _ in range(num_fresh)]
+        table = [self._restored(h) if b is None else b for b, h in zip(hits, hashes, strict=True)]
+        num_fresh -= len(table) - len(device_hits)
+        self._tables[request_id] = table + [self._take_fresh() for _ in range(num_fresh)]
         self._request_hashes[request_id] = hashes
         self._request_roots[request_id] = root
         num_computed = len(hits) * self.block_size
         if self.enable_prefix_caching:
             self.num_prefix_query_tokens += len(token_ids)
             self.num_prefix_hit_tokens += num_computed
+            self.num_prefix_hit_tokens_by_tier[KvTier.DEVICE] += len(device_hits) * self.block_size
         return num_computed
 
     def grow(self, request_id: int, num_tokens: int) -> bool:
@@ -238,17 +262,19 @@ class BlockAllocator:
 
     def _match_prefix(
         self, token_ids: Sequence[int], root: BlockHash
-    ) -> tuple[list[int], list[BlockHash]]:
-        """Cached blocks equal to the leading full blocks, never including the last token."""
+    ) -> tuple[list[int | None], list[BlockHash]]:
+        """Cached blocks equal to the leading full blocks, never including the last token:
+        a device block, or None where a KV tier holds the block instead."""
         if not self.enable_prefix_caching:
             return [], []
-        hits: list[int] = []
+        hits: list[int | None] = []
         hashes: list[BlockHash] = []
         parent = root
+        tiers = self.kv_tiers
         for index in range((len(token_ids) - 1) // self.block_size):
             block_hash = hash_block(parent, self._block_tokens(token_ids, index))
             block = self._cached.get(block_hash)
-            if block is None:
+            if block is None and (tiers is None or tiers.tier_of(block_hash) is None):
                 break
             hits.append(block)
             hashes.append(block_hash)
@@ -257,6 +283,17 @@ class BlockAllocator:
 
     def _block_tokens(self, token_ids: Sequence[int], index: int) -> Sequence[int]:
         return token_ids[index * self.block_size : (index + 1) * self.block_size]
+
+    def _restored(self, block_hash: BlockHash) -> int:
+        """A fresh block, published under `block_hash`, that the next step fills from its
+        KV tier."""
+        assert self.kv_tiers is not None
+        block = self._take_fresh()
+        tier = self.kv_tiers.restore(block_hash, block)
+        self.num_prefix_hit_tokens_by_tier[tier] += self.block_size
+        self._cached[block_hash] = block
+        self._block_hashes[block] = block_hash
+        return block
 
     def _acquire_cached(self, block: int) -> None:
         if self._ref_counts[block] == 0:
@@ -272,6 +309,8 @@ class BlockAllocator:
             assert block_hash is not None
             del self._cached[block_hash]
             self._block_hashes[block] = None
+            if self.kv_tiers is not None:
+                self.kv_tiers.offload(block, block_hash)
         self._ref_counts[block] = 1
         return block
 

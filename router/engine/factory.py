@@ -15,6 +15,7 @@ from textgate.router.config import RouterConfig, parse_ngram_range
 from textgate.router.engine.batch_controller import BatchController, StartupSteps
 from textgate.router.engine.channel import Channel
 from textgate.router.engine.cost_meter import CostMeter
+from textgate.router.engine.kv_tiers import KvTierIndex
 from textgate.router.engine.lora_registry import LoraRegistry
 from textgate.router.engine.lora_residency import LoraResidency
 from textgate.router.engine.paged_engine import PagedEngine
@@ -76,7 +77,17 @@ def make_engine(
         raise RuntimeError("the paged shards reported no KV-cache blocks at warmup")
     paged = scheduler_config(config, info.block_size, warmup.num_blocks)
     controller = BatchController(paged.controller_config(), startup=startup_steps(warmup))
-    scheduler = Scheduler(paged, controller)
+    tiers = kv_tier_index(config, info, warmup)
+    scheduler = Scheduler(paged, controller, kv_tiers=tiers)
+    if tiers is not None:
+        log.info(
+            "KV tiers: host %d blocks (%d bytes each)%s",
+            tiers.num_host_blocks,
+            tiers.block_bytes,
+            f", disk {config.kv_offload_dir} ({tiers.num_disk_blocks} blocks found)"
+            if tiers.disk
+            else "",
+        )
     log.info("Batch controller: %s", describe_controller(paged, controller.target_itl_s))
     if paged.speculation is not None:
         spec = paged.speculation
@@ -116,6 +127,31 @@ def scheduler_config(config: RouterConfig, block_size: int, num_blocks: int) -> 
         target_ttft_s=config.target_ttft_ms / 1000 if config.target_ttft_ms else None,
         max_waiting_steps=config.max_waiting_tokens,
         speculation=speculation_config(config),
+    )
+
+
+def kv_tier_index(
+    config: RouterConfig, info: pb.InfoResponse, warmup: pb.WarmupResponse
+) -> KvTierIndex | None:
+    """The host and disk KV tiers' index (--kv-offload-bytes, --kv-offload-dir), the host
+    pool counted in the shards' blocks, the disk tier seeded with what they found there;
+    None when neither flag is set."""
+    if not config.kv_offload_bytes and not config.kv_offload_dir:
+        return None
+    block_bytes = info.kv_cache_bytes_per_token * info.block_size
+    if block_bytes == 0:
+        raise RuntimeError("the shards reported no KV bytes per token: no KV tier can be sized")
+    num_host_blocks = config.kv_offload_bytes // block_bytes
+    if config.kv_offload_bytes and num_host_blocks == 0:
+        raise ValueError(
+            f"--kv-offload-bytes {config.kv_offload_bytes} holds no KV block "
+            f"({block_bytes} bytes each on this model)"
+        )
+    return KvTierIndex(
+        num_host_blocks,
+        block_bytes=block_bytes,
+        disk=config.kv_offload_dir is not None,
+        disk_hashes=warmup.kv_offload_disk_hashes,
     )
 
 

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from textgate.router.engine.batch_controller import ControllerConfig
+from textgate.router.engine.kv_tiers import KvTransfer
 from textgate.router.engine.speculation import SpeculationConfig
 
 
@@ -135,6 +136,8 @@ class SchedulerOutput:
     """Running requests that finished or were aborted since the last step; shards drop them."""
     token_budget: int
     """The token budget this step was planned under."""
+    kv_transfers: tuple[KvTransfer, ...] = ()
+    """KV-tier copies the shards run, in order, before the step writes (`kv_tiers`)."""
 
     @property
     def num_scheduled_tokens(self) -> int:

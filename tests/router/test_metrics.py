@@ -21,7 +21,7 @@ from textgate.router.metrics import (
     Metrics,
     RequestTimings,
 )
-from textgate.router.metrics_collectors import KvCacheStats
+from textgate.router.metrics_collectors import KvCacheStats, KvTierStats
 from textgate.router.shard_client import ShardedClient
 from textgate.tests.router.fake_shard import FakeShard
 
@@ -155,6 +155,27 @@ def test_kv_cache_watch_follows_the_latest_source() -> None:
     assert values["textgate_kv_cache_blocks_used"] == 2
     assert values["textgate_kv_cache_usage"] == 0.25
     assert (values["textgate_prefix_cache_hit_tokens"], values["textgate_preemptions"]) == (5, 3)
+    assert not any(name.startswith("textgate_kv_offload") for name in values)
+
+
+def test_kv_tier_metrics_count_hits_per_tier_and_host_bytes() -> None:
+    tiers = KvTierStats(
+        hit_tokens={"device": 32, "host": 16, "disk": 48},
+        num_offloaded_blocks=5,
+        num_restored_blocks={"host": 1, "disk": 3},
+        num_host_blocks=2,
+        num_disk_blocks=7,
+        block_bytes=1000,
+    )
+    metrics = Metrics()
+    metrics.watch_kv_cache(lambda: KvCacheStats(2, 6, 16, 96, 200, 0, tiers))
+    values = samples(metrics.render().decode())
+    assert values['textgate_prefix_cache_tier_hit_tokens{tier="host"}'] == 16
+    assert values['textgate_prefix_cache_tier_hit_tokens{tier="disk"}'] == 48
+    assert values['textgate_kv_restore_blocks{tier="disk"}'] == 3
+    assert values["textgate_kv_offload_blocks"] == 5
+    assert values["textgate_kv_offload_host_bytes"] == 2000
+    assert values["textgate_kv_offload_disk_blocks"] == 7
 
 
 async def scrape(client: httpx.AsyncClient) -> dict[str, float]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from textgate.router.engine.kv_tiers import KvTransfer, TransferKind
 from textgate.router.engine.scheduler import Scheduler
 from textgate.router.engine.step_types import ModelStepResult, SchedulerConfig, SchedulerOutput
 
@@ -32,6 +33,9 @@ class FakeModel:
     finish_after: dict[int, int] = field(default_factory=dict)
     keys: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     kv: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # The KV tiers' blocks by hash (each block's slot keys); demoted ones stay restorable.
+    host: dict[bytes, list[tuple[int, int] | None]] = field(default_factory=dict)
+    disk: dict[bytes, list[tuple[int, int] | None]] = field(default_factory=dict)
 
     def add(self, request_id: int, prompt: list[int], finish_after: int = 1_000) -> None:
         self.sequences[request_id] = list(prompt)
@@ -53,7 +57,23 @@ class FakeModel:
         size = self.block_size
         return block_table[position // size] * size + position % size
 
+    def transfer(self, transfers: tuple[KvTransfer, ...]) -> None:
+        """Run the step's KV-tier copies in plan order, as a shard does."""
+        size = self.block_size
+        for t in transfers:
+            slots = range(t.block_id * size, (t.block_id + 1) * size)
+            if t.kind is TransferKind.OFFLOAD:
+                self.host[t.block_hash] = [self.kv.get(slot) for slot in slots]
+            elif t.kind is TransferKind.RESTORE:
+                keys = self.host.get(t.block_hash) or self.disk[t.block_hash]
+                for slot, key in zip(slots, keys, strict=True):
+                    if key is not None:
+                        self.kv[slot] = key
+            else:
+                self.disk[t.block_hash] = self.host.pop(t.block_hash)
+
     def run(self, output: SchedulerOutput, latency: float | None = None) -> ModelStepResult:
+        self.transfer(output.kv_transfers)
         sampled: dict[int, list[int]] = {}
         finished: set[int] = set()
         for step in output.scheduled:

@@ -3,12 +3,13 @@ included) against the fake model, which checks every step's tokens and KV cache.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from textgate.router.engine.kv_tiers import KvTierIndex
 from textgate.router.engine.scheduler import Scheduler
 from textgate.router.engine.step_types import SchedulerConfig, SchedulerOutput
 from textgate.tests.router.engine.scheduler_helpers import VOCAB, FakeModel, next_token
@@ -55,8 +56,8 @@ def request_specs(draw: st.DrawFn, capacity: int) -> RequestSpec:
 class Harness:
     """Drives a scheduler with the fake model and checks every step and every ending."""
 
-    def __init__(self, config: SchedulerConfig):
-        self.scheduler = Scheduler(config)
+    def __init__(self, config: SchedulerConfig, kv_tiers: KvTierIndex | None = None):
+        self.scheduler = Scheduler(config, kv_tiers=kv_tiers)
         self.model = FakeModel(config.block_size)
         self.max_new: dict[int, int] = {}
         self.live: set[int] = set()
@@ -128,6 +129,28 @@ def test_random_workloads_finish_every_request_with_its_tokens(
             harness.step(latency=0.1 if delay % 2 else 0.001)
         harness.add(spec)
     harness.drain()
+
+
+@given(config=configs(), host=st.integers(0, 4), disk=st.booleans(), data=st.data())
+@settings(max_examples=100, deadline=None, database=None)
+def test_random_workloads_with_kv_tiers_restore_the_kv_of_each_hit(
+    config: SchedulerConfig, host: int, disk: bool, data: st.DataObject
+) -> None:
+    """Evicted prefix blocks go to the host (and disk) tier and come back on hits: the
+    fake model, running the plan's transfers in order, checks every restored position."""
+    config = replace(config, enable_prefix_caching=True)
+    tiers = KvTierIndex(host or (0 if disk else 1), disk=disk)
+    harness = Harness(config, tiers)
+    capacity = config.max_num_cached_tokens
+    arrivals = data.draw(
+        st.lists(st.tuples(st.integers(0, 6), request_specs(capacity)), min_size=1, max_size=12)
+    )
+    for delay, spec in arrivals:
+        for _ in range(delay):
+            harness.step()
+        harness.add(spec)
+    harness.drain()
+    assert len(harness.model.host) <= tiers.num_host_blocks
 
 
 class SchedulerMachine(RuleBasedStateMachine):
