@@ -1,6 +1,7 @@
 """Speculation under a grammar: each draft row is masked from the state after the drafts
-before it, a draft the grammar forbids is rejected, the state follows the emitted tokens
-only, and a paged shard verifying drafts gives the tokens plain steps give."""
+before it (across the end of a thinking too), a draft the grammar forbids is rejected, the
+state follows the emitted tokens only, rows after a budget check are not verified, and a
+paged shard verifying drafts gives the tokens plain steps give."""
 
 from __future__ import annotations
 
@@ -146,6 +147,32 @@ def test_rows_after_a_budget_check_are_not_verified(
     assert checked and checked[0] > 0, checked
     assert all(s is None for s in states[checked[0] + 1 :])
     assert all(s is not None for s in states[: checked[0] + 1])
+
+
+def test_drafts_that_end_a_thinking_unmask_it_only_before_the_end_token(
+    compiler: GrammarCompiler, tokenizer: Any
+) -> None:
+    """A reasoning model's drafts running past the token that ends its thinking: the rows
+    up to that token are free, the ones after it the grammar's."""
+    vocab, think_end = compiler.vocab_size, 101
+    markers = pb.ThinkingMarkers(end_token_id=think_end, starts_inside=True)
+    grammar = pb.Grammar(type=pb.GRAMMAR_TYPE_REGEX, value="ab", thinking=markers)
+    a = tokenizer.encode("a", add_special_tokens=False)[0]
+    drafts = (7, think_end, a)
+    state = compiler.state(grammar)
+    conditioned = [drafts[:k] for k in range(len(drafts) + 1)]
+    filler = MaskFiller()
+    pending = filler.start([state] * len(conditioned), vocab, conditioned)
+    assert pending is not None
+    masked = pending.result().apply(torch.zeros(len(conditioned), vocab))
+    filler.close()
+    allowed = [set((row == 0).nonzero().flatten().tolist()) for row in masked]
+    assert allowed[0] == allowed[1] == set(range(vocab))
+    grammar_start = compiler.state(pb.Grammar(type=pb.GRAMMAR_TYPE_REGEX, value="ab"))
+    assert allowed[2] == allowed_ids(grammar_start, vocab) and a in allowed[2]
+    assert grammar_start.accept(a)
+    assert allowed[3] == allowed_ids(grammar_start, vocab)
+    assert state.thinking  # the request's own state is still inside its thinking
 
 
 def run(model: PagedModel, request: pb.Request, drafts_from: list[int] | None) -> list[int]:
