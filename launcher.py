@@ -181,6 +181,8 @@ def shard_argv(model_path: Path, config: LauncherConfig) -> list[str]:
     argv += ["--kv-cache-dtype", config.kv_cache_dtype]
     argv += ["--attention", config.attention]
     argv += ["--cuda-graphs", _graph_sizes_text(config.cuda_graphs)]
+    if config.kv_offload_dir is not None:
+        argv += ["--kv-offload-dir", config.kv_offload_dir]
     if config.quantize is not None:
         argv += ["--quantize", config.quantize]
     if config.lora_adapters:

@@ -144,6 +144,18 @@ class LauncherConfig:
         True, "Reuse the KV of shared prompt prefixes (native models)", parse_bool
     )
     kv_cache_memory: int = flag(1 << 30, "Bytes of KV cache per shard on CPU", int)
+    kv_offload_bytes: int = flag(
+        0,
+        "Bytes of host memory per shard for prefix-cache blocks evicted from the KV cache: "
+        "they come back on a prefix hit instead of being recomputed (docs/scaling.md); "
+        "0 = no host tier",
+        int,
+    )
+    kv_offload_dir: str | None = flag(
+        None,
+        "Directory for prefix-cache blocks the host tier evicts (a disk tier below it); "
+        "a restart with the same model, KV dtype and layout restores from it",
+    )
     kv_cache_dtype: str = flag(
         "auto",
         "KV cache element dtype (native models): auto = the weights' dtype; int8 or fp8 "
@@ -409,6 +421,10 @@ class LauncherConfig:
         parse_ngram_range(self.speculative_ngram)  # ValueError naming the flag
         if self.kv_cache_memory < 1:
             raise ValueError("--kv-cache-memory must be a positive number of bytes")
+        if self.kv_offload_bytes < 0:
+            raise ValueError("--kv-offload-bytes must be >= 0 (0 = no host tier)")
+        if (self.kv_offload_bytes or self.kv_offload_dir) and not self.prefix_caching:
+            raise ValueError("--kv-offload-bytes and --kv-offload-dir need --prefix-caching")
         if not 0 < self.cuda_memory_fraction <= 1:
             raise ValueError("--cuda-memory-fraction must lie in (0, 1]")
         if not 0 < self.port < 65536:

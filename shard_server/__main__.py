@@ -126,6 +126,11 @@ def _cache_flags(parser: argparse.ArgumentParser) -> None:
         default=cache.cuda_graphs,
         help="decode batch sizes captured as CUDA graphs, comma-separated; 0 = none",
     )
+    parser.add_argument(
+        "--kv-offload-dir",
+        default=cache.kv_offload_dir,
+        help="root of the disk KV tier (blocks the host tier demotes; found again at restart)",
+    )
 
 
 def _adapter_flags(parser: argparse.ArgumentParser) -> None:
@@ -181,6 +186,7 @@ def main(argv: list[str] | None = None) -> None:
             cuda_memory_fraction=args.cuda_memory_fraction,
             kv_cache_dtype=args.kv_cache_dtype,
             cuda_graphs=args.cuda_graphs,
+            kv_offload_dir=args.kv_offload_dir,
         ),
         native=not args.no_native,
         quantize=args.quantize,

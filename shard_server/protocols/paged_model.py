@@ -17,9 +17,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence as Seq
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from textgate.kernels import attention_backend_name
 from textgate.kernels.kv_quant import kv_dtype_name, resolve_kv_cache_dtype
@@ -48,6 +50,7 @@ from textgate.shard_server.step.grammar import (
     PendingMasks,
 )
 from textgate.shard_server.step.kv_cache import KVCache
+from textgate.shard_server.step.kv_tiers import KvLayout, KvTierStore
 from textgate.shard_server.step.postprocess import SampleRows, append_tokens, sample
 from textgate.shard_server.step.prompt_logprobs import PromptLogprobs
 from textgate.shard_server.step.sampler import Sampler, SamplerOutput, SamplingTensors
@@ -92,6 +95,8 @@ class PagedModel:
         self.mask_filler = MaskFiller()
         self.sequences: dict[int, Sequence] = {}
         self.kv_cache: KVCache | None = None
+        self.kv_tiers: KvTierStore | None = None
+        """Host copies (and disk files) of evicted prefix blocks; made at warmup."""
         self.graph_capture = graph_capture
         """How decode graphs are recorded; None: real CUDA graphs on a GPU, none on CPU."""
         self.graphs: DecodeGraphRunner | None = None
@@ -189,7 +194,28 @@ class PagedModel:
         response = warmup_measurements(self, request)
         response.max_supported_total_tokens = num_blocks * block_size
         response.num_blocks = num_blocks
+        self.kv_tiers = KvTierStore(self.device, self._kv_disk_dir())
+        response.kv_offload_disk_hashes.extend(self.kv_tiers.disk_hashes())
         return response
+
+    def _kv_disk_dir(self) -> Path | None:
+        """This rank's disk-tier folder: one per model, KV dtype and layout (None: off)."""
+        root = self.cache_config.kv_offload_dir
+        if root is None:
+            return None
+        rank = dist.get_rank(self.process_group) if self.world_size > 1 else 0
+        layout = KvLayout(
+            model_id=self.model_id,
+            quantize=getattr(self.model, "quantize", None) or "",
+            kv_dtype=kv_dtype_name(self.model.kv_cache_dtype),
+            block_size=self.cache_config.block_size,
+            num_layers=self.model.num_layers,
+            num_kv_heads=self.model.num_kv_heads,
+            head_dim=self.model.head_dim,
+            rank=rank,
+            world_size=self.world_size,
+        )
+        return KvTierStore.folder(Path(root), layout)
 
     def _graph_capture(self) -> GraphCapture | None:
         """How this shard records decode graphs, or None when it runs every step eager."""
@@ -249,6 +275,8 @@ class PagedModel:
         """Forget every sequence (the KV cache stays allocated)."""
         self.sequences.clear()
         self.prompt_logprobs.clear()
+        if self.kv_tiers is not None:
+            self.kv_tiers.clear()
 
     # -- one step -----------------------------------------------------------------------
 
@@ -257,6 +285,10 @@ class PagedModel:
         start = time.perf_counter_ns()
         if self.kv_cache is None:
             raise RuntimeError("the KV cache is not allocated: Warmup must run first")
+        if plan.kv_transfers:  # before this step writes or reads any KV
+            if self.kv_tiers is None:
+                raise RuntimeError("the plan carries KV-tier transfers before Warmup ran")
+            self.kv_tiers.apply(plan.kv_transfers, self.kv_cache)
         for request_id in plan.finished_ids:
             self._drop(request_id)
         if plan.HasField("lora_residency"):  # the router's choice, before any row runs

@@ -22,6 +22,8 @@ class CacheConfig:
     """KV element dtype: auto (the model's), int8, fp8 / fp8_e4m3 (kernels/kv_quant.py)."""
     cuda_graphs: tuple[int, ...] = DEFAULT_CUDA_GRAPHS
     """Decode batch sizes captured as CUDA graphs at warmup (empty: none; ignored on CPU)."""
+    kv_offload_dir: str | None = None
+    """Root of the disk KV tier (--kv-offload-dir); None: host tier only."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

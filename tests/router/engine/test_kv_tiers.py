@@ -158,7 +158,7 @@ def test_random_workloads_keep_every_hit_right(disk: bool) -> None:
     prefixes = [[rng.randrange(50) for _ in range(12)] for _ in range(4)]
     live: list[int] = []
     for request_id in range(300):
-        tokens = rng.choice(prefixes)[: rng.randrange(4, 13)] + [rng.randrange(50)]
+        tokens = [*rng.choice(prefixes)[: rng.randrange(4, 13)], rng.randrange(50)]
         while allocator.num_free_blocks < allocator.num_blocks_for(len(tokens)) and live:
             allocator.free(live.pop(0))
         prefill(allocator, shard, request_id, tokens)
