@@ -3,6 +3,8 @@ and settled to what was generated, and honest Retry-After."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from textgate.proto import generate_pb2 as pb
@@ -101,6 +103,29 @@ def test_every_candidate_counts_and_one_over_the_minute_never_fits() -> None:
         assert quota.tokens_used() == 60
         with pytest.raises(TokenBudgetError, match="tokens_per_minute"):
             admitted.admit([request(10, 95)], on_cancel=lambda: None)
+
+
+def test_requests_per_minute_stay_within_5_percent_of_the_limit_under_overload() -> None:
+    """A request offered every 50 ms (20x the limit) for 5 minutes: every 60 s span
+    accepts 95% to 100% of the limit, and each refusal's Retry-After is when the oldest
+    request in the window leaves it."""
+    clock = FakeClock()
+    limit = 60
+    quota = TenantQuota("t", Limits(requests_per_minute=limit), clock)
+    accepted: list[float] = []
+    start = clock.now
+    while clock.now < start + 300:
+        try:
+            quota.open_lease().close()
+            accepted.append(clock.now)
+        except QuotaExceededError as refused:
+            in_window = [at for at in accepted if at > clock.now - 60]
+            assert refused.retry_after == math.ceil(in_window[0] + 60 - clock.now)
+        clock.now += 0.05
+    for begin in range(60, 241, 5):
+        t0 = start + begin
+        total = sum(t0 <= at < t0 + 60 for at in accepted)
+        assert limit * 0.95 <= total <= limit, (begin, total)
 
 
 def test_tokens_per_minute_stay_within_5_percent_of_the_limit_under_overload() -> None:
