@@ -15,8 +15,8 @@ On a GPU the copies run on a side stream into pinned host memory, so the step's 
 thread only enqueues them; the step's own stream waits for them on the device (a block
 being reused is read before it is overwritten, a restored one is in place before
 attention). On a CPU both tiers are RAM and a copy is a plain memcpy, paid in the step
-(about a millisecond per ten MB). Disk writes run on a writer thread, never the step's;
-a restore from disk reads the file in the step.
+(a restore copies twice: staged, then into the cache). Disk writes run on a writer
+thread, never the step's; a restore from disk reads the file in the step.
 
 The disk tier lives under one folder per model, weights' quantization, KV dtype, block
 size and per-rank layout (`disk_dir`), so after a restart only a server whose KV would be
