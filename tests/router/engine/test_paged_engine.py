@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from textgate.proto import generate_pb2 as pb
+from textgate.router.engine.block_allocator import hash_block
 from textgate.router.engine.channel import Channel, ErrorEvent, StepEvent
+from textgate.router.engine.kv_tiers import KvTier, KvTierIndex
 from textgate.router.engine.paged_engine import PagedEngine
 from textgate.router.engine.request import SamplingParams, StoppingParams, ValidRequest
 from textgate.router.engine.scheduler import Scheduler, SchedulerConfig
@@ -18,6 +20,7 @@ from textgate.router.shard_client import ShardedClient
 from textgate.shard_server.loading.shard_loader import load_model
 from textgate.shard_server.server import serve
 from textgate.shard_server.startup.cache_config import CacheConfig
+from textgate.tests.router.fake_shard import fake_shards
 
 BLOCK = 4
 PROMPTS = [[5, 17, 42, 8, 9, 10, 11, 12, 13], [9, 3], [11, 12, 13, 14, 15, 16], [7] * 12]
@@ -144,3 +147,72 @@ async def test_request_larger_than_the_cache_is_refused(shards: ShardedClient) -
     events = [event async for event in channel]
     assert isinstance(events[-1], ErrorEvent) and events[-1].error_type == "validation"
     await paged.close()
+
+
+async def logprobs_of(channel: Channel) -> list[tuple[int, float | None]]:
+    events = [event async for event in channel]
+    return [(t.id, t.logprob) for e in events if isinstance(e, StepEvent) for t in e.tokens]
+
+
+async def test_a_prefix_evicted_to_the_host_tier_comes_back_with_the_same_output(
+    shards: ShardedClient,
+) -> None:
+    """8 blocks: the other prompts evict PROMPTS[0]'s blocks, which the shard copies to its
+    host pool; asked again, they are restored, not recomputed, and the tokens and their
+    logprobs are the first run's."""
+    config = SchedulerConfig(
+        num_blocks=8, block_size=BLOCK, max_num_batched_tokens=16, max_num_seqs=1,
+        num_reserved_tokens=0,
+    )  # fmt: skip
+    tiers = KvTierIndex(16)
+    paged = PagedEngine(shards, Scheduler(config, kv_tiers=tiers), max_concurrent_requests=16)
+    (channel,) = paged.submit([greedy(PROMPTS[0], 8)])
+    first = await logprobs_of(channel)
+    for prompt in (PROMPTS[3], PROMPTS[2]):
+        (channel,) = paged.submit([greedy(prompt, 8)])
+        await tokens_of(channel)
+    assert tiers.num_offloaded_blocks >= 2
+    (again,) = paged.submit([greedy(PROMPTS[0], 8)])
+    restored = await logprobs_of(again)
+    assert [t for t, _ in restored] == [t for t, _ in first]
+    assert [lp for _, lp in restored] == pytest.approx([lp for _, lp in first], abs=1e-4)
+    assert paged.scheduler.allocator.num_prefix_hit_tokens_by_tier[KvTier.HOST] == 2 * BLOCK
+    await paged.close()
+
+
+async def test_a_failed_step_drops_the_host_tier_and_what_it_may_have_restored(
+    tmp_path: Path,
+) -> None:
+    """Which of a failed step's transfers ran is unknown: the router trusts no host block
+    and no block that step restored, and clears the shards (their pools go too)."""
+    uds = str(tmp_path / "f")
+    async with fake_shards(uds) as (shard, *_):
+        shards = await ShardedClient.connect(uds, timeout_s=5)
+        config = SchedulerConfig(
+            num_blocks=16, block_size=shard.block_size, max_num_batched_tokens=64,
+            max_num_seqs=4, num_reserved_tokens=0,
+        )  # fmt: skip
+        tiers = KvTierIndex(8)
+        paged = PagedEngine(shards, Scheduler(config, kv_tiers=tiers), max_concurrent_requests=4)
+        prompt = list(range(1, 2 * shard.block_size + 2))
+        size = shard.block_size
+        first = hash_block(b"", prompt[:size])  # the host tier holds the prompt's 2 blocks
+        tiers.offload(0, first)
+        tiers.offload(1, hash_block(first, prompt[size : 2 * size]))
+        tiers.take_transfers()
+        shard.fail["Step"] = 1
+        (channel,) = paged.submit([greedy(prompt, 2)])
+        events = [event async for event in channel]
+        assert isinstance(events[-1], ErrorEvent)
+        allocator = paged.scheduler.allocator
+        assert allocator.num_prefix_hit_tokens_by_tier[KvTier.HOST] == 2 * size  # planned
+        assert tiers.num_host_used == 0 and allocator.num_evictable_blocks == 0
+        restore = shard.calls_to("Step")[0].plan.kv_transfers
+        assert [t.kind for t in restore] == [pb.KV_TRANSFER_KIND_RESTORE] * 2
+        for _ in range(100):  # the ClearCache follows the failed requests' answers
+            if shard.calls_to("ClearCache"):
+                break
+            await asyncio.sleep(0.05)
+        assert shard.calls_to("ClearCache")
+        await paged.close()
+        await shards.close()
