@@ -9,7 +9,8 @@ compute `token_ids` at their positions, and sample where the plan says so.
 `PagedModel` is what the shard's servicer calls for each call of generate.proto. Its
 parts live beside it:
 `step_inputs` (the plan as a flat batch), `prompt_logprobs`, `paged_warmup` (graph
-capture choice, shapes-only passes) and `cache_config`.
+capture choice, shapes-only passes), `cache_config` and `kv_tiers` (the plan's copies of
+prefix blocks to and from the host and disk tiers, run before the step).
 """
 
 from __future__ import annotations

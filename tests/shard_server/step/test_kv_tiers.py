@@ -174,3 +174,7 @@ def test_a_paged_shard_restores_a_prefix_and_samples_the_same_token(
     )
     assert model.kv_cache is not None
     assert_same(block_of(model.kv_cache, 8), block_of(model.kv_cache, 0))
+    model.step([], pb.StepPlan(kv_transfers=offload[:1]))
+    assert set(model.kv_tiers.host) == {hashes[0]}
+    model.clear()  # ClearCache: the router no longer trusts the host pool
+    assert not model.kv_tiers.host
