@@ -265,22 +265,28 @@ class LoraLayer:
         return self._stacked
 
     def _stack(self) -> tuple[Tensor, Tensor] | None:
-        fused = self.fused()
-        if not fused:
+        """Stacked straight from the updates (each slot's parts side by side in A's rows
+        and B's block-diagonal columns), without the per-slot fused pairs' copies."""
+        if not self.updates:
             return None
-        first = next(iter(fused.values()))[0]
+        first = next(iter(self.updates.values()))[0][2]
         inputs, size = first.shape[1], first.element_size()
         aligned = all(n * size % 16 == 0 for n in (inputs, self.out_features))
         grouped = aligned and grouped_mm_runs(first.dtype, first.device)
         if not grouped and not supports(first) and first.device.type not in BATCHED_DEVICES:
             return None
-        slots = max(fused)
-        rank = -(-max(a.shape[0] for a, _ in fused.values()) // 4) * 4
-        a_all = first.new_zeros(slots, rank, inputs)
-        b_all = first.new_zeros(slots, self.out_features, rank)
-        for slot, (a, b) in fused.items():
-            a_all[slot - 1, : a.shape[0]] = a
-            b_all[slot - 1, :, : a.shape[0]] = b
+        ranks = [sum(part[2].shape[0] for part in parts) for parts in self.updates.values()]
+        rank = -(-max(ranks) // 4) * 4
+        a_all = first.new_zeros(max(self.updates), rank, inputs)
+        b_all = first.new_zeros(max(self.updates), self.out_features, rank)
+        for slot, parts in self.updates.items():
+            offset = 0
+            for start, end, a, b, scale in parts:
+                part_rank = a.shape[0]
+                a_all[slot - 1, offset : offset + part_rank] = a
+                b_all[slot - 1, start:end, offset : offset + part_rank] = b
+                b_all[slot - 1, start:end, offset : offset + part_rank] *= scale
+                offset += part_rank
         return a_all, b_all
 
     def add(self, x: Tensor, out: Tensor) -> Tensor:
