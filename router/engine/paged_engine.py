@@ -14,6 +14,7 @@ It is the router's one engine; its face to the HTTP handlers is `submit` -> chan
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -123,6 +124,11 @@ class PagedEngine:
                 continue
             if request.adapter_id:
                 self._metrics.adapter_request(request.adapter_id)
+            if entry.deadline is not None:
+                # At the deadline itself, not at the next step's start: a step in flight
+                # (seconds, for a long prompt on a CPU) would make a queued timeout late.
+                delay = max(0.0, entry.deadline - time.monotonic())
+                asyncio.get_running_loop().call_later(delay, self._expire_queued, entry.id)
         self._metrics.queue_size(self.scheduler.num_waiting)
         self._task.wake()
         return [entry.channel for entry in entries]
@@ -267,6 +273,17 @@ class PagedEngine:
                 entry.out_of_time = True
         if queued:
             self._forget(self._admitted.fail(queued, TIMEOUT_MESSAGE, "timeout"))
+
+    def _expire_queued(self, request_id: int) -> None:
+        """A request's deadline timer: still queued with nothing generated, it fails now
+        (`_expire` at each step's start ends the running ones). A waiting request is in no
+        step in flight, so it can leave the scheduler between two steps' updates."""
+        entry = self._admitted.get(request_id)
+        if entry is None or entry.out_of_time or entry.channel.num_generated:
+            return
+        if self.scheduler.is_waiting(request_id):
+            self._forget(self._admitted.fail([entry], TIMEOUT_MESSAGE, "timeout"))
+            self._metrics.queue_size(self.scheduler.num_waiting)
 
     def _fail_all(self, message: str) -> None:
         self._admitted.fail(self._admitted, message)

@@ -223,10 +223,8 @@ async def test_50_queued_deadlines_end_in_time_and_nothing_else_fails(two_seats:
     deadline queue behind them (one tenant: first come, first served). Each of the 50 is
     a 408 `timeout` while the long ones still stream; the four queued before them run
     whole once the long ones are cancelled, and the engine returns to idle, every KV block
-    free. How soon after 1 s is not asserted here: the engine checks deadlines between
-    steps, and on a loaded 2-core machine one step of the default model can take seconds;
-    `tests/router/engine/test_paged_engine_deadlines.py` holds issue 28's 1.2 s over 20 ms
-    steps."""
+    free. Each of the 50 ends within issue 28's 1.2 s of its send: a queued request's
+    deadline is a timer of its own, not waiting for the step in flight to end."""
     long_streams: list[Streamed] = []
     async with two_seats.client() as client:
         long_ones = [
@@ -253,7 +251,7 @@ async def test_50_queued_deadlines_end_in_time_and_nothing_else_fails(two_seats:
         await until_idle(client)
     for answer, elapsed in endings:
         assert answer.status_code == 408 and answer.json()["error_type"] == "timeout"
-        assert elapsed >= 1.0
+        assert 1.0 <= elapsed <= 1.2, elapsed
     assert all(s.status == 200 and s.token_times and s.final is None for s in long_streams)
     assert all(s.succeeded and len(s.token_times) == 4 for s in waited)
 

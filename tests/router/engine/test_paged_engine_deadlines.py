@@ -107,3 +107,29 @@ async def test_a_running_request_past_its_deadline_ends_with_what_it_has(
     assert paged.scheduler.allocator.num_used_blocks == 0
     # Dropped by the shards too (the calm one finished there on its own).
     assert shard.held_request_ids() == set()
+
+
+async def test_a_slow_step_in_flight_does_not_make_queued_timeouts_late(
+    shard_and_engine: tuple[FakeShard, PagedEngine],
+) -> None:
+    shard, paged = shard_and_engine
+    # Steps of 1.5 s (a long prompt's chunk on a CPU): the queued requests' 0.3 s deadline
+    # passes during the first one and they fail then, not when it ends.
+    shard.step_delay_s = 1.5
+    long_ones = paged.submit([request(2), request(2)])
+    await asyncio.sleep(0.05)  # the first slow step is in flight
+    submitted = time.monotonic()
+    hurried = paged.submit([request(2, timeout_s=0.3) for _ in range(10)])
+    endings = await asyncio.gather(*(ending(c) for c in hurried))
+    for event, at in endings:
+        assert event == ErrorEvent(TIMEOUT_MESSAGE, "timeout")
+        assert 0.3 <= at - submitted < 0.6
+    assert paged.scheduler.num_waiting == 0
+    for channel in long_ones:
+        event, _ = await ending(channel)
+        assert isinstance(event, StepEvent) and event.finished is not None
+    while paged.scheduler.has_unfinished_requests():
+        await asyncio.sleep(0.01)
+    paged.scheduler.check_invariants()
+    assert paged.scheduler.allocator.num_used_blocks == 0
+    assert len(shard.received_requests()) == 2
