@@ -215,7 +215,11 @@ class PagedEngine:
             ],
             finished_ids=self._take_finished(),
             kv_transfers=[
-                pb.KvTransfer(kind=t.kind.value, block_hash=t.block_hash, block_id=t.block_id)
+                pb.KvTransfer(
+                    kind=f"KV_TRANSFER_KIND_{t.kind.name}",
+                    block_hash=t.block_hash,
+                    block_id=t.block_id,
+                )
                 for t in output.kv_transfers
             ],
         )
