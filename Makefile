@@ -12,6 +12,10 @@ PORT ?= 8080
 # Extra launcher flags for `make run`, e.g. ARGS="--max-total-tokens 2048 --dtype float32".
 ARGS ?=
 STAMP := $(VENV)/.textgate-installed
+# Python leaves the working directory off sys.path (`python -m` puts it first): from the
+# checkout's root, its top-level folders (`kernels`, `router`...) would shadow PyPI packages
+# of those names (transformers >= 5.25 imports the `kernels` distribution).
+export PYTHONSAFEPATH := 1
 
 .PHONY: setup browser run test lint typecheck unit e2e bench soak bench-peers stubs clean gptqmodel-fixture gpu-kit gpu-check gpu-check-dry \
 	third-party-fixtures

@@ -167,8 +167,14 @@ def model_limits(model_path: Path, config: LauncherConfig) -> dict[str, int]:
     }
 
 
+PYTHON_MODULE = (sys.executable, "-P", "-m")
+"""How the children start: `-P` keeps the working directory off their `sys.path`. Run from
+a checkout, its top-level folders (`kernels`, `router`, `proto`...) would otherwise shadow
+PyPI packages of those names (transformers >= 5.25 imports the `kernels` distribution)."""
+
+
 def shard_argv(model_path: Path, config: LauncherConfig) -> list[str]:
-    argv = [sys.executable, "-m", "textgate.shard_server", "--model-path", str(model_path)]
+    argv = [*PYTHON_MODULE, "textgate.shard_server", "--model-path", str(model_path)]
     argv += ["--model-id", served_model_id(config)]
     argv += ["--uds-path", config.shard_uds_path, "--dtype", config.dtype]
     argv += [
@@ -275,7 +281,7 @@ def start_shards(model_path: Path, config: LauncherConfig) -> list[Child]:
 
 def start_router(model_path: Path, config: LauncherConfig) -> Child:
     settings = json.dumps(router_config(model_path, config))
-    argv = [sys.executable, "-m", "textgate.router", "--config-json", settings]
+    argv = [*PYTHON_MODULE, "textgate.router", "--config-json", settings]
     return Child("router", argv, dict(os.environ))
 
 

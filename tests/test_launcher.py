@@ -238,3 +238,18 @@ def test_the_audit_log_flags_reach_the_router(tiny_model_dir: Path, tmp_path: Pa
     assert default["audit_log"] is None and default["audit_log_max_bytes"] == 100 * 1024 * 1024
     with pytest.raises(ValueError, match="audit_log_max_bytes"):
         RouterConfig(model_id="m", tokenizer_path="t", audit_log_max_bytes=0)
+
+
+def test_children_start_without_the_working_directory_on_their_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A checkout's `kernels/` folder must not shadow the PyPI `kernels` transformers imports.
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("raise ImportError('shadowed')\n")
+    monkeypatch.chdir(tmp_path)
+    argv = launcher.shard_argv(Path("/m"), launcher.parse_args([], env={}))
+    probe = [*argv[: argv.index("textgate.shard_server") - 1], "-c", "import sys; print(sys.path)"]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
+    out = subprocess.run(probe, env=env, capture_output=True, text=True, check=True).stdout
+    assert str(tmp_path) not in out and "''" not in out
+    assert tuple(argv[:3]) == launcher.PYTHON_MODULE  # the router starts the same way

@@ -105,7 +105,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     results = {}
     for mode in ("exact", "padded"):
-        command = [sys.executable, "-m", "textgate.bench.micro.linear_rows", *raw, "--one", mode]
+        command = [
+            sys.executable,
+            "-P",
+            "-m",
+            "textgate.bench.micro.linear_rows",
+            *raw,
+            "--one",
+            mode,
+        ]
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             sys.stderr.write(done.stderr)
