@@ -3,13 +3,17 @@
 `spawn_ranks(run, paths, out_dir)` starts `WORLD_SIZE` processes that join one gloo
 group and each save `run(path, group)` for every path as `out_dir/<name>-<rank>.pt`
 (`rank_outputs` reads them back); the test compares those with `run(path, None)` in its
-own process. `run` must be a module-level function: the spawned processes unpickle it
-by name, and import this module as `textgate.tests.tp_ranks`.
+own process. `run` must be a module-level function: the spawned processes import its
+module by the name it has inside the installed package (`textgate.tests....`), never by
+the name pytest gave it (`tests....`, importable only with the checkout on `sys.path`,
+which `make test` keeps off it).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -54,8 +58,17 @@ def step_logits(model: nn.Module) -> list[torch.Tensor]:
 
 def spawn_ranks(run: RankRun, paths: Sequence[Path], out_dir: Path) -> None:
     """Run `run` on every path in `WORLD_SIZE` gloo ranks; their outputs go to `out_dir`."""
-    args = (free_port(), run, list(paths), out_dir)
+    args = (free_port(), _package_name(run), list(paths), out_dir)
     mp.spawn(_worker, args=args, nprocs=WORLD_SIZE, join=True)
+
+
+def _package_name(run: RankRun) -> tuple[str, str]:
+    """`run`'s module as `textgate.<path inside the package>`, and its name in it."""
+    import textgate
+
+    module_file = Path(sys.modules[run.__module__].__file__ or "").resolve()
+    inside = module_file.relative_to(Path(textgate.__file__).resolve().parent)
+    return ".".join(("textgate", *inside.with_suffix("").parts)), run.__qualname__
 
 
 def rank_outputs(out_dir: Path, path: Path, rank: int) -> list[torch.Tensor]:
@@ -63,7 +76,11 @@ def rank_outputs(out_dir: Path, path: Path, rank: int) -> list[torch.Tensor]:
     return torch.load(out_dir / f"{path.name}-{rank}.pt")
 
 
-def _worker(rank: int, port: int, run: RankRun, paths: list[Path], out_dir: Path) -> None:
+def _worker(
+    rank: int, port: int, run_name: tuple[str, str], paths: list[Path], out_dir: Path
+) -> None:
+    module, qualname = run_name
+    run: RankRun = getattr(importlib.import_module(module), qualname)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
