@@ -81,7 +81,9 @@ class _MessagesHandlers:
         prompt = await self._render(body, tools)
         # The template already holds the special tokens the model expects (BOS, markers).
         inputs = GenerateRequest(inputs=prompt, parameters=params, add_special_tokens=False)
-        valid = await self._serving.validate(inputs, body.stream, wording=WORDING)
+        valid = await self._serving.validate(
+            inputs, body.stream, wording=WORDING, received=received
+        )
         channels = self._state.engine.submit([valid])
         message_id = new_id("msg")
         options = TextOptions(stop=tuple(params.stop))

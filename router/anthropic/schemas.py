@@ -99,7 +99,7 @@ class MessagesRequest(CountTokensRequest):
     """Accepted and ignored (`{"type": "enabled", "budget_tokens": N}`): whether the model
     thinks is its own and its template's doing; --reasoning-parser reads the thinking out."""
     timeout: float | None = None
-    """textgate extra: seconds it may take from admission (the `timeout` of
+    """textgate extra: seconds it may take from its arrival (the `timeout` of
     docs/tenancy.md); unset: the `X-Request-Timeout` header's, else the API key's."""
 
 

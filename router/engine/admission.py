@@ -48,9 +48,12 @@ class Entry:
 
     @property
     def deadline(self) -> float | None:
-        """When (time.monotonic()) its `timeout_s` from admission runs out; None: never."""
+        """When (time.monotonic()) its `timeout_s` from its arrival runs out; None: never."""
         timeout_s = self.request.timeout_s
-        return None if timeout_s is None else self.channel.queued_at + timeout_s
+        if timeout_s is None:
+            return None
+        received_at = self.request.received_at
+        return (self.channel.queued_at if received_at is None else received_at) + timeout_s
 
     @property
     def input_length(self) -> int:

@@ -48,7 +48,7 @@ class Limits:
     priority: int | None = None
     """The best (lowest) priority its requests may ask for; None: any."""
     timeout_s: float | None = None
-    """The deadline of its requests that set none (seconds from admission); None: none."""
+    """The deadline of its requests that set none (seconds from their arrival); None: none."""
     weight: float = 1.0
     """Its share under fair scheduling, relative to other tenants' (router/engine/fairness.py)."""
     models: frozenset[str] | None = None

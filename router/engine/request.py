@@ -120,8 +120,11 @@ class ValidRequest:
     priority: int = 0
     """Lower is admitted first (vLLM's `priority`); within one priority, first come first."""
     timeout_s: float | None = None
-    """Seconds from admission it may take: still queued past it, it fails (`timeout`);
+    """Seconds from its arrival it may take: still queued past it, it fails (`timeout`);
     running past it, it ends with what it has (finish reason `length`). None: no deadline."""
+    received_at: float | None = None
+    """When the server received it (time.monotonic()), where its `timeout_s` starts: the
+    time its template, tokenizer and validation took is part of it. None: its admission."""
     tenant: str = ANONYMOUS_TENANT
     """Whose fair share of the scheduler serves it: its API key's tenant, or the anonymous
     one for every request without a key file."""

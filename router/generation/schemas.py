@@ -77,7 +77,7 @@ class GenerateParameters(BaseModel):
     """Lower is admitted first; no better than the API key's `priority`. Unset: 0, or the
     key's `priority` when that is worse (vLLM's; not in TGI)."""
     timeout: float | None = None
-    """Seconds the request may take from admission, > 0: still queued past it, it fails
+    """Seconds the request may take from its arrival, > 0: still queued past it, it fails
     with a `timeout` error; running, it ends with what it has (finish reason `length`).
     Unset: the `X-Request-Timeout` header's, else the API key's `timeout_s` (not in TGI)."""
 

@@ -92,12 +92,14 @@ class Validator:
         stream: bool = False,
         input_ids: Sequence[int] | None = None,
         wording: Wording = TGI_WORDING,
+        received_at: float | None = None,
     ) -> ValidRequest:
         """The validated request, or ValidationError with TGI's message.
 
         `input_ids`: the prompt as token ids (OpenAI completions), used instead of
         tokenizing `request.inputs` (then only its text for echoing). `wording` names
-        the route's own fields in the length errors."""
+        the route's own fields in the length errors. `received_at`: when the server
+        received it (time.monotonic()), where its deadline starts; None: its admission."""
         params = request.parameters
         lease = current_lease()
         limits = lease.quota.limits if lease is not None else Limits()
@@ -138,6 +140,7 @@ class Validator:
             skip_special_tokens=params.skip_special_tokens,
             priority=_check_key_priority(params.priority, limits),
             timeout_s=_timeout(params.timeout, limits),
+            received_at=received_at,
             tenant=lease.quota.name if lease is not None else ANONYMOUS_TENANT,
             tenant_weight=limits.weight,
         )

@@ -29,7 +29,7 @@ BODY_TIMEOUT_STATE_KEY = "textgate.body_timeout_s"
 (`guarded_h11.GuardedH11Protocol`); a request without it gets BODY_TIMEOUT_S."""
 M = TypeVar("M", bound=pydantic.BaseModel)
 REQUEST_TIMEOUT_HEADER = "x-request-timeout"
-"""Seconds a request may take from admission, on every generating route; a `timeout` in
+"""Seconds a request may take from its arrival, on every generating route; a `timeout` in
 the body wins over it."""
 
 

@@ -73,10 +73,12 @@ class Serving:
         input_ids: Sequence[int] | None = None,
         *,
         wording: Wording,
+        received: float,
     ) -> ValidRequest:
-        """`inputs` validated and tokenized (ValidationError), counted as validated."""
+        """`inputs` validated and tokenized (ValidationError), counted as validated; its
+        deadline counts from `received` (when the route got it, time.monotonic())."""
         valid = await self._state.validator.validate(
-            inputs, stream=stream, input_ids=input_ids, wording=wording
+            inputs, stream=stream, input_ids=input_ids, wording=wording, received_at=received
         )
         self._metrics.request_validated(valid.input_length, valid.max_new_tokens)
         return valid

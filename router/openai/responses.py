@@ -67,7 +67,9 @@ class ResponsesHandler:
         prompt = await self._serving.render(input_messages(body), tools)
         # The template already holds the special tokens the model expects (BOS, markers).
         inputs = GenerateRequest(inputs=prompt, parameters=params, add_special_tokens=False)
-        valid = await self._serving.validate(inputs, body.stream, wording=RESPONSES_WORDING)
+        valid = await self._serving.validate(
+            inputs, body.stream, wording=RESPONSES_WORDING, received=received
+        )
         channels = self._state.engine.submit([valid])
         head = ResponseHead.new(model, body)
         if body.stream:

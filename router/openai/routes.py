@@ -168,7 +168,9 @@ class _OpenAIHandlers:
         inputs = GenerateRequest(inputs=prompt, parameters=params, add_special_tokens=False)
         length_field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         wording = Wording("messages", length_field, OPENAI_TRUNCATE, templated=True)
-        valid = await self._serving.validate(inputs, body.stream, wording=wording)
+        valid = await self._serving.validate(
+            inputs, body.stream, wording=wording, received=received
+        )
         channels = self._state.engine.submit(candidates(valid, body.seed, fanout.num_candidates))
         meta = ResponseMeta.new("chatcmpl", model)
         options = _text_options(body)
@@ -216,6 +218,7 @@ class _OpenAIHandlers:
                     body.stream,
                     input_ids=None if isinstance(p, str) else p,
                     wording=COMPLETION_WORDING,
+                    received=received,
                 )
                 for text, p in zip(prompts, given, strict=True)
             )

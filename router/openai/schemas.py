@@ -98,7 +98,7 @@ class SamplingRequest(NullMeansUnset):
     """vLLM extra: lower is admitted first (unset: 0); no better than the API key's
     `priority`."""
     timeout: float | None = None
-    """textgate extra: seconds it may take from admission (docs/tenancy.md); unset: the
+    """textgate extra: seconds it may take from its arrival (docs/tenancy.md); unset: the
     `X-Request-Timeout` header's, else the API key's `timeout_s`."""
 
 

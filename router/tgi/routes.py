@@ -138,15 +138,17 @@ class TgiHandlers:
         parameters = with_request_timeout(body.parameters, request)
         return body.model_copy(update={"parameters": parameters})
 
-    async def _validate(self, body: GenerateRequest, *, stream: bool = False) -> ValidRequest:
-        valid = await self._state.validator.validate(body, stream=stream)
+    async def _validate(
+        self, body: GenerateRequest, received: float, *, stream: bool = False
+    ) -> ValidRequest:
+        valid = await self._state.validator.validate(body, stream=stream, received_at=received)
         self._metrics.request_validated(valid.input_length, valid.max_new_tokens)
         return valid
 
     async def _generate(
         self, request: Request, body: GenerateRequest, received: float, *, as_list: bool
     ) -> Response:
-        valid = await self._validate(body)
+        valid = await self._validate(body, received)
         candidates = [valid]
         if valid.best_of > 1:
             candidates = [valid.with_seed(secrets.randbits(64)) for _ in range(valid.best_of)]
@@ -167,7 +169,7 @@ class TgiHandlers:
         return JSONResponse([payload] if as_list else payload, headers=headers)
 
     async def _stream(self, body: GenerateRequest, received: float) -> Response:
-        valid = await self._validate(body, stream=True)
+        valid = await self._validate(body, received, stream=True)
         (channel,) = self._state.engine.submit([valid])
 
         def on_end(end: StreamEnd) -> None:

@@ -5,6 +5,7 @@ ends with what it has (finish reason length); the others are untouched."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 
@@ -133,3 +134,27 @@ async def test_a_slow_step_in_flight_does_not_make_queued_timeouts_late(
     paged.scheduler.check_invariants()
     assert paged.scheduler.allocator.num_used_blocks == 0
     assert len(shard.received_requests()) == 2
+
+
+async def test_a_deadline_counts_from_the_requests_arrival_not_its_admission(
+    shard_and_engine: tuple[FakeShard, PagedEngine],
+) -> None:
+    _, paged = shard_and_engine
+    # 0.4 s went to its template and tokenizer before the engine saw it: of its 0.5 s
+    # deadline, 0.1 s is left when it queues behind the two long ones.
+    long_ones = paged.submit([request(100), request(100)])
+    await asyncio.sleep(0.05)
+    submitted = time.monotonic()
+    late = dataclasses.replace(request(2, timeout_s=0.5), received_at=submitted - 0.4)
+    (hurried,) = paged.submit([late])
+    event, at = await ending(hurried)
+    assert event == ErrorEvent(TIMEOUT_MESSAGE, "timeout")
+    assert 0.1 <= at - submitted < 0.3
+    # One past its deadline on arrival fails at once.
+    (gone,) = paged.submit([dataclasses.replace(late, received_at=time.monotonic() - 1)])
+    assert (await ending(gone))[0] == ErrorEvent(TIMEOUT_MESSAGE, "timeout")
+    for channel in long_ones:
+        channel.cancel()
+    while paged.scheduler.has_unfinished_requests():
+        await asyncio.sleep(0.01)
+    assert paged.scheduler.allocator.num_used_blocks == 0
