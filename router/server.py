@@ -3,7 +3,8 @@
 Startup order: connect to rank 0 (ServiceDiscovery gives the others), ClearCache,
 Info, Health, Warmup with a batch as large as the prefill budget (paged shards also
 time their step then: `autoconfig` derives the budgets left unset from it), then uvicorn.
-`engine.factory.make_engine` picks the engine from what Info and Warmup report.
+`engine.factory.make_engine` picks the engine from what Info and Warmup report; what
+startup built is then kept out of the cyclic collector's walks (`heap.py`).
 `Router listening on http://{hostname}:{port}` is logged once connections are
 accepted. On a signal the router drains (`http/drain.py`: 503 to new requests and
 /health, in-flight ones finish within `graceful_termination_timeout`), then the engine
@@ -24,6 +25,7 @@ from typing import Any, cast
 import uvicorn
 from starlette.applications import Starlette
 
+from textgate.heap import freeze_startup_heap
 from textgate.proto import generate_pb2 as pb
 from textgate.router import autoconfig, tracing
 from textgate.router.app import build_app
@@ -51,6 +53,7 @@ async def serve(config: RouterConfig) -> None:
         try:
             tokenizer = await asyncio.to_thread(load_tokenizer, config.tokenizer_path)
             app = await build_router(config, shards, tokenizer)
+            freeze_startup_heap()
             await run_http(app, config)
         finally:
             await shards.close()

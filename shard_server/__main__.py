@@ -15,6 +15,7 @@ import signal
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from textgate.heap import freeze_startup_heap
 from textgate.logs import setup_logging
 from textgate.shard_server import tracing
 from textgate.shard_server.flag_types import (
@@ -202,6 +203,8 @@ def main(argv: list[str] | None = None) -> None:
         tracing.install,
         **{"service.instance.id": f"shard-{rank}"},
     )
+    # The model is loaded: from here on, collections walk only what steps allocate.
+    freeze_startup_heap()
     try:
         asyncio.run(
             _serve_until_signal(
