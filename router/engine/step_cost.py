@@ -24,6 +24,15 @@ from collections.abc import Iterable
 
 NUM_COEFFICIENTS = 4
 """overhead (s), per decode (s), per prefill token (s), per thousand attention pairs (s)."""
+OUTLIER_FACTOR = 3.0
+"""A served step within the token counts the fit has seen, measured at more than this many
+times its prediction, counts as this many. What made it that slow is not in its token
+counts (the router's event loop busy with a burst of arrivals, a collection, another
+process): one such step of the ~20 the fit weighs once bent it to predict 1 s for a
+17-decode step (c=64 on a 2-core CPU, the batch limit halved). A machine that really
+slows down still moves the fit, each of its steps counting up to 3x the prediction before
+it; a step past what the fit has seen (more decodes, a longer chunk) counts in full, for
+there the prediction is a guess."""
 PAIRS_UNIT = 1000.0
 """Attention pairs are counted in thousands: a typical chunk's count is then of the order
 of its tokens, and the ridge (in tokens²) means as much for its coefficient."""
@@ -43,7 +52,8 @@ class StepCostModel:
     while the recent steps cannot tell two coefficients apart (a steady batch, no prompts)
     they keep what earlier steps taught instead of wandering with the noise. The
     coefficients never go negative (a step never gets cheaper with more tokens): the fit
-    is solved under that constraint, not clamped after it.
+    is solved under that constraint, not clamped after it. A step slowed by what its token
+    counts do not hold counts at most `OUTLIER_FACTOR` times its prediction.
     """
 
     def __init__(self, forgetting: float = 0.95, ridge: float = 5.0, min_samples: int = 8) -> None:
@@ -63,6 +73,8 @@ class StepCostModel:
         self._moment = [0.0] * NUM_COEFFICIENTS
         self._coefficients: tuple[float, ...] = (0.0,) * NUM_COEFFICIENTS
         self._seeded = False
+        self._seen = [0.0] * NUM_COEFFICIENTS
+        """The largest value of each regressor among the steps fitted (the seed's too)."""
         self.num_samples = 0
         """Served steps measured (the seed's steps not counted)."""
 
@@ -96,6 +108,7 @@ class StepCostModel:
             attention = attention_pairs(0, num_prefill_tokens)
             features = _features(num_decodes, num_prefill_tokens, attention, latency_s)
             _accumulate(gram, moment, features)
+            self._see(features[0])
             self._seeded = True
         if self._seeded:
             self._coefficients = self._fit(gram, moment)
@@ -108,10 +121,18 @@ class StepCostModel:
         prefill_attention: float | None = None,
     ) -> None:
         """Record one measured step and refit. `prefill_attention` (`attention_pairs` of
-        its chunks) defaults to its prompt tokens as one chunk from position 0."""
+        its chunks) defaults to its prompt tokens as one chunk from position 0. Once the
+        fit is ready, a step within the token counts it has seen counts at most
+        `OUTLIER_FACTOR` times its prediction."""
         if prefill_attention is None:
             prefill_attention = attention_pairs(0, num_prefill_tokens)
         features = _features(num_decodes, num_prefill_tokens, prefill_attention, latency_s)
+        x, _ = features
+        if self.is_ready and all(v <= seen for v, seen in zip(x, self._seen, strict=True)):
+            predicted = sum(c * v for c, v in zip(self._coefficients, x, strict=True))
+            if predicted > 0:
+                features = (x, min(latency_s, OUTLIER_FACTOR * predicted))
+        self._see(x)
         for i in range(NUM_COEFFICIENTS):
             self._moment[i] *= self.forgetting
             for j in range(NUM_COEFFICIENTS):
@@ -119,6 +140,9 @@ class StepCostModel:
         _accumulate(self._gram, self._moment, features)
         self.num_samples += 1
         self._coefficients = self._fit(self._gram, self._moment)
+
+    def _see(self, regressors: tuple[float, ...]) -> None:
+        self._seen = [max(seen, v) for seen, v in zip(self._seen, regressors, strict=True)]
 
     def predict(self, num_decodes: int, num_prefill_tokens: int = 0, context: int = 0) -> float:
         """Predicted latency (s) of a step with these token counts, its prompt tokens one

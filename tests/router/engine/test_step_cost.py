@@ -52,6 +52,34 @@ def test_fit_follows_a_machine_that_gets_slower() -> None:
     assert model.predict(20) == pytest.approx(2 * curve(20, 0), rel=0.05)
 
 
+def test_one_stalled_step_does_not_bend_the_fit_and_a_real_slowdown_still_does() -> None:
+    model, rng = StepCostModel(), random.Random(2)
+    for _ in range(60):
+        n, p = rng.randint(1, 64), rng.choice([0, 32])
+        model.add(n, p, curve(n, p))
+    # The router's loop was busy with a burst of arrivals: one small step took 0.4 s.
+    # Counted in full it would make the fit's per-decode cost 0 (64 decodes predicted at
+    # 24 ms instead of 56); counted as 3x its prediction, it moves the fit a little.
+    model.add(1, 32, 0.4)
+    assert model.predict(17, 32) == pytest.approx(curve(17, 32), rel=0.15)
+    assert model.predict(64) == pytest.approx(curve(64, 0), rel=0.15)
+    # The machine gets 4x slower: the fit follows within a few dozen steps.
+    for _ in range(40):
+        n = rng.randint(1, 64)
+        model.add(n, 0, 4 * curve(n, 0))
+    assert model.predict(32) == pytest.approx(4 * curve(32, 0), rel=0.1)
+
+
+def test_a_step_past_what_the_fit_has_seen_counts_in_full() -> None:
+    model = StepCostModel()
+    for n in range(1, 21):
+        model.add(n, 0, curve(n, 0))
+    # Its first prompt chunk: far over a prediction that knows no prompt tokens' cost.
+    for _ in range(3):
+        model.add(4, 256, curve(4, 256))
+    assert model.predict(4, 256) == pytest.approx(curve(4, 256), rel=0.2)
+
+
 def test_unmeasured_model_is_not_ready_and_predicts_nothing_costs() -> None:
     model = StepCostModel(min_samples=3)
     assert not model.is_ready and model.predict(10, 10) == 0
