@@ -129,7 +129,7 @@ class StepCostModel:
         features = _features(num_decodes, num_prefill_tokens, prefill_attention, latency_s)
         x, _ = features
         if self.is_ready and all(v <= seen for v, seen in zip(x, self._seen, strict=True)):
-            predicted = sum(c * v for c, v in zip(self._coefficients, x, strict=True))
+            predicted = self._predict(x)
             if predicted > 0:
                 features = (x, min(latency_s, OUTLIER_FACTOR * predicted))
         self._see(x)
@@ -147,14 +147,12 @@ class StepCostModel:
     def predict(self, num_decodes: int, num_prefill_tokens: int = 0, context: int = 0) -> float:
         """Predicted latency (s) of a step with these token counts, its prompt tokens one
         chunk that starts at position `context`."""
-        overhead, per_decode, per_prefill, per_attention = self._coefficients
         attention = attention_pairs(context, num_prefill_tokens)
-        return (
-            overhead
-            + per_decode * num_decodes
-            + per_prefill * num_prefill_tokens
-            + per_attention * attention
-        )
+        return self._predict((1.0, num_decodes, num_prefill_tokens, attention))
+
+    def _predict(self, regressors: tuple[float, ...]) -> float:
+        """Predicted latency (s) of a step whose regressors (`_features`) are these."""
+        return sum(c * v for c, v in zip(self._coefficients, regressors, strict=True))
 
     def largest_batch(self, target_s: float, num_prefill_tokens: int, limit: int) -> int:
         """The most decodes (at most `limit`) whose step with `num_prefill_tokens` beside
