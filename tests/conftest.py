@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -82,6 +83,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+@pytest.fixture
+def frozen_heap() -> Iterator[None]:
+    """The heap as the servers run it (`textgate.heap.freeze_startup_heap`): what exists now
+    leaves the cyclic collector for the test. For tests that time deadlines: by the end of
+    the suite a full collection of this process (every test module, torch, transformers)
+    pauses its event loop for most of a second, longer than the bounds they check."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 @pytest.fixture(scope="session")

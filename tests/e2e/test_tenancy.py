@@ -7,7 +7,6 @@ wrong key's 401 in each API's shape."""
 from __future__ import annotations
 
 import asyncio
-import gc
 import math
 import os
 import signal
@@ -219,6 +218,8 @@ async def test_tokens_per_minute_are_enforced_within_5_percent(open_seats: Serve
 # ---- 3. deadlines ----
 
 
+# The client's own full collections would pause its event loop for longer than the bound.
+@pytest.mark.usefixtures("frozen_heap")
 async def test_50_queued_deadlines_end_in_time_and_nothing_else_fails(two_seats: Served) -> None:
     """Two long requests hold both seats and four short ones queue; then 50 with a 1 s
     deadline queue behind them (one tenant: first come, first served). Each of the 50 is
@@ -253,13 +254,7 @@ async def test_50_queued_deadlines_end_in_time_and_nothing_else_fails(two_seats:
             )
             return answer, time.perf_counter() - written[0]
 
-        # The client's own full collections (the pytest process has every test module
-        # and torch loaded) would pause its event loop for longer than the bound.
-        gc.disable()
-        try:
-            endings = await asyncio.gather(*(hurried() for _ in range(50)))
-        finally:
-            gc.enable()
+        endings = await asyncio.gather(*(hurried() for _ in range(50)))
         assert not any(task.done() for task in long_ones), "the seats came free too soon"
         for task in long_ones:
             task.cancel()

@@ -20,6 +20,9 @@ from textgate.tests.router.fake_shard import FakeShard, fake_shards
 
 STEP_DELAY_S = 0.02
 
+# Each test checks when a timer fires: no full collection of the pytest process between.
+pytestmark = pytest.mark.usefixtures("frozen_heap")
+
 
 @pytest.fixture
 async def shard_and_engine(uds_path: str) -> AsyncIterator[tuple[FakeShard, PagedEngine]]:
