@@ -85,18 +85,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(skip)
 
 
-@pytest.fixture
-def frozen_heap() -> Iterator[None]:
-    """The heap as the servers run it (`textgate.heap.freeze_startup_heap`): what exists now
-    leaves the cyclic collector for the test. For tests that time deadlines: by the end of
-    the suite a full collection of this process (every test module, torch, transformers)
-    pauses its event loop for most of a second, longer than the bounds they check."""
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Every test module, torch and transformers imported: out of the cyclic collector, as
+    the servers' startup heap is (`textgate.heap.freeze_startup_heap`). Else each full
+    collection of this process walks them all again: up to 912 ms apiece by the end of
+    tests/router and tests/shard_server, longer than the deadline tests' bounds."""
     gc.collect()
     gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
+
+
+@pytest.fixture
+def frozen_heap() -> None:
+    """What the tests so far left alive frozen too (`pytest_collection_finish`), for a test
+    that times deadlines: the full collection the heap's growth since would bring stays
+    short. It stays frozen after the test (unfreezing would thaw the imports' too)."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(scope="session")

@@ -4,8 +4,10 @@ Makes `--adapters` random PEFT adapters (rank `--rank`, every attention and MLP
 projection; random A and B) for the model (default: the embedded one), loads it the way
 a shard does with them attached, then times, interleaved over `--rounds`, decode steps
 of `--batch` sequences all on the base and the same batch spread evenly over the
-adapters (`bench.micro.step.time_batch`). Prints each side's decode tok/s (best round)
-and their ratio, the same for the batch's prefill step, the milliseconds one adapter takes to load (its folder read into a host
+adapters (`bench.micro.step.time_batch`). Prints each side's decode tok/s (best round),
+their ratio, and the median of each round's ratio (a round times both sides back to back,
+so a machine whose speed drifts between rounds moves both), the same for the batch's
+prefill step, the milliseconds one adapter takes to load (its folder read into a host
 copy and checked) and to be made resident (attached between two steps and its layers'
 form its steps run folded: what a swap past `--max-loras` adds to the step after it). That
 adapter is evicted again before the steps are timed, so exactly `--adapters` are resident.
@@ -14,6 +16,8 @@ adapter is evicted again before the steps are timed, so exactly `--adapters` are
 from __future__ import annotations
 
 import argparse
+import contextlib
+import statistics
 import sys
 import tempfile
 import time
@@ -80,14 +84,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--steps", type=int, default=16, help="decode steps per round")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--save-adapters",
+        metavar="DIR",
+        default=None,
+        help="keep the random adapters in DIR/lora0, DIR/lora1, ... (for a serving run: "
+        "textgate-launcher --lora-adapters lora0=DIR/lora0,...) instead of a temporary folder",
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     model_dir = Path(args.model) if args.model else default_model_dir()
-    with tempfile.TemporaryDirectory() as tmp:
-        adapters = make_adapters(model_dir, Path(tmp), args.adapters, args.rank)
+    with contextlib.ExitStack() as stack:
+        if args.save_adapters is None:
+            folder = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        else:
+            folder = Path(args.save_adapters)
+        adapters = make_adapters(model_dir, folder, args.adapters, args.rank)
         model = load_model(
             model_dir,
             model_dir.name,
@@ -108,28 +123,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         model.lora.reside(names)  # evicted: the steps run exactly --adapters
     model.warmup(pb.WarmupRequest(max_prefill_tokens=args.prompt_len))
-    best = {"base": float("inf"), "lora": float("inf")}
-    prefills = {"base": float("inf"), "lora": float("inf")}
+    decode: dict[str, list[float]] = {"base": [], "lora": []}
+    prefill: dict[str, list[float]] = {"base": [], "lora": []}
     for round_index in range(args.rounds):
         for side, using in (("base", ()), ("lora", names)):
             first = (2 * round_index + (side == "lora")) * 10_000
-            prefill, decodes = time_batch(
+            seconds, decodes = time_batch(
                 model, args.batch, args.prompt_len, args.steps, first, using
             )
-            best[side] = min(best[side], sorted(decodes)[len(decodes) // 2])
-            prefills[side] = min(prefills[side], prefill)
-    base, lora = args.batch / best["base"], args.batch / best["lora"]
-    prompt_tokens = args.batch * args.prompt_len
-    base_prefill, lora_prefill = (prompt_tokens / prefills[side] for side in ("base", "lora"))
+            decode[side].append(statistics.median(decodes))
+            prefill[side].append(seconds)
     print(
         f"{model_dir.name}, {model.model.dtype}, {torch.get_num_threads()} threads: batch "
         f"{args.batch}, {args.adapters} adapters of rank {args.rank} mixed evenly"
     )
-    print(f"decode tok/s: base {base:.1f}, with adapters {lora:.1f}, ratio {lora / base:.2f}")
-    print(
-        f"prefill tok/s ({args.batch} prompts of {args.prompt_len}): base {base_prefill:.0f}, "
-        f"with adapters {lora_prefill:.0f}, ratio {lora_prefill / base_prefill:.2f}"
-    )
+    prompt_tokens = args.batch * args.prompt_len
+    for name, tokens, seconds in (
+        ("decode tok/s", args.batch, decode),
+        (f"prefill tok/s ({args.batch} prompts of {args.prompt_len})", prompt_tokens, prefill),
+    ):
+        base, lora = (tokens / min(seconds[side]) for side in ("base", "lora"))
+        paired = statistics.median(
+            b / a for b, a in zip(seconds["base"], seconds["lora"], strict=True)
+        )
+        print(
+            f"{name}: base {base:.1f}, with adapters {lora:.1f}, ratio {lora / base:.2f} "
+            f"(best rounds); median of the rounds' ratios {paired:.2f}"
+        )
     print(f"one adapter load + attach: {load_ms:.0f} + {attach_ms:.0f} ms")
     return 0
 

@@ -54,7 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--url", default="http://127.0.0.1:8080", help="server base URL (A)")
     parser.add_argument("--backend", choices=sorted(BACKENDS), default="tgi")
-    parser.add_argument("--model", default=None, help="OpenAI `model` (default: GET /v1/models)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="OpenAI `model` (default: GET /v1/models); several, comma-separated (a base and "
+        "its LoRA adapters, say): the requests take them in turn",
+    )
     parser.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer`")
     parser.add_argument("--compare", metavar="URL2", default=None, help="second server (B)")
     parser.add_argument("--compare-backend", choices=sorted(BACKENDS), default=None)

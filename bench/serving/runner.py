@@ -9,6 +9,7 @@ one target at one level are pooled: outcomes are concatenated and durations summ
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -187,10 +188,17 @@ class _Session:
         """A SendFn streaming `batch[index]` from `target`."""
         backend = get_backend(target.backend)
         settings = self.settings[target.name]
+        # Several models (LoRA adapters, say), comma-separated: the requests take them in turn.
+        each = [dataclasses.replace(settings, model=name) for name in settings.model.split(",")]
 
         async def send(index: int) -> RequestOutcome:
             return await send_request(
-                self.client, target.url, backend, batch[index], settings, self.tokenizer.count
+                self.client,
+                target.url,
+                backend,
+                batch[index],
+                each[index % len(each)],
+                self.tokenizer.count,
             )
 
         return send

@@ -38,3 +38,18 @@ async def test_results_are_ordered_by_level_then_target(fake_server, tiny_tokeni
     # A and B got the same prompts in each round.
     prompts = [b.get("inputs", b.get("prompt")) for b in fake.bodies]
     assert prompts[:3] == prompts[3:6]
+
+
+async def test_several_models_are_taken_in_turn(fake_server, tiny_tokenizer_dir) -> None:
+    url, fake = fake_server
+    config = BenchConfig(
+        workload=WorkloadSpec(input_len=6),
+        levels=(LoadLevel(concurrency=1),),
+        output_len=3,
+        num_requests=6,
+        warmup=0,
+    )
+    target = Target(url, "openai-completions", model="base,lora0,lora1")
+    (result,) = await run_benchmark([target], config, load_tokenizer(tiny_tokenizer_dir))
+    assert result.metrics.completed == 6
+    assert [body["model"] for body in fake.bodies] == ["base", "lora0", "lora1"] * 2
