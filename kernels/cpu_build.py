@@ -32,7 +32,14 @@ log = logging.getLogger("textgate.kernels")
 
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("cpu_attention.c", "cpu_layers.c", "cpu_int8.c", "cpu_int4.c", "cpu_decoder.c")
+    for name in (
+        "cpu_attention.c",
+        "cpu_layers.c",
+        "cpu_int8.c",
+        "cpu_int4.c",
+        "cpu_decoder.c",
+        "cpu_lora.c",
+    )
 )
 HEADERS = (Path(__file__).with_name("cpu_bf16.h"),)
 """Included by the sources: part of the build's key."""
@@ -165,6 +172,22 @@ def _declare(library: ctypes.CDLL) -> None:
         "textgate_decoder_layers": (
             ctypes.c_int,
             [pointer, pointer, int64, pointer, pointer, flag],
+        ),
+        # x, out, rows, in, width, row_slot, a, c_total, b, b_block, parts, num_parts, low, bf16
+        "textgate_lora_add": (
+            None,
+            [
+                *[pointer] * 2,
+                *[int64] * 3,
+                *[pointer] * 2,
+                int64,
+                pointer,
+                int64,
+                pointer,
+                int64,
+                pointer,
+                flag,
+            ],
         ),
         "textgate_int8_linear": (
             ctypes.c_int,

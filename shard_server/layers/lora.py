@@ -10,7 +10,10 @@ around the forward pass (`lora_rows`); without it, or when no row uses an adapte
 layer is its base alone. A fused layer (q/k/v, gate/up) keeps one update per part,
 folded into one pair whose B is block-diagonal over the parts. How a step's updates run:
 
-- on the CPU (`BATCHED_DEVICES`), any step: the rows of each adapter gathered into one
+- on the CPU, a step of at most `KERNEL_MAX_ROWS` rows (decodes, short chunks): one C call
+  per layer (kernels/cpu_lora.c), each row through its own adapter's A, then each fused
+  part through that adapter's part of B only, added into the output in place;
+- on the CPU (`BATCHED_DEVICES`), a longer step: the rows of each adapter gathered into one
   batch, padded to the largest adapter's rows, and two batched matmuls through every
   adapter's folded pair at once (`torch.bmm`: x @ A.T, then @ B.T), added back into
   their rows; a row computes only its own adapter's products (the block-diagonal B of a
@@ -38,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from textgate.kernels.cpu_lora import KERNEL_MAX_ROWS, CpuLoraForm
 from textgate.kernels.linear import FastLinear
 from textgate.kernels.triton.lora_sgmv import lora_sgmv_add, supports
 from textgate.quantization.weights import Shard
@@ -80,6 +84,9 @@ class LoraRows:
     _batches: dict[tuple[int, torch.dtype], _Batch | None] = field(
         default_factory=dict, compare=False, repr=False
     )
+    _kernel_slots: dict[frozenset[int], Tensor] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @property
     def dense(self) -> bool:
@@ -97,6 +104,18 @@ class LoraRows:
             mask = (self.slots[:, None] == owners[None, :]).to(dtype)
             self._masks[layout] = mask
         return mask
+
+    def kernel_slots(self, slots: frozenset[int]) -> Tensor:
+        """[T] int64 for the CPU kernel of a layer with updates for `slots`: each row's slot
+        - 1 where the layer has its update, else -1; made once per set of slots and step."""
+        index = self._kernel_slots.get(slots)
+        if index is None:
+            index = torch.tensor(
+                [slot - 1 if slot in slots else -1 for slot in self.slots.tolist()],
+                dtype=torch.int64,
+            )
+            self._kernel_slots[slots] = index
+        return index
 
     def batch(self, num_slots: int, dtype: torch.dtype) -> _Batch | None:
         """The rows of slots 1..`num_slots` (a layer's stacked pairs) gathered per slot for
@@ -228,12 +247,15 @@ class LoraLayer:
     batched path, the grouped matmul or the SGMV kernel runs: A [S, r, in], B [S, out, r]."""
     _stacked_folded: bool = False
     _dense: _DenseUpdates | None = None
+    _cpu: CpuLoraForm | None = None
+    _cpu_folded: bool = False
 
     def fuse(self) -> None:
         """Forget the folded forms (after an adapter came or went). Each is folded again
         when a step first runs it, so the step after a swap pays only for the form it runs
         (a decode step the dense one, a long prompt's chunk the stacked one)."""
         self._fused, self._stacked, self._stacked_folded, self._dense = None, None, False, None
+        self._cpu, self._cpu_folded = None, False
 
     def fused(self) -> dict[int, tuple[Tensor, Tensor]]:
         """Each slot's parts folded into one pair: A stacked [sum r, in], B (times scale)
@@ -256,6 +278,13 @@ class LoraLayer:
         if self._dense is None and self.updates:
             self._dense = _DenseUpdates.of(self.updates)
         return self._dense
+
+    def cpu_form(self) -> CpuLoraForm | None:
+        """The C kernel's form of every update (None: not on the CPU, or no kernels here)."""
+        if not self._cpu_folded:
+            self._cpu = CpuLoraForm.of(self.updates) if self.updates else None
+            self._cpu_folded = True
+        return self._cpu
 
     def stacked(self) -> tuple[Tensor, Tensor] | None:
         """Every slot's pair stacked, where the batched path, the grouped matmul (16-byte
@@ -294,6 +323,12 @@ class LoraLayer:
         rows = _ROWS.get()
         if rows is None:
             return out
+        if x.device.type == "cpu" and x.shape[0] <= KERNEL_MAX_ROWS:
+            form = self.cpu_form()
+            if form is not None:
+                done = form.add(x, out, rows.kernel_slots(form.slots))
+                if done is not None:
+                    return done
         if x.device.type in BATCHED_DEVICES and not supports(x):
             stacked = self.stacked()
             assert stacked is not None  # folded for these devices

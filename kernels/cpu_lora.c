@@ -1,0 +1,201 @@
+/*
+ * LoRA updates of one layer for a step of few rows, on the CPU, in one call
+ * (shard_server/layers/lora.py, LoraLayer.add): out[t] += (x[t] @ A_s^T) @ B_s^T * scale for
+ * each row t whose adapter s has an update here, every adapter of the step at once.
+ *
+ * PyTorch's way, gathering each adapter's rows, two batched matmuls and an index_add back,
+ * is five kernels per layer around a few hundred thousand multiply-adds: at a decode step's
+ * sizes the dispatch and passes over memory cost more than the products. Here:
+ *
+ * 1. low[t, c] = dot(x[t], A[s, c]) for each row with an adapter and each of its C low-rank
+ *    columns (the parts of a fused layer side by side: q, k, v or gate, up), in float;
+ * 2. each thread takes a range of output columns and, for each part crossing it, adds
+ *    sum_k low[t, c0 + k] * B_p[s, k, j] into out[t, j]: a part multiplies only its own
+ *    columns (no block-diagonal zeros), and B's rows are read contiguously.
+ *
+ * A and B are in the model's dtype (float32 or bfloat16), summed in float; out is read, the
+ * update added in float and rounded once to its dtype. Rows are independent: a row's result
+ * does not depend on which other rows share the step.
+ */
+
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "cpu_bf16.h"
+
+#define LORA_GRAIN 65536 /* multiply-adds below which one thread does it all */
+#define LORA_COLUMNS 128 /* output columns per work item of phase 2 */
+#define LORA_GROUP 4     /* rows of one slot sharing each load of B in phase 2 */
+
+/* out[0:4] = dot(x, a + k * n) for k = 0..3: x's loads shared by four rows of A. */
+static inline void lora_dot4(const void *x, const void *a, int64_t n, int bf16, float *out) {
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+    if (bf16) {
+        const uint16_t *xs = (const uint16_t *)x, *as = (const uint16_t *)a;
+        for (int64_t i = 0; i < n; ++i) {
+            const float v = textgate_bf16_float(xs[i]);
+            s0 += v * textgate_bf16_float(as[i]);
+            s1 += v * textgate_bf16_float(as[n + i]);
+            s2 += v * textgate_bf16_float(as[2 * n + i]);
+            s3 += v * textgate_bf16_float(as[3 * n + i]);
+        }
+    } else {
+        const float *xs = (const float *)x, *as = (const float *)a;
+        for (int64_t i = 0; i < n; ++i) {
+            const float v = xs[i];
+            s0 += v * as[i];
+            s1 += v * as[n + i];
+            s2 += v * as[2 * n + i];
+            s3 += v * as[3 * n + i];
+        }
+    }
+    out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+}
+
+static inline float lora_dot(const void *x, const void *a, int64_t n, int bf16) {
+    float sum = 0.0f;
+    if (bf16) {
+        const uint16_t *xs = (const uint16_t *)x, *as = (const uint16_t *)a;
+        for (int64_t i = 0; i < n; ++i)
+            sum += textgate_bf16_float(xs[i]) * textgate_bf16_float(as[i]);
+    } else {
+        const float *xs = (const float *)x, *as = (const float *)a;
+        for (int64_t i = 0; i < n; ++i)
+            sum += xs[i] * as[i];
+    }
+    return sum;
+}
+
+/* acc[0:n] += l * b[0:n] */
+static inline void lora_axpy(float *acc, float l, const void *b, int64_t n, int bf16) {
+    if (bf16) {
+        const uint16_t *bs = (const uint16_t *)b;
+        for (int64_t j = 0; j < n; ++j)
+            acc[j] += l * textgate_bf16_float(bs[j]);
+    } else {
+        const float *bs = (const float *)b;
+        for (int64_t j = 0; j < n; ++j)
+            acc[j] += l * bs[j];
+    }
+}
+
+/* acc[g][0:n] += l[g] * b[0:n] for the LORA_GROUP rows g: each element of b loaded once. */
+static inline void lora_axpy4(float acc[][LORA_COLUMNS], const float *l, const void *b, int64_t n,
+                              int bf16) {
+    const float l0 = l[0], l1 = l[1], l2 = l[2], l3 = l[3];
+    float *a0 = acc[0], *a1 = acc[1], *a2 = acc[2], *a3 = acc[3];
+    if (bf16) {
+        const uint16_t *bs = (const uint16_t *)b;
+        for (int64_t j = 0; j < n; ++j) {
+            const float v = textgate_bf16_float(bs[j]);
+            a0[j] += l0 * v, a1[j] += l1 * v, a2[j] += l2 * v, a3[j] += l3 * v;
+        }
+    } else {
+        const float *bs = (const float *)b;
+        for (int64_t j = 0; j < n; ++j) {
+            const float v = bs[j];
+            a0[j] += l0 * v, a1[j] += l1 * v, a2[j] += l2 * v, a3[j] += l3 * v;
+        }
+    }
+}
+
+/*
+ * x [rows, in]; out [rows, width] (row stride width); row_slot [rows]: the adapter's index
+ * into A and B, or -1 for a row with no update in this layer. a [slots, c_total, in];
+ * b [slots, b_block]: each slot's parts packed one after the other, part p's B^T
+ * [rank_p, width_p] at offset off_p. parts [num_parts, 5]: (c0, rank_p, start, width_p,
+ * off_p): low columns c0 .. c0 + rank_p update out columns start .. start + width_p.
+ * low: scratch of rows * c_total floats.
+ */
+void textgate_lora_add(const void *x, void *out, int64_t rows, int64_t in, int64_t width,
+                       const int64_t *row_slot, const void *a, int64_t c_total, const void *b,
+                       int64_t b_block, const int64_t *parts, int64_t num_parts, float *low,
+                       int bf16) {
+    const int64_t size = bf16 ? 2 : 4;
+    int64_t work = 0;
+    for (int64_t p = 0; p < num_parts; ++p)
+        work += parts[5 * p + 1] * parts[5 * p + 3];
+    work = rows * (c_total * in + work);
+    const int64_t chunks = (width + LORA_COLUMNS - 1) / LORA_COLUMNS;
+    /* the rows with an update, by slot (stable): phase 2 takes each slot's rows together */
+    int64_t max_slot = -1, num_ordered = 0;
+    for (int64_t t = 0; t < rows; ++t)
+        max_slot = row_slot[t] > max_slot ? row_slot[t] : max_slot;
+    int64_t *order = malloc((size_t)(rows > 0 ? rows : 1) * sizeof *order);
+    if (order == NULL)
+        return;
+    for (int64_t slot = 0; slot <= max_slot; ++slot)
+        for (int64_t t = 0; t < rows; ++t)
+            if (row_slot[t] == slot)
+                order[num_ordered++] = t;
+#pragma omp parallel if (work >= LORA_GRAIN)
+    {
+        /* four low columns at a time (c_total is a multiple of 4 in practice: ranks are) */
+        const int64_t quads = (c_total + 3) / 4;
+#pragma omp for schedule(static)
+        for (int64_t tq = 0; tq < rows * quads; ++tq) {
+            const int64_t t = tq / quads, c = (tq % quads) * 4, s = row_slot[t];
+            if (s < 0)
+                continue;
+            const char *x_row = (const char *)x + t * in * size;
+            const char *a_row = (const char *)a + ((s * c_total + c) * in) * size;
+            if (c + 4 <= c_total) {
+                lora_dot4(x_row, a_row, in, bf16, low + t * c_total + c);
+            } else {
+                for (int64_t k = c; k < c_total; ++k, a_row += in * size)
+                    low[t * c_total + k] = lora_dot(x_row, a_row, in, bf16);
+            }
+        }
+        /* the implicit barrier of the loop above: every low column is done */
+#pragma omp for schedule(static)
+        for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+            const int64_t j0 = chunk * LORA_COLUMNS;
+            const int64_t j1 = j0 + LORA_COLUMNS < width ? j0 + LORA_COLUMNS : width;
+            float acc[LORA_GROUP][LORA_COLUMNS];
+            /* rows of one slot in groups of LORA_GROUP: each load of B serves them all */
+            for (int64_t first = 0; first < num_ordered;) {
+                const int64_t s = row_slot[order[first]];
+                int64_t count = 1;
+                while (count < LORA_GROUP && first + count < num_ordered &&
+                       row_slot[order[first + count]] == s)
+                    ++count;
+                const int64_t *group = order + first;
+                first += count;
+                for (int64_t p = 0; p < num_parts; ++p) {
+                    const int64_t *part = parts + 5 * p;
+                    const int64_t c0 = part[0], rank = part[1], start = part[2];
+                    const int64_t part_width = part[3], offset = part[4];
+                    const int64_t lo = start > j0 ? start : j0;
+                    const int64_t hi = start + part_width < j1 ? start + part_width : j1;
+                    if (lo >= hi)
+                        continue;
+                    const int64_t n = hi - lo;
+                    for (int64_t g = 0; g < count; ++g)
+                        for (int64_t j = 0; j < n; ++j)
+                            acc[g][j] = 0.0f;
+                    const char *b_part = (const char *)b + (s * b_block + offset) * size;
+                    for (int64_t k = 0; k < rank; ++k) {
+                        const char *b_row = b_part + (k * part_width + lo - start) * size;
+                        if (count == LORA_GROUP) {
+                            float l[LORA_GROUP];
+                            for (int64_t g = 0; g < LORA_GROUP; ++g)
+                                l[g] = low[group[g] * c_total + c0 + k];
+                            lora_axpy4(acc, l, b_row, n, bf16);
+                        } else {
+                            for (int64_t g = 0; g < count; ++g)
+                                lora_axpy(acc[g], low[group[g] * c_total + c0 + k], b_row, n,
+                                          bf16);
+                        }
+                    }
+                    for (int64_t g = 0; g < count; ++g) {
+                        const int64_t o = group[g] * width + lo;
+                        for (int64_t j = 0; j < n; ++j)
+                            textgate_store(out, o + j, textgate_load(out, o + j, bf16) + acc[g][j],
+                                           bf16);
+                    }
+                }
+            }
+        }
+    }
+    free(order);
+}

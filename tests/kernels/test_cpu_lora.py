@@ -1,0 +1,107 @@
+"""cpu_lora.c through `LoraLayer.add`: a step's LoRA updates in one C call, against the
+definition in float64 and against the batched matmuls it replaces at few rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from textgate.kernels import cpu_build
+from textgate.kernels.cpu_lora import KERNEL_MAX_ROWS, CpuLoraForm
+from textgate.shard_server.layers.lora import LoraLayer, LoraRows, lora_rows
+
+IN, PARTS = 40, ((0, 24), (24, 32), (32, 40))  # a fused q/k/v of 24 + 8 + 8 outputs
+
+
+def layer(dtype: torch.dtype) -> LoraLayer:
+    """Slots 1-3: slot 2 has no k part, slot 3 rank 4 where the others have 8; a `seed`ed
+    random A and B each."""
+    generator = torch.Generator().manual_seed(0)
+
+    def random(*shape: int) -> torch.Tensor:
+        return (torch.randn(shape, generator=generator) * 0.3).to(dtype)
+
+    lora = LoraLayer(PARTS[-1][1])
+    for slot in (1, 2, 3):
+        rank = 4 if slot == 3 else 8
+        lora.updates[slot] = [
+            (start, end, random(rank, IN), random(end - start, rank), 0.5 * slot)
+            for start, end in PARTS
+            if not (slot == 2 and start == 24)
+        ]
+    return lora
+
+
+def reference(lora: LoraLayer, x: torch.Tensor, out: torch.Tensor, slots: list[int]):
+    """out + each row's update, in float64."""
+    want = out.double().clone()
+    for row, slot in enumerate(slots):
+        for start, end, a, b, scale in lora.updates.get(slot, []):
+            want[row, start:end] += (x[row].double() @ a.double().T) @ b.double().T * scale
+    return want
+
+
+def run(lora: LoraLayer, x: torch.Tensor, out: torch.Tensor, slots: list[int]) -> torch.Tensor:
+    rows = LoraRows.from_slots(slots, x.device)
+    with lora_rows(rows):
+        return lora.add(x, out.clone())
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 0.02)])
+# Past KERNEL_MAX_ROWS (a prompt's chunk) the batched matmuls run: the same definition.
+@pytest.mark.parametrize("num_rows", [1, 5, 32, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1])
+def test_the_kernel_adds_each_rows_own_update(dtype, tolerance, num_rows) -> None:
+    lora = layer(dtype)
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(num_rows, IN, generator=generator).to(dtype)
+    out = torch.randn(num_rows, PARTS[-1][1], generator=generator).to(dtype)
+    # Base rows (0), every slot, and slot 4, which this layer has no update for.
+    slots = [(row * 3 + 1) % 5 for row in range(num_rows)]
+    got = run(lora, x, out, slots)
+    assert lora.cpu_form() is not None, "the kernel ran"
+    want = reference(lora, x, out, slots)
+    # bfloat16: the update is summed in float and the sum rounded once, to out's dtype.
+    assert (got.double() - want).abs().max().item() <= tolerance * max(1.0, want.abs().max())
+    untouched = [row for row, slot in enumerate(slots) if slot in (0, 4)]
+    assert torch.equal(got[untouched], out[untouched])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype) -> None:
+    lora = layer(dtype)
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(24, IN, generator=generator).to(dtype)
+    out = torch.randn(24, PARTS[-1][1], generator=generator).to(dtype)
+    slots = [1 + row % 3 for row in range(24)]
+    together = run(lora, x, out, slots)
+    for row in (0, 7, 23):
+        alone = run(lora, x[row : row + 1], out[row : row + 1], slots[row : row + 1])
+        assert torch.equal(alone[0], together[row])
+
+
+def test_it_agrees_with_the_batched_matmuls_it_replaces(monkeypatch) -> None:
+    lora = layer(torch.float32)
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(16, IN, generator=generator)
+    out = torch.randn(16, PARTS[-1][1], generator=generator)
+    slots = [row % 4 for row in range(16)]
+    kernel = run(lora, x, out, slots)
+    monkeypatch.setattr(cpu_build, "load_library", lambda: None)
+    lora.fuse()
+    assert lora.cpu_form() is None
+    batched = run(lora, x, out, slots)
+    torch.testing.assert_close(kernel, batched, rtol=1e-5, atol=1e-5)
+
+
+def test_it_declines_what_it_cannot_take() -> None:
+    lora = layer(torch.float32)
+    form = lora.cpu_form()
+    assert form is not None
+    x = torch.randn(IN, 4).T  # not contiguous
+    out = torch.zeros(4, PARTS[-1][1])
+    assert form.add(x, out, torch.zeros(4, dtype=torch.int64)) is None
+    assert form.add(torch.randn(4, IN, dtype=torch.bfloat16), out, torch.zeros(4)) is None
+    # float16 has no kernel: the layer's PyTorch path serves it.
+    assert (
+        CpuLoraForm.of({1: [(0, 4, torch.ones(2, 3).half(), torch.ones(4, 2).half(), 1.0)]}) is None
+    )
