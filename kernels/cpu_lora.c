@@ -11,7 +11,12 @@
  *    columns (the parts of a fused layer side by side: q, k, v or gate, up), in float;
  * 2. each thread takes a range of output columns and, for each part crossing it, adds
  *    sum_k low[t, c0 + k] * B_p[s, k, j] into out[t, j]: a part multiplies only its own
- *    columns (no block-diagonal zeros), and B's rows are read contiguously.
+ *    columns (no block-diagonal zeros), and B's rows are read contiguously. Up to four rows
+ *    of one adapter go together, 16 columns at a time, their sums over k in registers:
+ *    each load of B serves the four.
+ *
+ * The 16-wide vectors are GCC's vector extension, lowered to the level being built (one
+ * AVX-512 register, two AVX2 ones, four SSE2 ones); the rest is plain C.
  *
  * A and B are in the model's dtype (float32 or bfloat16), summed in float; out is read, the
  * update added in float and rounded once to its dtype. Rows are independent: a row's result
@@ -23,33 +28,75 @@
 
 #include "cpu_bf16.h"
 
+/* The 16-float vectors below pass between static inline functions only: no ABI to keep. */
+#pragma GCC diagnostic ignored "-Wpsabi"
+
 #define LORA_GRAIN 65536 /* multiply-adds below which one thread does it all */
-#define LORA_COLUMNS 128 /* output columns per work item of phase 2 */
+#define LORA_COLUMNS 64  /* output columns per work item of phase 2 */
 #define LORA_GROUP 4     /* rows of one slot sharing each load of B in phase 2 */
+
+/* 16 floats in GCC's vector extension: one zmm register on AVX-512, two ymm on AVX2, four
+ * xmm on SSE2; the compiler lowers them to the level being built. */
+typedef float lora_v16 __attribute__((vector_size(64)));
+typedef uint16_t lora_h16 __attribute__((vector_size(32)));
+typedef uint32_t lora_w16 __attribute__((vector_size(64)));
+
+/* 16 elements at p (floats, or bf16s when bf16) as floats. */
+static inline lora_v16 lora_load16(const void *p, int bf16) {
+    lora_v16 v;
+    if (bf16) {
+        lora_h16 h;
+        memcpy(&h, p, sizeof h);
+        const lora_w16 w = __builtin_convertvector(h, lora_w16) << 16;
+        memcpy(&v, &w, sizeof v);
+    } else {
+        memcpy(&v, p, sizeof v);
+    }
+    return v;
+}
+
+/* p[0:16] = v (bf16s rounded to nearest even, as textgate_bf16_bits). */
+static inline void lora_store16(void *p, lora_v16 v, int bf16) {
+    if (bf16) {
+        lora_w16 w;
+        memcpy(&w, &v, sizeof w);
+        w = (w + 0x7FFFu + ((w >> 16) & 1u)) >> 16;
+        const lora_h16 h = __builtin_convertvector(w, lora_h16);
+        memcpy(p, &h, sizeof h);
+    } else {
+        memcpy(p, &v, sizeof v);
+    }
+}
+
+static inline float lora_sum16(lora_v16 v) {
+    float sum = 0.0f;
+    for (int i = 0; i < 16; ++i)
+        sum += v[i];
+    return sum;
+}
 
 /* out[0:4] = dot(x, a + k * n) for k = 0..3: x's loads shared by four rows of A. */
 static inline void lora_dot4(const void *x, const void *a, int64_t n, int bf16, float *out) {
-    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
-    if (bf16) {
-        const uint16_t *xs = (const uint16_t *)x, *as = (const uint16_t *)a;
-        for (int64_t i = 0; i < n; ++i) {
-            const float v = textgate_bf16_float(xs[i]);
-            s0 += v * textgate_bf16_float(as[i]);
-            s1 += v * textgate_bf16_float(as[n + i]);
-            s2 += v * textgate_bf16_float(as[2 * n + i]);
-            s3 += v * textgate_bf16_float(as[3 * n + i]);
-        }
-    } else {
-        const float *xs = (const float *)x, *as = (const float *)a;
-        for (int64_t i = 0; i < n; ++i) {
-            const float v = xs[i];
-            s0 += v * as[i];
-            s1 += v * as[n + i];
-            s2 += v * as[2 * n + i];
-            s3 += v * as[3 * n + i];
-        }
+    const int64_t size = bf16 ? 2 : 4;
+    const char *xs = (const char *)x, *as = (const char *)a;
+    lora_v16 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const lora_v16 v = lora_load16(xs + i * size, bf16);
+        s0 += v * lora_load16(as + i * size, bf16);
+        s1 += v * lora_load16(as + (n + i) * size, bf16);
+        s2 += v * lora_load16(as + (2 * n + i) * size, bf16);
+        s3 += v * lora_load16(as + (3 * n + i) * size, bf16);
     }
-    out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+    float t0 = lora_sum16(s0), t1 = lora_sum16(s1), t2 = lora_sum16(s2), t3 = lora_sum16(s3);
+    for (; i < n; ++i) {
+        const float v = textgate_load(x, i, bf16);
+        t0 += v * textgate_load(a, i, bf16);
+        t1 += v * textgate_load(a, n + i, bf16);
+        t2 += v * textgate_load(a, 2 * n + i, bf16);
+        t3 += v * textgate_load(a, 3 * n + i, bf16);
+    }
+    out[0] = t0, out[1] = t1, out[2] = t2, out[3] = t3;
 }
 
 static inline float lora_dot(const void *x, const void *a, int64_t n, int bf16) {
@@ -76,26 +123,6 @@ static inline void lora_axpy(float *acc, float l, const void *b, int64_t n, int 
         const float *bs = (const float *)b;
         for (int64_t j = 0; j < n; ++j)
             acc[j] += l * bs[j];
-    }
-}
-
-/* acc[g][0:n] += l[g] * b[0:n] for the LORA_GROUP rows g: each element of b loaded once. */
-static inline void lora_axpy4(float acc[][LORA_COLUMNS], const float *l, const void *b, int64_t n,
-                              int bf16) {
-    const float l0 = l[0], l1 = l[1], l2 = l[2], l3 = l[3];
-    float *a0 = acc[0], *a1 = acc[1], *a2 = acc[2], *a3 = acc[3];
-    if (bf16) {
-        const uint16_t *bs = (const uint16_t *)b;
-        for (int64_t j = 0; j < n; ++j) {
-            const float v = textgate_bf16_float(bs[j]);
-            a0[j] += l0 * v, a1[j] += l1 * v, a2[j] += l2 * v, a3[j] += l3 * v;
-        }
-    } else {
-        const float *bs = (const float *)b;
-        for (int64_t j = 0; j < n; ++j) {
-            const float v = bs[j];
-            a0[j] += l0 * v, a1[j] += l1 * v, a2[j] += l2 * v, a3[j] += l3 * v;
-        }
     }
 }
 
@@ -169,29 +196,45 @@ void textgate_lora_add(const void *x, void *out, int64_t rows, int64_t in, int64
                     const int64_t hi = start + part_width < j1 ? start + part_width : j1;
                     if (lo >= hi)
                         continue;
-                    const int64_t n = hi - lo;
-                    for (int64_t g = 0; g < count; ++g)
-                        for (int64_t j = 0; j < n; ++j)
-                            acc[g][j] = 0.0f;
                     const char *b_part = (const char *)b + (s * b_block + offset) * size;
-                    for (int64_t k = 0; k < rank; ++k) {
-                        const char *b_row = b_part + (k * part_width + lo - start) * size;
-                        if (count == LORA_GROUP) {
-                            float l[LORA_GROUP];
-                            for (int64_t g = 0; g < LORA_GROUP; ++g)
-                                l[g] = low[group[g] * c_total + c0 + k];
-                            lora_axpy4(acc, l, b_row, n, bf16);
-                        } else {
-                            for (int64_t g = 0; g < count; ++g)
-                                lora_axpy(acc[g], low[group[g] * c_total + c0 + k], b_row, n,
-                                          bf16);
+                    int64_t j = lo;
+                    /* 16 columns at a time, the rows' sums in registers over the rank */
+                    for (; j + 16 <= hi; j += 16) {
+                        lora_v16 t0 = {0}, t1 = {0}, t2 = {0}, t3 = {0};
+                        const char *b_col = b_part + (j - start) * size;
+                        for (int64_t k = 0; k < rank; ++k) {
+                            const lora_v16 v = lora_load16(b_col + k * part_width * size, bf16);
+                            const float *l = low + c0 + k;
+                            t0 += v * l[group[0] * c_total];
+                            if (count > 1)
+                                t1 += v * l[group[1] * c_total];
+                            if (count > 2)
+                                t2 += v * l[group[2] * c_total];
+                            if (count > 3)
+                                t3 += v * l[group[3] * c_total];
+                        }
+                        const lora_v16 tiles[4] = {t0, t1, t2, t3};
+                        for (int64_t g = 0; g < count; ++g) {
+                            char *o = (char *)out + (group[g] * width + j) * size;
+                            lora_store16(o, lora_load16(o, bf16) + tiles[g], bf16);
                         }
                     }
-                    for (int64_t g = 0; g < count; ++g) {
-                        const int64_t o = group[g] * width + lo;
-                        for (int64_t j = 0; j < n; ++j)
-                            textgate_store(out, o + j, textgate_load(out, o + j, bf16) + acc[g][j],
-                                           bf16);
+                    if (j < hi) { /* the last columns, one at a time */
+                        const int64_t n = hi - j;
+                        for (int64_t g = 0; g < count; ++g)
+                            for (int64_t jj = 0; jj < n; ++jj)
+                                acc[g][jj] = 0.0f;
+                        for (int64_t k = 0; k < rank; ++k) {
+                            const char *b_row = b_part + (k * part_width + j - start) * size;
+                            for (int64_t g = 0; g < count; ++g)
+                                lora_axpy(acc[g], low[group[g] * c_total + c0 + k], b_row, n, bf16);
+                        }
+                        for (int64_t g = 0; g < count; ++g) {
+                            const int64_t o = group[g] * width + j;
+                            for (int64_t jj = 0; jj < n; ++jj)
+                                textgate_store(out, o + jj,
+                                               textgate_load(out, o + jj, bf16) + acc[g][jj], bf16);
+                        }
                     }
                 }
             }
