@@ -28,20 +28,31 @@
 
 #include "cpu_bf16.h"
 
-/* The 16-float vectors below pass between static inline functions only: no ABI to keep. */
+/* The vectors below pass between static inline functions only: no ABI to keep. */
 #pragma GCC diagnostic ignored "-Wpsabi"
+/* No fused multiply-adds: GCC contracts a * b + c into one in some code paths and not in
+ * others (a group of four rows, a lone row), which would make a row's sums depend on the rows
+ * beside it. Without them every row is summed the same way wherever it sits. */
+#pragma GCC optimize("fp-contract=off")
 
 #define LORA_GRAIN 65536 /* multiply-adds below which one thread does it all */
 #define LORA_COLUMNS 64  /* output columns per work item of phase 2 */
 #define LORA_GROUP 4     /* rows of one slot sharing each load of B in phase 2 */
 
-/* 16 floats in GCC's vector extension: one zmm register on AVX-512, two ymm on AVX2, four
- * xmm on SSE2; the compiler lowers them to the level being built. */
-typedef float lora_v16 __attribute__((vector_size(64)));
-typedef uint16_t lora_h16 __attribute__((vector_size(32)));
-typedef uint32_t lora_w16 __attribute__((vector_size(64)));
+/* LORA_VW floats in GCC's vector extension: one register of the level being built (16 on
+ * AVX-512, 8 on AVX2, 4 on SSE2); wider ones would be split into several and spill. */
+#if defined(__AVX512F__)
+#define LORA_VW 16
+#elif defined(__AVX2__)
+#define LORA_VW 8
+#else
+#define LORA_VW 4
+#endif
+typedef float lora_v16 __attribute__((vector_size(4 * LORA_VW)));
+typedef uint16_t lora_h16 __attribute__((vector_size(2 * LORA_VW)));
+typedef uint32_t lora_w16 __attribute__((vector_size(4 * LORA_VW)));
 
-/* 16 elements at p (floats, or bf16s when bf16) as floats. */
+/* LORA_VW elements at p (floats, or bf16s when bf16) as floats. */
 static inline lora_v16 lora_load16(const void *p, int bf16) {
     lora_v16 v;
     if (bf16) {
@@ -55,7 +66,7 @@ static inline lora_v16 lora_load16(const void *p, int bf16) {
     return v;
 }
 
-/* p[0:16] = v (bf16s rounded to nearest even, as textgate_bf16_bits). */
+/* p[0:LORA_VW] = v (bf16s rounded to nearest even, as textgate_bf16_bits). */
 static inline void lora_store16(void *p, lora_v16 v, int bf16) {
     if (bf16) {
         lora_w16 w;
@@ -70,7 +81,7 @@ static inline void lora_store16(void *p, lora_v16 v, int bf16) {
 
 static inline float lora_sum16(lora_v16 v) {
     float sum = 0.0f;
-    for (int i = 0; i < 16; ++i)
+    for (int i = 0; i < LORA_VW; ++i)
         sum += v[i];
     return sum;
 }
@@ -81,7 +92,7 @@ static inline void lora_dot4(const void *x, const void *a, int64_t n, int bf16, 
     const char *xs = (const char *)x, *as = (const char *)a;
     lora_v16 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
+    for (; i + LORA_VW <= n; i += LORA_VW) {
         const lora_v16 v = lora_load16(xs + i * size, bf16);
         s0 += v * lora_load16(as + i * size, bf16);
         s1 += v * lora_load16(as + (n + i) * size, bf16);
@@ -198,20 +209,24 @@ void textgate_lora_add(const void *x, void *out, int64_t rows, int64_t in, int64
                         continue;
                     const char *b_part = (const char *)b + (s * b_block + offset) * size;
                     int64_t j = lo;
-                    /* 16 columns at a time, the rows' sums in registers over the rank */
-                    for (; j + 16 <= hi; j += 16) {
+                    /* LORA_VW columns at a time, the rows' sums in registers over the rank */
+                    for (; j + LORA_VW <= hi; j += LORA_VW) {
                         lora_v16 t0 = {0}, t1 = {0}, t2 = {0}, t3 = {0};
                         const char *b_col = b_part + (j - start) * size;
                         for (int64_t k = 0; k < rank; ++k) {
                             const lora_v16 v = lora_load16(b_col + k * part_width * size, bf16);
+                            /* a group of fewer rows runs the same instructions with zeros
+                             * for the missing ones, so a row's sums never depend on its
+                             * company (-ffast-math may contract each code path its own way) */
                             const float *l = low + c0 + k;
-                            t0 += v * l[group[0] * c_total];
-                            if (count > 1)
-                                t1 += v * l[group[1] * c_total];
-                            if (count > 2)
-                                t2 += v * l[group[2] * c_total];
-                            if (count > 3)
-                                t3 += v * l[group[3] * c_total];
+                            const float l0 = l[group[0] * c_total];
+                            const float l1 = count > 1 ? l[group[1] * c_total] : 0.0f;
+                            const float l2 = count > 2 ? l[group[2] * c_total] : 0.0f;
+                            const float l3 = count > 3 ? l[group[3] * c_total] : 0.0f;
+                            t0 += v * l0;
+                            t1 += v * l1;
+                            t2 += v * l2;
+                            t3 += v * l3;
                         }
                         const lora_v16 tiles[4] = {t0, t1, t2, t3};
                         for (int64_t g = 0; g < count; ++g) {

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from textgate.kernels import cpu_build
+from textgate.kernels import cpu_build, cpu_isa
 
 KERNEL_MAX_ROWS = 128
 """Steps of more rows (a long prompt's chunk) run the batched matmuls, whose GEMMs are
@@ -42,12 +42,17 @@ class CpuLoraForm:
         cls, updates: Mapping[int, list[tuple[int, int, Tensor, Tensor, float]]]
     ) -> CpuLoraForm | None:
         """The form of `updates` (slot -> [(start, end, A [r, in], B [end - start, r], scale)]),
-        None where the kernel cannot run it (not on the CPU, not float32/bfloat16, or no C
-        kernels here)."""
+        None where the kernel cannot run it (not on the CPU, not float32/bfloat16, no C
+        kernels here, or x86's portable build of them)."""
         first = next(iter(updates.values()))[0][2]
         if first.device.type != "cpu" or first.dtype not in _DTYPES:
             return None
         if cpu_build.load_library() is None:
+            return None
+        level = cpu_build.loaded_level()
+        # x86's portable build (SSE2: no 8-wide vectors, no cheap bf16 widening) ran the
+        # bfloat16 updates slower than torch.bmm does: the batched matmuls serve it.
+        if level is None or (level == "portable" and cpu_isa.is_x86()):
             return None
         ranges = sorted({(start, end) for parts in updates.values() for start, end, *_ in parts})
         rank = {r: 0 for r in ranges}

@@ -6,9 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from textgate.kernels import cpu_build
+from textgate.kernels import cpu_build, cpu_isa
 from textgate.kernels.cpu_lora import KERNEL_MAX_ROWS, CpuLoraForm
 from textgate.shard_server.layers.lora import LoraLayer, LoraRows, lora_rows
+
+needs_the_kernel = pytest.mark.skipif(
+    cpu_build.loaded_level() == "portable" and cpu_isa.is_x86(),
+    reason="x86's portable build leaves LoRA updates to torch.bmm",
+)
 
 IN, PARTS = 40, ((0, 24), (24, 32), (32, 40))  # a fused q/k/v of 24 + 8 + 8 outputs
 
@@ -47,6 +52,7 @@ def run(lora: LoraLayer, x: torch.Tensor, out: torch.Tensor, slots: list[int]) -
         return lora.add(x, out.clone())
 
 
+@needs_the_kernel
 @pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 0.02)])
 # Past KERNEL_MAX_ROWS (a prompt's chunk) the batched matmuls run: the same definition.
 @pytest.mark.parametrize("num_rows", [1, 5, 32, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1])
@@ -66,6 +72,7 @@ def test_the_kernel_adds_each_rows_own_update(dtype, tolerance, num_rows) -> Non
     assert torch.equal(got[untouched], out[untouched])
 
 
+@needs_the_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype) -> None:
     lora = layer(dtype)
@@ -79,6 +86,7 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype) -> None:
         assert torch.equal(alone[0], together[row])
 
 
+@needs_the_kernel
 def test_it_agrees_with_the_batched_matmuls_it_replaces(monkeypatch) -> None:
     lora = layer(torch.float32)
     generator = torch.Generator().manual_seed(3)
@@ -93,6 +101,16 @@ def test_it_agrees_with_the_batched_matmuls_it_replaces(monkeypatch) -> None:
     torch.testing.assert_close(kernel, batched, rtol=1e-5, atol=1e-5)
 
 
+def test_x86s_portable_build_leaves_the_updates_to_torch(monkeypatch) -> None:
+    lora = layer(torch.bfloat16)
+    monkeypatch.setattr(cpu_build, "loaded_level", lambda: "portable")
+    monkeypatch.setattr(cpu_isa, "is_x86", lambda: True)
+    assert CpuLoraForm.of(lora.updates) is None
+    monkeypatch.setattr(cpu_isa, "is_x86", lambda: False)  # an ARM's baseline has NEON
+    assert CpuLoraForm.of(lora.updates) is not None
+
+
+@needs_the_kernel
 def test_it_declines_what_it_cannot_take() -> None:
     lora = layer(torch.float32)
     form = lora.cpu_form()
