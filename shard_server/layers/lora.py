@@ -10,10 +10,11 @@ around the forward pass (`lora_rows`); without it, or when no row uses an adapte
 layer is its base alone. A fused layer (q/k/v, gate/up) keeps one update per part,
 folded into one pair whose B is block-diagonal over the parts. How a step's updates run:
 
-- on the CPU, a step of at most `KERNEL_MAX_ROWS` rows (decodes, short chunks): one C call
-  per layer (kernels/cpu_lora.c), each row through its own adapter's A, then each fused
-  part through that adapter's part of B only, added into the output in place;
-- on the CPU (`BATCHED_DEVICES`), a longer step: the rows of each adapter gathered into one
+- on the CPU, every step: one C call per layer (kernels/cpu_lora.c), each row through its
+  own adapter's A, then each fused part through that adapter's part of B only, added into
+  the output in place;
+- on the CPU (`BATCHED_DEVICES`) where that kernel cannot run (no C compiler, x86's
+  portable build, float16): the rows of each adapter gathered into one
   batch, padded to the largest adapter's rows, and two batched matmuls through every
   adapter's folded pair at once (`torch.bmm`: x @ A.T, then @ B.T), added back into
   their rows; a row computes only its own adapter's products (the block-diagonal B of a
@@ -41,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from textgate.kernels.cpu_lora import KERNEL_MAX_ROWS, CpuLoraForm
+from textgate.kernels.cpu_lora import CpuLoraForm
 from textgate.kernels.linear import FastLinear
 from textgate.kernels.triton.lora_sgmv import lora_sgmv_add, supports
 from textgate.quantization.weights import Shard
@@ -323,7 +324,7 @@ class LoraLayer:
         rows = _ROWS.get()
         if rows is None:
             return out
-        if x.device.type == "cpu" and x.shape[0] <= KERNEL_MAX_ROWS:
+        if x.device.type == "cpu":
             form = self.cpu_form()
             if form is not None:
                 done = form.add(x, out, rows.kernel_slots(form.slots))

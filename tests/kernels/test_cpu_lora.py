@@ -1,5 +1,5 @@
 """cpu_lora.c through `LoraLayer.add`: a step's LoRA updates in one C call, against the
-definition in float64 and against the batched matmuls it replaces at few rows."""
+definition in float64 and against the batched matmuls it replaces."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from textgate.kernels import cpu_build, cpu_isa
-from textgate.kernels.cpu_lora import KERNEL_MAX_ROWS, CpuLoraForm
+from textgate.kernels.cpu_lora import CpuLoraForm
 from textgate.shard_server.layers.lora import LoraLayer, LoraRows, lora_rows
 
 needs_the_kernel = pytest.mark.skipif(
@@ -54,8 +54,8 @@ def run(lora: LoraLayer, x: torch.Tensor, out: torch.Tensor, slots: list[int]) -
 
 @needs_the_kernel
 @pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 0.02)])
-# Past KERNEL_MAX_ROWS (a prompt's chunk) the batched matmuls run: the same definition.
-@pytest.mark.parametrize("num_rows", [1, 5, 32, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1])
+# Decodes, a short chunk, and a prompt's: the same kernel at every size.
+@pytest.mark.parametrize("num_rows", [1, 5, 32, 129, 1024])
 def test_the_kernel_adds_each_rows_own_update(dtype, tolerance, num_rows) -> None:
     lora = layer(dtype)
     generator = torch.Generator().manual_seed(1)
@@ -123,3 +123,28 @@ def test_it_declines_what_it_cannot_take() -> None:
     assert (
         CpuLoraForm.of({1: [(0, 4, torch.ones(2, 3).half(), torch.ones(4, 2).half(), 1.0)]}) is None
     )
+
+
+@needs_the_kernel
+@pytest.mark.skipif(
+    "avx512_bf16" not in cpu_isa.cpu_features(), reason="the CPU has no vdpbf16ps to turn off"
+)
+def test_bfloat16_without_vdpbf16ps_widens_and_agrees_as_well() -> None:
+    """The path a CPU without AVX512-BF16 takes (the choice is made once per process)."""
+    import os
+    import subprocess
+    import sys
+
+    env = os.environ | {"TEXTGATE_LORA_BF16_DOT": "0"}
+    tests = [
+        f"{__file__}::test_the_kernel_adds_each_rows_own_update",
+        f"{__file__}::test_a_rows_result_does_not_depend_on_the_rows_beside_it",
+    ]
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
