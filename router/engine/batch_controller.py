@@ -328,6 +328,15 @@ class BatchController:
         )
         return max(share, catch_up)
 
+    def step_of_its_own(self) -> int:
+        """Prompt tokens a step without decodes may take within the inter-token target (the
+        delay it adds to the decodes it runs before); 0 with fixed budgets or before there is
+        a target."""
+        if self._target is None or not self.cost.is_ready:
+            return 0
+        ceiling = self.config.max_prefill_tokens
+        return self.cost.prefill_tokens_within(self._target, 0, ceiling)
+
     def plan_prefill(
         self, num_decodes: int, context: int = 0, backlog: Backlog | None = None
     ) -> int:

@@ -41,6 +41,10 @@ class VirtualCounters:
         """The weighted service `tenant` received (0 for one never seen)."""
         return self._counters.get(tenant, 0.0)
 
+    def weight(self, tenant: str) -> float:
+        """`tenant`'s weight as its last request gave it (1 for one never seen)."""
+        return self._weights.get(tenant, 1.0)
+
     def is_backlogged(self, tenant: str) -> bool:
         """Whether `tenant` has requests in the waiting queue."""
         return self._num_waiting[tenant] > 0

@@ -25,6 +25,13 @@ still go first within their priority, and the head of this order is never overta
 it does not fit, nobody joins. With one tenant (or none: every request is anonymous) the
 order is the queue's.
 
+A tenant below its share of the running batch (its running requests against its weight's
+share among the tenants running or waiting) has its new requests' prompts run in a step of
+their own, before the step with the decodes, rather than beside them (`_step_of_its_own`):
+a light tenant's first token then waits for one prompt-sized step, not for a step of
+another tenant's twenty decodes as well. The decodes wait that step (bounded by the
+inter-token target, and never two such steps in a row); with one tenant it never happens.
+
 The engine step reads in three lines::
 
     output = scheduler.schedule()      # data only: what to compute, where the KV goes
@@ -52,7 +59,7 @@ from textgate.router.engine.block_allocator import BlockAllocator
 from textgate.router.engine.fairness import ANONYMOUS_TENANT, VirtualCounters
 from textgate.router.engine.first_token import Backlog
 from textgate.router.engine.kv_tiers import KvTierIndex
-from textgate.router.engine.lora_residency import LoraResidency
+from textgate.router.engine.lora_residency import LoraGate, LoraResidency
 from textgate.router.engine.speculation import Candidate, Speculator
 from textgate.router.engine.step_cost import attention_pairs
 from textgate.router.engine.step_types import (
@@ -160,6 +167,8 @@ class Scheduler:
         # controller.
         self._in_flight_counts: tuple[int, int, float] = (0, 0, 0.0)
         self._num_steps_without_join = 0
+        self._own_step_last = False
+        """The last step was a step of their own for tenants below their share."""
         self.num_preemptions = 0
         self.num_priority_preemptions = 0
         """Of those, the preemptions for a waiting request of a better priority."""
@@ -294,13 +303,18 @@ class Scheduler:
         drafts = self._plan_drafts()
         num_drafts = sum(len(tokens) for tokens in drafts.values())
         budget = min(self.config.max_num_batched_tokens, budget + num_drafts)
-        draft = _StepDraft(budget=budget, drafts=drafts)
-        self._make_way(draft)
-        made_way = len(draft.preempted_ids)
-        self._schedule_running(draft)
-        # Admitting while running requests are short of blocks would only preempt more.
-        if len(draft.preempted_ids) == made_way:
-            self._schedule_waiting(draft)
+        draft = self._step_of_its_own()
+        self._own_step_last = draft is not None
+        if draft is None:
+            draft = _StepDraft(budget=budget, drafts=drafts)
+            self._make_way(draft)
+            made_way = len(draft.preempted_ids)
+            self._schedule_running(draft)
+            # Admitting while running requests are short of blocks would only preempt more.
+            if len(draft.preempted_ids) == made_way:
+                self._schedule_waiting(draft)
+        else:
+            budget = draft.budget
         if draft.new_request_ids or not self._waiting:
             self._num_steps_without_join = 0
         else:
@@ -475,13 +489,45 @@ class Scheduler:
         draft.preempted_ids.append(request.request_id)
         self.num_preemptions += 1
 
-    def _schedule_waiting(self, draft: _StepDraft) -> None:
+    def _step_of_its_own(self) -> _StepDraft | None:
+        """A step of only the new prompts of tenants below their share of the running batch
+        (see the module docstring), or None for the usual step: none waits, the decodes ran
+        without one last step, one tenant, fixed budgets, or nothing of theirs fits."""
+        decoding = [r for r in self._running if r.is_decoding]
+        if self._own_step_last or not decoding or not self._waiting:
+            return None
+        fairness = self.fairness
+        backlogged = fairness.backlog()
+        running: dict[str, int] = {}
+        for request in self._running:
+            running[request.tenant] = running.get(request.tenant, 0) + 1
+        present = set(running) | set(backlogged)
+        if len(present) < 2:
+            return None
+        total_weight = sum(fairness.weight(tenant) for tenant in present)
+        below = {
+            tenant
+            for tenant in backlogged
+            if running.get(tenant, 0) / len(self._running) < fairness.weight(tenant) / total_weight
+        }
+        if not below or below >= set(running):  # no decodes of others to go before
+            return None
+        budget = self.controller.step_of_its_own()
+        if budget <= 0:
+            return None
+        draft = _StepDraft(budget=budget)
+        self._schedule_waiting(draft, only=below)
+        return draft if draft.new_request_ids else None
+
+    def _schedule_waiting(self, draft: _StepDraft, only: set[str] | None = None) -> None:
         """Admit in admission order (`WaitingQueue.next`) while budget, blocks and the batch
         limit allow.
 
         The max-waiting rule: once nobody joined for max_waiting_steps steps, the head
         joins past the batch limit (one request; max_num_seqs and blocks still hold).
         A request whose LoRA adapter gets no slot waits, passed over (`lora_residency`).
+        `only`: admit only these tenants' new requests (a step of their own), the others
+        passed over.
         """
         reserve = self.config.num_reserved_tokens
         overdue = self._num_steps_without_join >= self.config.max_waiting_steps
@@ -490,7 +536,7 @@ class Scheduler:
             if len(self._running) >= self.batch_limit and not overdue:
                 return
             overdue = False
-            request = self._waiting.next(gate.passed_over if gate is not None else None)
+            request = self._waiting.next(_passed_over(gate, only))
             if request is None:
                 return  # every waiting request waits for its adapter's slot
             if gate is not None and not gate.admit(request.adapter):
@@ -647,3 +693,19 @@ class Scheduler:
         for request in self._waiting:
             assert not self.allocator.has_table(request.request_id), "waiting request holds blocks"
             assert request.num_computed_tokens == 0
+
+
+def _passed_over(gate: LoraGate | None, only: set[str] | None) -> Callable[[_Request], bool] | None:
+    """What admission skips this step: requests whose adapter waits for a slot (`gate`), and
+    with `only` every request of another tenant or already preempted (they go in the usual
+    step)."""
+    waits = gate.passed_over if gate is not None else None
+    if only is None:
+        return waits
+
+    def skipped(request: _Request) -> bool:
+        if request.tenant not in only or request.preempted:
+            return True
+        return waits is not None and waits(request)
+
+    return skipped

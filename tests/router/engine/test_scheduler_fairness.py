@@ -144,3 +144,80 @@ def test_one_tenant_or_none_is_served_exactly_in_queue_order() -> None:
     first_admissions = sorted(set(admitted), key=admitted.index)
     # Priority 0 in arrival order (the copy 5 right behind its original 4), then priority 1.
     assert first_admissions == [0, 1, 2, 4, 5, 6, 8, 9, 10, 3, 7, 11]
+
+
+# ---- a step of its own for a tenant below its share of the running batch ----
+
+
+def timed_step(scheduler: Scheduler, model: FakeModel) -> SchedulerOutput:
+    """A step whose latency a linear cost gives (10 ms + 2 ms a decode + 0.5 ms a prompt
+    token), so the controller's fit is ready and its target holds."""
+    output = scheduler.schedule()
+    decodes = sum(1 for s in output.scheduled if s.num_new_tokens == 1 and s.produces_token)
+    prompt_tokens = output.num_scheduled_tokens - decodes
+    scheduler.update(model.run(output, 0.010 + 0.002 * decodes + 0.0005 * prompt_tokens))
+    scheduler.check_invariants()
+    return output
+
+
+def adaptive(**overrides: object) -> tuple[Scheduler, FakeModel]:
+    values: dict[str, object] = {
+        "num_blocks": 1024,
+        "block_size": 16,
+        "max_num_batched_tokens": 256,
+        "max_num_seqs": 32,
+        "adaptive": True,
+        "target_itl_s": 0.1,
+        "min_batch_size": 32,
+    }
+    return make(**(values | overrides))
+
+
+def decoding_heavy(tenant: str = "heavy") -> tuple[Scheduler, FakeModel, Meter]:
+    """20 requests of `tenant` decoding (long outputs), the fit warmed up."""
+    scheduler, model = adaptive()
+    meter = Meter({})
+    queue(scheduler, model, meter, range(20), tenant, prompt_len=12, max_new=500)
+    for _ in range(10):
+        timed_step(scheduler, model)
+    assert scheduler.num_running == 20 and scheduler.controller.step_of_its_own() > 0
+    return scheduler, model, meter
+
+
+def has_decodes(output: SchedulerOutput) -> bool:
+    return any(s.request_id < 20 for s in output.scheduled)
+
+
+def test_a_tenant_below_its_share_gets_its_prompt_a_step_before_the_decodes() -> None:
+    scheduler, model, meter = decoding_heavy()
+    queue(scheduler, model, meter, range(100, 102), "light", prompt_len=40, max_new=4)
+    own = timed_step(scheduler, model)
+    # Both light prompts, whole, and nothing of the heavy tenant's.
+    assert {s.request_id for s in own.scheduled} == {100, 101}
+    assert all(s.produces_token for s in own.scheduled)
+    # Never two such steps in a row: a light prompt arriving now joins the decodes' step.
+    queue(scheduler, model, meter, range(102, 103), "light", prompt_len=40, max_new=4)
+    after = timed_step(scheduler, model)
+    assert has_decodes(after) and 102 in {s.request_id for s in after.scheduled}
+    # The heavy tenant's own new prompts share the decodes' step as before.
+    queue(scheduler, model, meter, range(20, 21), "heavy", prompt_len=40, max_new=4)
+    for _ in range(3):
+        output = timed_step(scheduler, model)
+        assert has_decodes(output) or 20 not in {s.request_id for s in output.scheduled}
+
+
+def test_one_tenant_never_gets_a_step_without_its_decodes() -> None:
+    scheduler, model, meter = decoding_heavy(tenant="")
+    for rid in range(100, 110):
+        queue(scheduler, model, meter, range(rid, rid + 1), "", prompt_len=40, max_new=4)
+        assert has_decodes(timed_step(scheduler, model))
+
+
+def test_a_prompt_longer_than_the_step_of_its_own_is_chunked_within_it() -> None:
+    scheduler, model, meter = decoding_heavy()
+    budget = scheduler.controller.step_of_its_own()  # (0.1 - 0.01) / 0.0005 = 180 tokens
+    queue(scheduler, model, meter, range(100, 101), "light", prompt_len=budget + 50, max_new=4)
+    own = timed_step(scheduler, model)
+    assert [(s.request_id, s.num_new_tokens) for s in own.scheduled] == [(100, budget)]
+    rest = timed_step(scheduler, model)
+    assert has_decodes(rest) and 100 in {s.request_id for s in rest.scheduled}
