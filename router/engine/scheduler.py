@@ -516,18 +516,21 @@ class Scheduler:
         if budget <= 0:
             return None
         draft = _StepDraft(budget=budget)
-        self._schedule_waiting(draft, only=below)
+        best = next(iter(self._waiting)).priority  # the queue is in priority order
+        self._schedule_waiting(draft, only=(below, best))
         return draft if draft.new_request_ids else None
 
-    def _schedule_waiting(self, draft: _StepDraft, only: set[str] | None = None) -> None:
+    def _schedule_waiting(
+        self, draft: _StepDraft, only: tuple[set[str], int] | None = None
+    ) -> None:
         """Admit in admission order (`WaitingQueue.next`) while budget, blocks and the batch
         limit allow.
 
         The max-waiting rule: once nobody joined for max_waiting_steps steps, the head
         joins past the batch limit (one request; max_num_seqs and blocks still hold).
         A request whose LoRA adapter gets no slot waits, passed over (`lora_residency`).
-        `only`: admit only these tenants' new requests (a step of their own), the others
-        passed over.
+        `only` (tenants, priority): admit only these tenants' new requests of that priority
+        (a step of their own), the others passed over.
         """
         reserve = self.config.num_reserved_tokens
         overdue = self._num_steps_without_join >= self.config.max_waiting_steps
@@ -695,16 +698,20 @@ class Scheduler:
             assert request.num_computed_tokens == 0
 
 
-def _passed_over(gate: LoraGate | None, only: set[str] | None) -> Callable[[_Request], bool] | None:
+def _passed_over(
+    gate: LoraGate | None, only: tuple[set[str], int] | None
+) -> Callable[[_Request], bool] | None:
     """What admission skips this step: requests whose adapter waits for a slot (`gate`), and
-    with `only` every request of another tenant or already preempted (they go in the usual
-    step)."""
+    with `only` (tenants, priority) every request of another tenant or priority, or already
+    preempted (they go in the usual step)."""
     waits = gate.passed_over if gate is not None else None
     if only is None:
         return waits
 
+    tenants, priority = only
+
     def skipped(request: _Request) -> bool:
-        if request.tenant not in only or request.preempted:
+        if request.tenant not in tenants or request.priority != priority or request.preempted:
             return True
         return waits is not None and waits(request)
 

@@ -221,3 +221,12 @@ def test_a_prompt_longer_than_the_step_of_its_own_is_chunked_within_it() -> None
     assert [(s.request_id, s.num_new_tokens) for s in own.scheduled] == [(100, budget)]
     rest = timed_step(scheduler, model)
     assert has_decodes(rest) and 100 in {s.request_id for s in rest.scheduled}
+
+
+def test_a_step_of_its_own_never_goes_before_a_better_priority() -> None:
+    scheduler, model, meter = decoding_heavy()
+    add(scheduler, model, 20, prompt(20, 40), 4, priority=-1, tenant="heavy")
+    meter.tenants[20], meter.num_prompt[20] = "heavy", 40
+    queue(scheduler, model, meter, range(100, 101), "light", prompt_len=40, max_new=4)
+    output = timed_step(scheduler, model)
+    assert has_decodes(output) and 20 in {s.request_id for s in output.scheduled}
