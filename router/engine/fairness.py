@@ -16,6 +16,7 @@ Pure Python: no torch, no I/O.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 
 PROMPT_TOKEN_COST = 1.0
 """w_p: what one prompt token computed adds to its tenant's counter (the paper's 1)."""
@@ -44,6 +45,21 @@ class VirtualCounters:
     def weight(self, tenant: str) -> float:
         """`tenant`'s weight as its last request gave it (1 for one never seen)."""
         return self._weights.get(tenant, 1.0)
+
+    def below_share(self, running: Mapping[str, int]) -> set[str]:
+        """The backlogged tenants whose share of the `running` requests (per tenant) is under
+        their weight's share among the tenants running or waiting; empty with fewer than
+        two such tenants."""
+        present = set(running) | set(self._num_waiting)
+        if len(present) < 2:
+            return set()
+        total_weight = sum(self.weight(tenant) for tenant in present)
+        num_running = sum(running.values())
+        return {
+            tenant
+            for tenant in self._num_waiting
+            if running.get(tenant, 0) / num_running < self.weight(tenant) / total_weight
+        }
 
     def is_backlogged(self, tenant: str) -> bool:
         """Whether `tenant` has requests in the waiting queue."""

@@ -51,6 +51,7 @@ Pure Python: no torch, no I/O, no asyncio. Not thread-safe; one task drives it, 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -121,11 +122,17 @@ class _StepDraft:
     """The step being planned inside one `schedule()` call."""
 
     budget: int
+    """Tokens the step may still take (it shrinks as they are added)."""
     drafts: dict[int, tuple[int, ...]] = field(default_factory=dict)
     """Speculation: the drafts proposed for this step's decodes, by request."""
     scheduled: dict[int, ScheduledRequest] = field(default_factory=dict)
     new_request_ids: list[int] = field(default_factory=list)
     preempted_ids: list[int] = field(default_factory=list)
+    token_budget: int = field(init=False)
+    """What `budget` was at the start: the step's token budget."""
+
+    def __post_init__(self) -> None:
+        self.token_budget = self.budget
 
 
 class Scheduler:
@@ -299,13 +306,13 @@ class Scheduler:
             raise RuntimeError("schedule() called again before update() of the previous step")
         if not self._requests:
             self.controller.on_idle()
-        budget = self._step_budget(self._num_decoding(), self.controller.plan_prefill)
-        drafts = self._plan_drafts()
-        num_drafts = sum(len(tokens) for tokens in drafts.values())
-        budget = min(self.config.max_num_batched_tokens, budget + num_drafts)
         draft = self._step_of_its_own()
         self._own_step_last = draft is not None
         if draft is None:
+            budget = self._step_budget(self._num_decoding(), self.controller.plan_prefill)
+            drafts = self._plan_drafts()
+            num_drafts = sum(len(tokens) for tokens in drafts.values())
+            budget = min(self.config.max_num_batched_tokens, budget + num_drafts)
             draft = _StepDraft(budget=budget, drafts=drafts)
             self._make_way(draft)
             made_way = len(draft.preempted_ids)
@@ -313,8 +320,6 @@ class Scheduler:
             # Admitting while running requests are short of blocks would only preempt more.
             if len(draft.preempted_ids) == made_way:
                 self._schedule_waiting(draft)
-        else:
-            budget = draft.budget
         if draft.new_request_ids or not self._waiting:
             self._num_steps_without_join = 0
         else:
@@ -324,7 +329,7 @@ class Scheduler:
             new_request_ids=tuple(draft.new_request_ids),
             preempted_ids=tuple(draft.preempted_ids),
             finished_ids=tuple(self._finished_ids),
-            token_budget=budget,
+            token_budget=draft.token_budget,
             kv_transfers=tiers.take_transfers() if (tiers := self.allocator.kv_tiers) else (),
         )
         self._finished_ids.clear()
@@ -493,24 +498,13 @@ class Scheduler:
         """A step of only the new prompts of tenants below their share of the running batch
         (see the module docstring), or None for the usual step: none waits, the decodes ran
         without one last step, one tenant, fixed budgets, or nothing of theirs fits."""
-        decoding = [r for r in self._running if r.is_decoding]
-        if self._own_step_last or not decoding or not self._waiting:
+        if self._own_step_last or not self._waiting:
             return None
-        fairness = self.fairness
-        backlogged = fairness.backlog()
-        running: dict[str, int] = {}
-        for request in self._running:
-            running[request.tenant] = running.get(request.tenant, 0) + 1
-        present = set(running) | set(backlogged)
-        if len(present) < 2:
+        if not any(request.is_decoding for request in self._running):
             return None
-        total_weight = sum(fairness.weight(tenant) for tenant in present)
-        below = {
-            tenant
-            for tenant in backlogged
-            if running.get(tenant, 0) / len(self._running) < fairness.weight(tenant) / total_weight
-        }
-        if not below or below >= set(running):  # no decodes of others to go before
+        running = Counter(request.tenant for request in self._running)
+        below = self.fairness.below_share(running)
+        if not below or below >= running.keys():  # no decodes of others to go before
             return None
         budget = self.controller.step_of_its_own()
         if budget <= 0:

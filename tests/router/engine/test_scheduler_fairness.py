@@ -153,6 +153,7 @@ def timed_step(scheduler: Scheduler, model: FakeModel) -> SchedulerOutput:
     """A step whose latency a linear cost gives (10 ms + 2 ms a decode + 0.5 ms a prompt
     token), so the controller's fit is ready and its target holds."""
     output = scheduler.schedule()
+    assert output.num_scheduled_tokens <= output.token_budget
     decodes = sum(1 for s in output.scheduled if s.num_new_tokens == 1 and s.produces_token)
     prompt_tokens = output.num_scheduled_tokens - decodes
     scheduler.update(model.run(output, 0.010 + 0.002 * decodes + 0.0005 * prompt_tokens))
