@@ -39,6 +39,7 @@ SOURCES = tuple(
         "cpu_int4.c",
         "cpu_decoder.c",
         "cpu_lora.c",
+        "cpu_dense.c",
     )
 )
 HEADERS = (Path(__file__).with_name("cpu_bf16.h"),)
@@ -189,6 +190,10 @@ def _declare(library: ctypes.CDLL) -> None:
                 flag,
             ],
         ),
+        "textgate_dense_isa": (ctypes.c_int, []),
+        "textgate_dense_bf16_dot": (ctypes.c_int, []),
+        # x, rows, in, ldx, packed, bias, out, out_features, bf16
+        "textgate_dense_linear": (None, [pointer, *[int64] * 3, *[pointer] * 3, int64, flag]),
         "textgate_int8_linear": (
             ctypes.c_int,
             [pointer, int64, int64, flag, *[pointer] * 6, int64, flag],

@@ -1,9 +1,10 @@
 /*
- * A stack of Llama-family decoder layers with int8 weights in one call: the same kernels the
- * layers' Python modules call one by one (cpu_layers.c, cpu_int8.c, cpu_attention.c), in the
- * same order on the same buffers, so the result is the same bytes. What goes is the Python
- * between them: at decode sizes, a layer's nine calls through PyTorch modules and ctypes cost
- * about as much as reading its int8 weights (docs/quantization.md has the numbers).
+ * A stack of Llama-family decoder layers in one call, their linears int8 (cpu_int8.c) or
+ * dense float32/bfloat16 (cpu_dense.c): the same kernels the layers' Python modules call one
+ * by one (cpu_layers.c, cpu_attention.c and those), in the same order on the same buffers,
+ * so the result is the same bytes. What goes is the Python between them: at decode sizes, a
+ * layer's nine calls through PyTorch modules and ctypes cost about as much as reading its
+ * weights (docs/quantization.md has the numbers).
  *
  * Per layer, for rows [rows, hidden] of hidden states and the residual stream beside them:
  *   normed, residual = rms_norm(hidden + residual)       (the first layer: rms_norm(hidden))
@@ -16,7 +17,7 @@
 #include <stdint.h>
 #include <string.h>
 
-/* cpu_layers.c, cpu_int8.c, cpu_attention.c */
+/* cpu_layers.c, cpu_int8.c, cpu_dense.c, cpu_attention.c */
 void textgate_add_rms_norm(const void *x, const void *residual, const void *weight, void *out,
                            void *sum_out, int64_t rows, int64_t hidden, float eps, int bf16);
 void textgate_silu_and_mul(const void *gate_up, void *out, int64_t rows, int64_t width, int bf16);
@@ -27,6 +28,8 @@ void textgate_rotary_and_store(const void *qkv, const void *cos, const void *sin
 int textgate_int8_linear(const void *x, int64_t rows, int64_t k, int x_bf16, const float *smooth,
                          const int8_t *packed, const int32_t *wsum, const float *wscale,
                          const float *bias, void *out, int64_t n, int out_bf16);
+void textgate_dense_linear(const void *x, int64_t rows, int64_t k, int64_t ldx,
+                           const void *packed, const float *bias, void *out, int64_t n, int bf16);
 int textgate_paged_attention(const void *query, const void *key_cache, const void *value_cache,
                              void *out, const int64_t *query_starts, const int64_t *query_lens,
                              const int64_t *seq_lens, const int64_t *block_tables,
@@ -35,22 +38,26 @@ int textgate_paged_attention(const void *query, const void *key_cache, const voi
                              int64_t max_seq_len, float scale, int64_t window, int bf16,
                              const float *key_scales, const float *value_scales, int kv_kind);
 
-/* One int8 linear as int8_linear.pack_int8 made it (smooth and bias may be NULL). */
+/* One linear: int8 as int8_linear.pack_int8 made it (wsum, wscale; smooth and bias may be
+ * NULL), or dense in the activations' dtype as dense_linear.pack_dense made it (bias may be
+ * NULL; wsum, wscale and smooth are). */
+enum { LINEAR_INT8 = 0, LINEAR_DENSE = 1 };
 typedef struct {
-    const int8_t *packed;
+    int64_t kind;
+    const void *packed;
     const int32_t *wsum;
     const float *wscale;
     const float *bias;
     const float *smooth;
     int64_t in_features, out_features;
-} Int8Weights;
+} LinearWeights;
 
 /* What one layer keeps: its norms (in the activations' dtype), its four linears, its caches
  * [blocks, block_size, kv_heads, head_dim] and its attention's scale and sliding window. */
 typedef struct {
     const void *input_norm, *post_norm;
     float input_eps, post_eps;
-    Int8Weights qkv, o, gate_up, down;
+    LinearWeights qkv, o, gate_up, down;
     void *key_cache, *value_cache;
     float scale;
     int64_t window;
@@ -68,7 +75,12 @@ typedef struct {
     void *normed, *qkv, *query, *attended, *gate_up, *activated;
 } DecoderStep;
 
-static int linear(const DecoderStep *s, const Int8Weights *w, const void *x, void *out) {
+static int linear(const DecoderStep *s, const LinearWeights *w, const void *x, void *out) {
+    if (w->kind == LINEAR_DENSE) {
+        textgate_dense_linear(x, s->rows, w->in_features, w->in_features, w->packed, w->bias,
+                              out, w->out_features, s->bf16);
+        return 0;
+    }
     return textgate_int8_linear(x, s->rows, w->in_features, s->bf16, w->smooth, w->packed,
                                 w->wsum, w->wscale, w->bias, out, w->out_features, s->bf16);
 }

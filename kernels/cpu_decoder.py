@@ -1,20 +1,21 @@
-"""Int8 decoder layers in one C call per step (cpu_decoder.c).
+"""Decoder layers in one C call per step (cpu_decoder.c), int8 or float.
 
-A Llama-family layer on the CPU with `--quantize int8` is nine C kernels: two fused norms,
-three int8 linears and one more for the output projection, rotary-and-store, paged attention,
-silu-and-mul. Called one by one from the layers' modules, each costs PyTorch module dispatch,
-a few tensor allocations and a ctypes call around a kernel that, at decode sizes, reads a
-few hundred kilobytes of weights in tens of microseconds. `Int8DecoderStack` makes the same
-calls, in the same order on the same kinds of buffers, from C: the bytes out are the
+A Llama-family layer on the CPU is nine C kernels: two fused norms, three linears and one
+more for the output projection, rotary-and-store, paged attention, silu-and-mul. The
+linears are int8 (`--quantize int8`, cpu_int8.c) or dense float32/bfloat16 (the default,
+cpu_dense.c). Called one by one from the layers' modules, each costs PyTorch module
+dispatch, a few tensor allocations and a ctypes call around a kernel that, at decode sizes,
+reads a few hundred kilobytes of weights in tens of microseconds. `DecoderStack` makes the
+same calls, in the same order on the same kinds of buffers, from C: the bytes out are the
 modules' bytes, and the Python between the kernels is gone.
 
 On a 2-core Sapphire Rapids-class Xeon, SmolLM2-135M, `--quantize int8 --dtype float32`,
 the decode step took 0.52x the modules' time at batch 1, 0.68x at 8 and 0.82x at 32
 (`python -m textgate.bench.micro.step --quantize int8 --dtype float32 --batch 1,8,32`, with
-and without `--no-int8-stack`; docs/quantization.md has the table).
+and without `--no-decoder-stack`; docs/quantization.md has the table).
 
-`model.forward` builds one (`Int8DecoderStack.from_layers`, None where any layer does not
-fit: not int8 on these kernels, LoRA attached, tensor parallel, q/k norms, MoE, another
+`model.forward` builds one (`DecoderStack.build`, None where any layer does not fit: its
+linears on neither kernel, LoRA attached, tensor parallel, q/k norms, MoE, another
 activation) and calls `run` per step, which returns None where the step does not fit
 (a quantized KV cache, prompt chunks the attention backend sends to SDPA, a partial
 rotary); the modules then run as before.
@@ -31,13 +32,15 @@ from torch import Tensor
 
 from textgate.kernels import cpu_build
 from textgate.kernels.cpu_attention import SUPPORTED_DTYPES, KernelBatch
-from textgate.kernels.int8_linear import Int8Linear, PackedInt8Weight
+from textgate.kernels.int8_linear import Int8Linear
+from textgate.kernels.linear import FastLinear
 
 _pointer, _int64, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
-class _Int8Weights(ctypes.Structure):
+class _LinearWeights(ctypes.Structure):
     _fields_ = [
+        ("kind", _int64),
         ("packed", _pointer),
         ("wsum", _pointer),
         ("wscale", _pointer),
@@ -48,16 +51,20 @@ class _Int8Weights(ctypes.Structure):
     ]
 
 
+_INT8, _DENSE = 0, 1
+"""`_LinearWeights.kind`: cpu_int8.c or cpu_dense.c."""
+
+
 class _DecoderLayer(ctypes.Structure):
     _fields_ = [
         ("input_norm", _pointer),
         ("post_norm", _pointer),
         ("input_eps", _float),
         ("post_eps", _float),
-        ("qkv", _Int8Weights),
-        ("o", _Int8Weights),
-        ("gate_up", _Int8Weights),
-        ("down", _Int8Weights),
+        ("qkv", _LinearWeights),
+        ("o", _LinearWeights),
+        ("gate_up", _LinearWeights),
+        ("down", _LinearWeights),
         ("key_cache", _pointer),
         ("value_cache", _pointer),
         ("scale", _float),
@@ -86,48 +93,71 @@ class _DecoderStep(ctypes.Structure):
     ]
 
 
+StackLinear = Int8Linear | FastLinear
+"""A linear the stack runs: int8 on cpu_int8.c, or dense on cpu_dense.c."""
+
+
 @dataclass(frozen=True)
 class DecoderLayerWeights:
     """What one layer gives the stack: its two RMSNorms' weights (in the activations' dtype)
-    and epsilons, its four int8 linears (q/k/v fused, o, gate/up fused, down) and its
-    attention's scale and sliding window (None: none)."""
+    and epsilons, its four linears (q/k/v fused, o, gate/up fused, down) and its attention's
+    scale and sliding window (None: none)."""
 
     input_norm: Tensor
     input_eps: float
     post_norm: Tensor
     post_eps: float
-    qkv: Int8Linear
-    o: Int8Linear
-    gate_up: Int8Linear
-    down: Int8Linear
+    qkv: StackLinear
+    o: StackLinear
+    gate_up: StackLinear
+    down: StackLinear
     scale: float
     window: int | None
 
 
-def _int8_weights(linear: Int8Linear) -> _Int8Weights:
+def _address(tensor: Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+def _features(linear: StackLinear) -> tuple[int, int]:
+    """(in_features, out_features) of a linear the stack runs (`_runs`)."""
+    if isinstance(linear, Int8Linear):
+        assert linear.packed_int8 is not None
+        return linear.packed_int8.in_features, linear.packed_int8.out_features
+    assert linear.kernel_packed is not None
+    return linear.kernel_packed.in_features, linear.kernel_packed.out_features
+
+
+def _runs(linear: object, dtype: torch.dtype) -> bool:
+    """Whether the stack's kernels run this linear for activations of `dtype`: int8 packed
+    for cpu_int8.c, or dense packed for cpu_dense.c in that dtype."""
+    if isinstance(linear, Int8Linear):
+        return linear.packed_int8 is not None
+    if isinstance(linear, FastLinear):
+        packed = linear.kernel_packed
+        return packed is not None and packed.dtype == dtype
+    return False
+
+
+def _linear_weights(linear: StackLinear) -> _LinearWeights:
+    if isinstance(linear, FastLinear):
+        dense = linear.kernel_packed
+        assert dense is not None
+        return _LinearWeights(
+            _DENSE, dense.packed.data_ptr(), None, None, _address(dense.bias), None,
+            dense.in_features, dense.out_features,
+        )  # fmt: skip
     packed = linear.packed_int8
     assert packed is not None
-
-    def address(tensor: Tensor | None) -> int | None:
-        return None if tensor is None else tensor.data_ptr()
-
-    return _Int8Weights(
-        packed.packed.data_ptr(),
-        packed.offsets.data_ptr(),
-        packed.scales.data_ptr(),
-        address(packed.bias),
-        address(linear.smooth),
-        packed.in_features,
-        packed.out_features,
-    )
+    return _LinearWeights(
+        _INT8, packed.packed.data_ptr(), packed.offsets.data_ptr(), packed.scales.data_ptr(),
+        _address(packed.bias), _address(linear.smooth), packed.in_features, packed.out_features,
+    )  # fmt: skip
 
 
-def _packed(linear: object) -> PackedInt8Weight | None:
-    return linear.packed_int8 if isinstance(linear, Int8Linear) else None
-
-
-class Int8DecoderStack:
-    """A model's decoder layers, all int8 on cpu_int8.c, run as one C call per step."""
+class DecoderStack:
+    """A model's decoder layers, their linears int8 (cpu_int8.c) or dense (cpu_dense.c), run
+    as one C call per step."""
 
     def __init__(
         self,
@@ -142,15 +172,16 @@ class Int8DecoderStack:
         self._library = library
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.hidden = self._layers[0].input_norm.shape[0]
-        self.intermediate = self._layers[0].gate_up.out_features // 2
+        self.intermediate = _features(self._layers[0].gate_up)[1] // 2
         self.dtype = self._layers[0].input_norm.dtype
         self._structs = (_DecoderLayer * len(self._layers))()
         for struct, layer in zip(self._structs, self._layers, strict=True):
             struct.input_norm = layer.input_norm.data_ptr()
             struct.post_norm = layer.post_norm.data_ptr()
             struct.input_eps, struct.post_eps = layer.input_eps, layer.post_eps
-            struct.qkv, struct.o = _int8_weights(layer.qkv), _int8_weights(layer.o)
-            struct.gate_up, struct.down = _int8_weights(layer.gate_up), _int8_weights(layer.down)
+            struct.qkv, struct.o = _linear_weights(layer.qkv), _linear_weights(layer.o)
+            struct.gate_up = _linear_weights(layer.gate_up)
+            struct.down = _linear_weights(layer.down)
             struct.scale, struct.window = layer.scale, layer.window or 0
         self._caches_key: tuple[int, ...] = ()
         """Which caches the layers point at (see `_attach_caches`)."""
@@ -163,9 +194,10 @@ class Int8DecoderStack:
         num_heads: int,
         num_kv_heads: int,
         head_dim: int,
-    ) -> Int8DecoderStack | None:
+    ) -> DecoderStack | None:
         """The stack, or None where these layers do not fit it: no C kernels here, weights not
-        packed for them, activations not float32/bfloat16, shapes that differ per layer."""
+        packed for them (or dense in another dtype than the activations), activations not
+        float32/bfloat16, shapes that differ per layer."""
         library = cpu_build.load_library()
         if library is None or not layers:
             return None
@@ -174,7 +206,7 @@ class Int8DecoderStack:
         qkv_width = (num_heads + 2 * num_kv_heads) * head_dim
         for layer in layers:
             linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
-            if any(_packed(linear) is None for linear in linears):
+            if any(not _runs(linear, dtype) for linear in linears):
                 return None
             norms = (layer.input_norm, layer.post_norm)
             if any(
@@ -182,14 +214,14 @@ class Int8DecoderStack:
                 for norm in norms
             ):
                 return None
-            intermediate = layer.gate_up.out_features // 2
-            shapes = [(linear.in_features, linear.out_features) for linear in linears]
+            shapes = [_features(linear) for linear in linears]
+            intermediate = shapes[2][1] // 2
             if shapes != [
                 (hidden, qkv_width),
                 (num_heads * head_dim, hidden),
                 (hidden, 2 * intermediate),
                 (intermediate, hidden),
-            ] or shapes[2] != (first.gate_up.in_features, first.gate_up.out_features):
+            ] or shapes[2] != _features(first.gate_up):
                 return None
         if dtype not in SUPPORTED_DTYPES:
             return None

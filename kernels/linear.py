@@ -6,7 +6,8 @@ CPU weight freezing does) makes the same multiply ~1.3-1.6x faster on the skinny
 of a decode step (measured: bf16 and fp32, batch 1 and 32, AVX512 machine), with results
 identical in bf16 and equal up to summation order in fp32. `F.linear` is the reference and
 the fallback wherever packing is unavailable (GPU, fp16, builds without oneDNN).
-`FastLinear` is the layer built on them; quantization loaders and model layers both use it.
+`FastLinear` is the layer built on them, or on textgate's own kernel (kernels/dense_linear.py)
+where that serves; quantization loaders and model layers both use it.
 
 oneDNN builds (JIT-compiles) a kernel for every row count it is asked to multiply, and
 caches it (`ONEDNN_PRIMITIVE_CACHE_CAPACITY`, 1024 by default): measured on a 2-core
@@ -25,6 +26,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from textgate.kernels.dense_linear import (
+    PackedDense,
+    dense_linear,
+    pack_dense,
+    serves,
+    unpack_dense,
+)
 
 
 def can_prepack(weight: Tensor) -> bool:
@@ -84,14 +93,23 @@ class FastLinear(nn.Module):
     """`x @ weight.T + bias` for a loaded weight [out_features, in_features].
 
     Unlike `nn.Linear` it neither allocates nor initialises a weight of its own,
-    and its parameters never require grad (inference only). On CPU the weight is
-    packed once for oneDNN (`prepack`) and the plain copy dropped.
+    and its parameters never require grad (inference only). On CPU the weight is packed once
+    and the plain copy dropped: for textgate's own kernel where it serves the dtype
+    (kernels/dense_linear.py, `serves`), else for oneDNN (`prepack`).
     """
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
         super().__init__()
-        self.packed = prepack(weight)
-        self.dense = None if self.packed is not None else nn.Parameter(weight, requires_grad=False)
+        self.kernel_packed: PackedDense | None = (
+            pack_dense(weight, bias) if serves(weight.dtype) else None
+        )
+        """The weight for cpu_dense.c, or None (then `packed` or `dense` holds it)."""
+        self.packed = None if self.kernel_packed is not None else prepack(weight)
+        self.dense = (
+            None
+            if self.kernel_packed is not None or self.packed is not None
+            else nn.Parameter(weight, requires_grad=False)
+        )
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     @property
@@ -99,10 +117,14 @@ class FastLinear(nn.Module):
         """The weight [out_features, in_features] (an unpacked copy when it is packed)."""
         if self.dense is not None:
             return self.dense
+        if self.kernel_packed is not None:
+            return unpack_dense(self.kernel_packed)
         assert self.packed is not None
         return self.packed.to_dense()
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.kernel_packed is not None:
+            return dense_linear(x, self.kernel_packed)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.dense, self.bias)

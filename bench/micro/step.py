@@ -99,9 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
         "expansion (int4_linear.PROMPT_ROWS): the A/B of that choice",
     )
     parser.add_argument(
-        "--no-int8-stack",
+        "--no-decoder-stack",
         action="store_true",
-        help="int8 layers run module by module, not as one C call per step "
+        help="decoder layers run module by module, not as one C call per step "
         "(kernels/cpu_decoder.py): the A/B of that path",
     )
     parser.add_argument(
@@ -132,8 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         native=not args.transformers,
         quantize=args.quantize,
     )
-    if args.no_int8_stack:
-        model.model.use_int8_stack = False
+    if args.no_decoder_stack:
+        model.model.use_decoder_stack = False
     warmup = model.warmup(pb.WarmupRequest(max_prefill_tokens=args.prompt_len))
     if warmup.num_blocks < max(batches) * blocks:
         print(f"a 1 GiB cache holds {warmup.num_blocks} blocks, too few", file=sys.stderr)

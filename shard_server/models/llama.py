@@ -22,8 +22,9 @@ from torch import Tensor, nn
 from textgate.kernels import cpu_attention, cpu_layers, get_attention_backend
 from textgate.kernels.attention import AttentionBackend, AttentionMetadata
 from textgate.kernels.cpu_attention import CpuAttentionBackend, CpuPlan
-from textgate.kernels.cpu_decoder import DecoderLayerWeights, Int8DecoderStack
+from textgate.kernels.cpu_decoder import DecoderLayerWeights, DecoderStack
 from textgate.kernels.int8_linear import Int8Linear
+from textgate.kernels.linear import FastLinear
 from textgate.kernels.triton import layers as gpu_layers
 from textgate.quantization.weights import Shard, Weights
 from textgate.shard_server.layers.heads import HeadPartition
@@ -254,10 +255,11 @@ def add_rms_norm(norm: RMSNorm, x: Tensor, residual: Tensor | None) -> tuple[Ten
 
 
 def _stack_weights(layer: nn.Module) -> tuple[DecoderLayerWeights, list[nn.Module]] | None:
-    """What `Int8DecoderStack` needs of one decoder layer, and the layer's four projections
+    """What `DecoderStack` needs of one decoder layer, and the layer's four projections
     (where adapters attach), or None where the stack would not compute what the layer's
     modules do: another forward (Gemma's), q/k norms, soft-capping, an MoE or non-SiLU MLP,
-    tensor parallelism, weights not int8 on the C kernels."""
+    tensor parallelism, linears neither int8 nor dense (`DecoderStack.build` then checks
+    that they are packed for its kernels)."""
     if (
         not isinstance(layer, LlamaDecoderLayer)
         or type(layer).forward is not LlamaDecoderLayer.forward
@@ -277,8 +279,8 @@ def _stack_weights(layer: nn.Module) -> tuple[DecoderLayerWeights, list[nn.Modul
         attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj
     ]  # fmt: skip
     linears = [projection.linear for projection in projections]
-    int8 = [linear for linear in linears if isinstance(linear, Int8Linear)]
-    if len(int8) != len(linears) or any(
+    kernel = [linear for linear in linears if isinstance(linear, (Int8Linear, FastLinear))]
+    if len(kernel) != len(linears) or any(
         world_size_of(projection.process_group) > 1
         for projection in projections
         if isinstance(projection, TensorParallelRowLinear)
@@ -288,7 +290,7 @@ def _stack_weights(layer: nn.Module) -> tuple[DecoderLayerWeights, list[nn.Modul
     if any(type(norm).forward is not RMSNorm.forward for norm in norms):
         return None
     weights = DecoderLayerWeights(
-        norms[0].weight, norms[0].eps, norms[1].weight, norms[1].eps, *int8,
+        norms[0].weight, norms[0].eps, norms[1].weight, norms[1].eps, *kernel,
         scale=attention.scale, window=attention.sliding_window,
     )  # fmt: skip
     return weights, list(projections)
@@ -334,12 +336,12 @@ class LlamaForCausalLM(PagedCacheOwner, nn.Module):
         self.vocab_size = config.vocab_size
         self.kv_cache_dtype = self.dtype
         """Element dtype of the caches `allocate_kv_cache` makes (int8 / fp8: quantized)."""
-        self._int8_stack: Int8DecoderStack | bool | None = False
-        """The layers as one C call (`Int8DecoderStack`), built on the first step after each
+        self._decoder_stack: DecoderStack | bool | None = False
+        """The layers as one C call (`DecoderStack`), built on the first step after each
         `allocate_kv_cache` (False until then: the modules may change before, as int8's
         calibration swaps its layers); None where they do not fit it."""
-        self.use_int8_stack = True
-        """False: every step runs the modules (the A/B of `bench.micro.step --no-int8-stack`)."""
+        self.use_decoder_stack = True
+        """False: every step runs the modules (the A/B of `bench.micro.step --no-decoder-stack`)."""
         self._stack_projections: list[nn.Module] = []
         """The stack's linears: while an adapter is attached to one (`lora`), steps run
         the modules."""
@@ -370,7 +372,7 @@ class LlamaForCausalLM(PagedCacheOwner, nn.Module):
             ctx.local_cos_sin = self._cos_sin(self.local_rotary, positions, attn_metadata)
         hidden = self.embed(input_ids)  # [T, hidden]
         residual = None
-        stacked = self._run_int8_stack(hidden, ctx)
+        stacked = self._run_decoder_stack(hidden, ctx)
         if stacked is not None:
             hidden, residual = stacked
         else:
@@ -386,36 +388,38 @@ class LlamaForCausalLM(PagedCacheOwner, nn.Module):
         return self.logits(hidden)
 
     @property
-    def int8_stack(self) -> Int8DecoderStack | None:
-        """The built `Int8DecoderStack`, None before the first step or where it does not fit."""
-        return self._int8_stack if isinstance(self._int8_stack, Int8DecoderStack) else None
+    def decoder_stack(self) -> DecoderStack | None:
+        """The built `DecoderStack`, None before the first step or where it does not fit."""
+        return self._decoder_stack if isinstance(self._decoder_stack, DecoderStack) else None
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
         cache = super().allocate_kv_cache(num_blocks, block_size)
-        self._int8_stack = False
+        self._decoder_stack = False
         return cache
 
-    def _run_int8_stack(self, hidden: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor] | None:
-        """(hidden, residual) after every layer through `Int8DecoderStack`, or None where
+    def _run_decoder_stack(
+        self, hidden: Tensor, ctx: ForwardContext
+    ) -> tuple[Tensor, Tensor] | None:
+        """(hidden, residual) after every layer through `DecoderStack`, or None where
         this model or this step does not fit it: no stack, LoRA adapters attached, local
         rotary tables, prompt chunks the attention backend sends to SDPA, a quantized or
         partially rotated cache (then the modules run the step)."""
-        if self._int8_stack is False:
+        if self._decoder_stack is False:
             stacked = [_stack_weights(layer) for layer in self.layers]
             fits = [each for each in stacked if each is not None]
-            self._int8_stack = None
+            self._decoder_stack = None
             if len(fits) == len(stacked):
-                self._int8_stack = Int8DecoderStack.build(
+                self._decoder_stack = DecoderStack.build(
                     [weights for weights, _ in fits],
                     num_heads=self.config.num_heads,
                     num_kv_heads=self.num_kv_heads,
                     head_dim=self.head_dim,
                 )
                 self._stack_projections = [p for _, projections in fits for p in projections]
-        stack, plan = self._int8_stack, ctx.plan
+        stack, plan = self._decoder_stack, ctx.plan
         if (
-            not self.use_int8_stack
-            or not isinstance(stack, Int8DecoderStack)
+            not self.use_decoder_stack
+            or not isinstance(stack, DecoderStack)
             or not isinstance(ctx.backend, CpuAttentionBackend)
             or not isinstance(plan, CpuPlan)
             or plan.kernel is None

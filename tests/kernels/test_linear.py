@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from textgate.kernels.dense_linear import can_pack_dense
 from textgate.kernels.linear import (
     EXACT_ROWS,
     FastLinear,
@@ -101,8 +102,12 @@ def test_fast_linear_computes_x_wt_plus_b(dtype):
     x = torch.randn(3, 4).to(dtype)
     expected = (x.float() @ weight.float().T + bias.float()).to(dtype)
     torch.testing.assert_close(linear(x), expected, atol=2e-2, rtol=2e-2)
-    assert (linear.packed is not None) == can_prepack(weight)
-    # Packed: only the packed copy is held; `weight` unpacks one.
-    assert (linear.dense is None) == (linear.packed is not None)
+    # One copy is held: for textgate's kernel where it runs, else for oneDNN, else plain;
+    # `weight` unpacks a packed one.
+    assert (linear.kernel_packed is not None) == can_pack_dense(weight)
+    if linear.kernel_packed is None:
+        assert (linear.packed is not None) == can_prepack(weight)
+    held = (linear.kernel_packed, linear.packed, linear.dense)
+    assert sum(copy is not None for copy in held) == 1
     assert torch.equal(linear.weight, weight)
     assert not linear.weight.requires_grad

@@ -1,5 +1,6 @@
-"""`--quantize int8` decoder layers as one C call per step (kernels/cpu_decoder.py): the same
-bytes as the modules, step for step, and the modules wherever a step or a model does not fit."""
+"""Decoder layers as one C call per step (kernels/cpu_decoder.py), their linears int8
+(`--quantize int8`) or dense float32/bfloat16 (the default): the same bytes as the modules,
+step for step, and the modules wherever a step or a model does not fit."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from textgate.kernels import AttentionMetadata, cpu_build, cpu_isa
-from textgate.kernels.cpu_decoder import Int8DecoderStack
+from textgate.kernels.cpu_decoder import DecoderStack
 from textgate.shard_server.models import load_model
 from textgate.tests.conftest import build_tiny_model
 
@@ -31,7 +32,7 @@ def _run_steps(
     model, use_stack: bool, steps=STEPS
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Logits of every row of each step, and the caches after the last one."""
-    model.use_int8_stack = use_stack
+    model.use_decoder_stack = use_stack
     cache = model.allocate_kv_cache(num_blocks=32, block_size=BLOCK_SIZE)
     generator = torch.Generator().manual_seed(0)
     logits = []
@@ -52,16 +53,16 @@ def _run_steps(
 
 
 def _spy(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """Whether each call of Int8DecoderStack.run ran the step (True) or declined (False)."""
+    """Whether each call of DecoderStack.run ran the step (True) or declined (False)."""
     outcomes: list[bool] = []
-    run = Int8DecoderStack.run
+    run = DecoderStack.run
 
-    def spied(self: Int8DecoderStack, *args: object) -> object:
+    def spied(self: DecoderStack, *args: object) -> object:
         out = run(self, *args)
         outcomes.append(out is not None)
         return out
 
-    monkeypatch.setattr(Int8DecoderStack, "run", spied)
+    monkeypatch.setattr(DecoderStack, "run", spied)
     return outcomes
 
 
@@ -69,7 +70,7 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
 def models(tmp_path_factory) -> dict[str, Path]:
     """Tiny checkpoints of the shapes the stack takes: tied llama, Qwen2 (q/k/v bias) and
     Mistral with a sliding window shorter than the sequences."""
-    root = tmp_path_factory.mktemp("int8-stack")
+    root = tmp_path_factory.mktemp("decoder-stack")
     return {
         "llama": build_tiny_model(root / "llama"),
         "qwen2": build_tiny_model(root / "qwen2", "qwen2"),
@@ -77,13 +78,16 @@ def models(tmp_path_factory) -> dict[str, Path]:
     }
 
 
+@pytest.mark.parametrize("quantize", ["int8", None])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["llama", "qwen2", "mistral"])
-def test_the_stack_gives_the_modules_bytes(models, name, dtype, monkeypatch):
-    model = load_model(models[name], dtype, "cpu", quantize="int8")
+def test_the_stack_gives_the_modules_bytes(models, name, dtype, quantize, monkeypatch):
+    # Float layers on cpu_dense.c even where it leaves them to oneDNN (bf16 on AMX).
+    monkeypatch.setenv("TEXTGATE_DENSE_KERNEL", "1")
+    model = load_model(models[name], dtype, "cpu", quantize=quantize)
     ran = _spy(monkeypatch)
     stacked, stacked_caches = _run_steps(model, use_stack=True)
-    assert isinstance(model.int8_stack, Int8DecoderStack)
+    assert isinstance(model.decoder_stack, DecoderStack)
     assert ran == [True] * len(STEPS)
     modules, module_caches = _run_steps(model, use_stack=False)
     assert len(ran) == len(STEPS)  # the modules' run did not call it
@@ -112,29 +116,36 @@ def test_steps_and_models_that_do_not_fit_run_the_modules(models, tmp_path, monk
     _run_steps(model, use_stack=True, steps=STEPS[:1])
     assert outcomes == [False]
 
-    # Unquantized models and layers it does not reproduce (Qwen3's q/k norms) build none.
-    assert load_model(models["llama"], torch.float32, "cpu").int8_stack is None
+    # Dense layers left on oneDNN (TEXTGATE_DENSE_KERNEL=0) and layers it does not reproduce
+    # (Qwen3's q/k norms) build none.
+    monkeypatch.setenv("TEXTGATE_DENSE_KERNEL", "0")
+    on_onednn = load_model(models["llama"], torch.float32, "cpu")
+    _run_steps(on_onednn, use_stack=True, steps=STEPS[:1])
+    assert on_onednn.decoder_stack is None
+    monkeypatch.delenv("TEXTGATE_DENSE_KERNEL")
     qwen3 = load_model(build_tiny_model(tmp_path / "qwen3", "qwen3", head_dim=16), torch.float32,
                        "cpu", quantize="int8")  # fmt: skip
     _run_steps(qwen3, use_stack=True, steps=STEPS[:1])
-    assert qwen3.int8_stack is None
+    assert qwen3.decoder_stack is None
 
 
 _LEVEL_CHECK = """
 import torch
-from textgate.tests.shard_server.models.test_int8_stack import _run_steps
+from textgate.tests.shard_server.models.test_decoder_stack import _run_steps
 from textgate.kernels import cpu_build
+from textgate.kernels import dense_linear as dense
 from textgate.kernels.int8_linear import default_kernel
 from textgate.shard_server.models import load_model
 assert cpu_build.loaded_level() == {level!r}, cpu_build.loaded_level()
-model = load_model({model!r}, torch.float32, "cpu", quantize="int8")
-stacked, _ = _run_steps(model, use_stack=True)
-# Where oneDNN sums int8 exactly it serves the portable level (int8_linear.default_kernel):
-# then the layers are not on cpu_int8.c and no stack is built.
-on_c = default_kernel(torch.device("cpu")) == "cpu"
-assert (model.int8_stack is not None) == on_c
-modules, _ = _run_steps(model, use_stack=False)
-assert all(torch.equal(a, b) for a, b in zip(stacked, modules)), "differs"
+for dtype, quantize in ((torch.float32, "int8"), (torch.float32, None), (torch.bfloat16, None)):
+    model = load_model({model!r}, dtype, "cpu", quantize=quantize)
+    stacked, _ = _run_steps(model, use_stack=True)
+    # Where oneDNN sums int8 exactly it serves the portable level (int8_linear.default_kernel),
+    # and float layers there stay on oneDNN (dense_linear.serves): then no stack is built.
+    on_c = dense.serves(dtype) if quantize is None else default_kernel(torch.device("cpu")) == "cpu"
+    assert (model.decoder_stack is not None) == on_c, (dtype, quantize)
+    modules, _ = _run_steps(model, use_stack=False)
+    assert all(torch.equal(a, b) for a, b in zip(stacked, modules)), (dtype, quantize)
 """
 
 
