@@ -141,6 +141,15 @@ class StepCostModel:
         self.num_samples += 1
         self._coefficients = self._fit(self._gram, self._moment)
 
+    def describe(self) -> str:
+        """The coefficients, for log lines: overhead, per decode, per prompt token (ms), per
+        thousand attention pairs (ms)."""
+        overhead, decode, prefill, attention = (c * 1e3 for c in self._coefficients)
+        return (
+            f"{overhead:.2f} ms + {decode:.3f} ms/decode + {prefill:.3f} ms/prompt token"
+            f" + {attention:.3f} ms/k attention pairs"
+        )
+
     def _see(self, regressors: tuple[float, ...]) -> None:
         self._seen = [max(seen, v) for seen, v in zip(self._seen, regressors, strict=True)]
 

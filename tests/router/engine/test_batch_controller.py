@@ -371,6 +371,31 @@ def test_limit_at_most_halves_per_step_when_steps_run_over() -> None:
     assert limits == [16, 8, 4, 4, 4]
 
 
+def test_slow_steps_of_a_small_batch_do_not_shrink_the_limit() -> None:
+    """Between two rounds of a load one request runs while a burst arrives, and the machine,
+    busy with the arrivals, makes its steps 8x slow: the fit then predicts the limit's batch
+    over the target, but no step near that batch was measured slow, so the limit holds. Steps
+    of the limit's batch measured slow do shrink it."""
+    config = ControllerConfig(
+        max_prefill_tokens=256,
+        max_batch_size=64,
+        target_itl_s=TARGET_S,
+        min_prefill_tokens=MIN_PREFILL,
+        initial_batch_size=32,
+        min_batch_size=1,
+    )
+    controller = BatchController(config)
+    rng = random.Random(3)
+    for n in range(1, 33):
+        controller.cost.add(n, 16 * (n % 2), BASE.latency(n, 16 * (n % 2), rng))
+    for _ in range(12):
+        controller.observe(sample(num_decodes=1, num_running=1, num_waiting=9, latency_s=0.12))
+    assert controller.cost.predict(32, MIN_PREFILL) > TARGET_S * BAND  # the fit is bent
+    assert controller.batch_limit == 32
+    controller.observe(sample(num_decodes=16, num_running=16, latency_s=0.12))
+    assert controller.batch_limit == 16
+
+
 def test_the_limit_never_starves_a_modest_load_below_its_floor() -> None:
     # A device so slow (or so contended) that not even one request meets the target.
     hopeless = Curve(overhead_s=TARGET_S * 3, per_decode_s=0.001, per_prefill_s=0.0004)

@@ -29,6 +29,10 @@ def test_fit_recovers_the_curve_from_noisy_varied_steps() -> None:
     assert model.largest_batch(0.004, 0, limit=256) == 0
     assert model.prefill_tokens_within(0.030, 20, limit=512) in range(21, 24)  # 9 ms / 0.4
     assert model.prefill_tokens_within(0.030, 40, limit=512) == 0
+    # What the controller's debug lines show of the fit.
+    assert model.describe().startswith(
+        f"{overhead * 1e3:.2f} ms + {per_decode * 1e3:.3f} ms/decode"
+    )
 
 
 def test_a_steady_batch_keeps_the_slopes_it_learned() -> None:
