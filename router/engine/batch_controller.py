@@ -22,7 +22,9 @@ token) to the measured steps and keeps every step under an inter-token-latency t
   (admission is then limited by blocks, and more requests only bring preemptions sooner).
   It shrinks toward that largest batch (at most halving per step, so one noisy fit cannot
   collapse it) once its own step is predicted over the target by more than the dead band
-  and a measured step of at least half its decodes ran over it too (a prediction for a
+  and a measured step of at least half its decodes ran over it too, less the prompt tokens
+  it took past the smallest share (a step stretched to catch up with waiting prompts is
+  no evidence against the batch; a prediction for a
   batch that is not running is an extrapolation, and slow steps of a few requests while a
   burst arrives bent it),
   but never below `min_batch_size` (it guards against overload, not a modest load). A prediction that would break the target thus cuts the prefill share
@@ -47,8 +49,11 @@ request that waited `max_waiting_steps` joins past the limit (bounded queue time
 
 The target: an explicit one (`target_itl_s`) is kept as given. Otherwise it is derived from
 the fit and re-derived after every step, so it follows the machine: `derived_target` of the
-fitted decode step at batch 1 and at the reference batch, the rule the router's startup
-autoconfig applies to the shards' own measurement. Seeded with that measurement
+decode step at batch 1 and at the reference batch, the rule the router's startup
+autoconfig applies to the shards' own measurement. Each of the two is read from the fit
+while the steps served are near its batch (within 2x) and otherwise moved by the factor
+the fit moved at the steps served: a fit of steps that all run 40-50 decodes cannot tell
+its batch-1 step from its slope. Seeded with that measurement
 (`StartupSteps`), the fit starts from it as a prior that served steps outweigh
 (`StepCostModel.seed`): target and limits hold from the first step, and a measurement taken
 on a busy machine (decode steps 2-3x too slow, so a target 3x too loose) is corrected
@@ -272,6 +277,9 @@ class BatchController:
         self._target = config.target_itl_s if config.adaptive else None
         self._follows_fit = config.adaptive and config.target_itl_s is None
         self._logged_target: float | None = None
+        self._anchors: dict[int, float] = {}
+        """Batch size -> decode step the derived target is derived from (batch 1 and the
+        reference batch)."""
         self._limit = (
             self._bounded(config.initial_batch_size) if config.adaptive else config.max_batch_size
         )
@@ -364,18 +372,16 @@ class BatchController:
         self._utilization = sample.utilization
         self.clock_s += sample.latency_s
         self._record_latency(sample)
-        self.cost.add(
-            sample.num_decodes,
-            sample.num_prefill_tokens,
-            sample.latency_s,
-            sample.prefill_attention,
-        )
+        served = sample.num_decodes
+        before = self.cost.predict(served)
+        self.cost.add(served, sample.num_prefill_tokens, sample.latency_s, sample.prefill_attention)
         if not self.config.adaptive:
             return
-        if sample.num_decodes > 0:
+        if served > 0:
             self._num_decode_samples += 1
         if self._follows_fit:
-            self._follow_fit()
+            moved = self.cost.predict(served) / before if served > 0 and before > 0 else 1.0
+            self._follow_fit(served, moved)
         self._set_limit(self._bounded(self._next_limit(sample)), sample)
 
     def on_idle(self) -> None:
@@ -408,8 +414,16 @@ class BatchController:
             previous = self._decode_latency or sample.latency_s
             self._decode_latency = previous + alpha * (sample.latency_s - previous)
 
-    def _follow_fit(self) -> None:
-        """Derive the target from the fit again (after calibration when unseeded)."""
+    def _follow_fit(self, served: int = 0, moved: float = 1.0) -> None:
+        """Derive the target again (after calibration when unseeded) from the decode steps
+        at batch 1 and at the reference batch: each read from the fit where the step just
+        served (`served` decodes) is near it, within a factor of 2, and elsewhere moved by
+        `moved`, the factor the fit's prediction for the served step moved by. A fit is
+        only as good as the steps it was fitted to: at c=64 every step ran 40-50 decodes,
+        and the batch-1 step it extrapolated wandered between 12 and 57 ms, the target with
+        it between 55 and 230 ms (Zen 5). A machine that slows down (or a startup
+        measurement taken on a busy one) moves the served steps' prediction, and so every
+        anchor, by the same factor."""
         config = self.config
         calibrating = (
             self._target is None
@@ -418,7 +432,12 @@ class BatchController:
         )
         if calibrating or not self.cost.is_ready:
             return
-        batch_one, reference = self.cost.predict(1), self.cost.predict(self._reference)
+        for batch in (1, self._reference):
+            if batch not in self._anchors or batch <= 2 * served <= 4 * batch:
+                self._anchors[batch] = self.cost.predict(batch)
+            else:
+                self._anchors[batch] *= moved
+        batch_one, reference = self._anchors[1], self._anchors[self._reference]
         self._target = derived_target(
             batch_one,
             reference,
@@ -480,12 +499,23 @@ class BatchController:
 
     def _near_limit(self, sample: StepSample, over: float) -> bool:
         """Whether `sample` is evidence that the limit's batch breaks the target: a step of at
-        least half the limit's decodes that itself took longer than `over`. A prediction
-        alone is not: between rounds of a load (one request left, a burst arriving) the fit
-        extrapolates from a few slow steps (the machine busy with the burst's arrival) to a
-        batch it is not running, and halving the limit then held a burst of 32 behind a
-        limit of 16 for 20 steps (c=32 TTFT p99 1.8 s against 0.35 s, Zen 5)."""
-        return 2 * sample.num_decodes >= self._limit and sample.latency_s > over
+        least half the limit's decodes that took longer than `over` with no more prompt
+        tokens than the smallest share (its measured latency less the fitted cost of the
+        prompt tokens past that share: the prediction it confirms is of a step with that
+        share). A prediction alone is not evidence: between rounds of a load (one request
+        left, a burst arriving) the fit extrapolates from a few slow steps (the machine busy
+        with the burst's arrival) to a batch it is not running, and halving the limit then
+        held a burst of 32 behind a limit of 16 for 20 steps (c=32 TTFT p99 1.8 s against
+        0.35 s, Zen 5). Nor is a step the prompts waiting stretched: at c=64 the steps
+        that caught up with a queue past its TTFT target ran over the inter-token target by
+        design, and shrinking the limit for them held more of the queue back (TTFT p50 1.6x
+        fixed budgets', goodput 0.87x, Zen 5)."""
+        if 2 * sample.num_decodes < self._limit:
+            return False
+        extra = self.cost.prompt_cost(
+            sample.num_prefill_tokens, sample.prefill_attention
+        ) - self.cost.prompt_cost(self.config.min_prefill_tokens)
+        return sample.latency_s - max(0.0, extra) > over
 
     def _set_limit(self, limit: int, sample: StepSample) -> None:
         if limit == self._limit:

@@ -159,6 +159,14 @@ class StepCostModel:
         attention = attention_pairs(context, num_prefill_tokens)
         return self._predict((1.0, num_decodes, num_prefill_tokens, attention))
 
+    def prompt_cost(self, num_prefill_tokens: int, prefill_attention: float | None = None) -> float:
+        """Predicted latency (s) the prompt tokens of a step add to it (`prefill_attention`
+        as in `add`)."""
+        if prefill_attention is None:
+            prefill_attention = attention_pairs(0, num_prefill_tokens)
+        _, _, per_prefill, per_attention = self._coefficients
+        return per_prefill * num_prefill_tokens + per_attention * prefill_attention
+
     def _predict(self, regressors: tuple[float, ...]) -> float:
         """Predicted latency (s) of a step whose regressors (`_features`) are these."""
         return sum(c * v for c, v in zip(self._coefficients, regressors, strict=True))

@@ -396,6 +396,38 @@ def test_slow_steps_of_a_small_batch_do_not_shrink_the_limit() -> None:
     assert controller.batch_limit == 16
 
 
+def test_a_step_long_for_its_prompt_tokens_does_not_shrink_the_limit() -> None:
+    """The fit predicts the limit's batch over the target (it learned a slower machine), and
+    a step of the whole batch ran long, but for the 200 prompt tokens it took beside its
+    decodes (a queue caught up with): less those past the smallest share it met the
+    target, so the limit holds. A step of the same batch slow for its decodes shrinks it."""
+    config = ControllerConfig(
+        max_prefill_tokens=256,
+        max_batch_size=64,
+        target_itl_s=TARGET_S,
+        min_prefill_tokens=MIN_PREFILL,
+        initial_batch_size=36,
+        min_batch_size=1,
+    )
+    controller = BatchController(config)
+    slower = Curve(BASE.overhead_s, 0.001, BASE.per_prefill_s)
+    rng = random.Random(5)
+    for n in range(1, 37):
+        prompt = (16, 0, 200)[n % 3]
+        controller.cost.add(n, prompt, slower.latency(n, prompt, rng))
+    assert controller.cost.predict(36, MIN_PREFILL) > TARGET_S * BAND
+    prompt_heavy = BASE.latency(36, 200, rng)
+    assert prompt_heavy > 2 * TARGET_S
+    controller.observe(
+        sample(num_decodes=36, num_running=36, num_prefill_tokens=200, latency_s=prompt_heavy)
+    )
+    assert controller.batch_limit == 36
+    controller.observe(
+        sample(num_decodes=36, num_running=36, latency_s=slower.latency(36, MIN_PREFILL, rng))
+    )
+    assert controller.batch_limit < 36
+
+
 def test_the_limit_never_starves_a_modest_load_below_its_floor() -> None:
     # A device so slow (or so contended) that not even one request meets the target.
     hopeless = Curve(overhead_s=TARGET_S * 3, per_decode_s=0.001, per_prefill_s=0.0004)
@@ -485,6 +517,38 @@ def test_a_derived_target_follows_the_machine_and_an_explicit_one_stays() -> Non
         sim.run(40)
     assert derived.scheduler.controller.target_itl_s == pytest.approx(rule(slow), rel=0.1)
     assert explicit.scheduler.controller.target_itl_s == TARGET_S
+
+
+def test_a_derived_target_holds_while_every_step_runs_a_large_batch() -> None:
+    """c=64 on 2 cores: every step runs 40-50 decodes, and a fit of such steps cannot tell
+    its intercept from its slope. The batch-1 step it extrapolates must not move the target
+    (it wandered 55-230 ms, Zen 5); the steps served still do."""
+    noisy = Curve(BASE.overhead_s, BASE.per_decode_s, BASE.per_prefill_s, noise_s=0.002)
+    controller = BatchController(
+        ControllerConfig(max_prefill_tokens=256, max_batch_size=64), startup=startup(BASE, 1.0)
+    )
+    rng = random.Random(11)
+    targets = []
+    for step in range(400):
+        decodes, prompt = rng.randint(40, 50), 16 * (step % 3 == 0)
+        latency = noisy.latency(decodes, prompt, rng)
+        controller.observe(
+            sample(
+                num_decodes=decodes,
+                num_running=decodes,
+                num_prefill_tokens=prompt,
+                latency_s=latency,
+                num_waiting=14,
+            )
+        )
+        targets.append(controller.target_itl_s)
+    assert min(targets) > 0.85 * rule(BASE) and max(targets) < 1.15 * rule(BASE)
+    # Twice as slow a machine moves it all the same.
+    for _ in range(60):
+        decodes = rng.randint(40, 50)
+        latency = 2 * noisy.latency(decodes, 0, rng)
+        controller.observe(sample(num_decodes=decodes, num_running=decodes, latency_s=latency))
+    assert controller.target_itl_s == pytest.approx(2 * rule(BASE), rel=0.15)
 
 
 def test_startup_steps_are_the_fit_prior_and_pick_the_reference_batch() -> None:
