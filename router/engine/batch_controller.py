@@ -49,11 +49,8 @@ request that waited `max_waiting_steps` joins past the limit (bounded queue time
 
 The target: an explicit one (`target_itl_s`) is kept as given. Otherwise it is derived from
 the fit and re-derived after every step, so it follows the machine: `derived_target` of the
-decode step at batch 1 and at the reference batch, the rule the router's startup
-autoconfig applies to the shards' own measurement. Each of the two is read from the fit
-while the steps served are near its batch (within 2x) and otherwise moved by the factor
-the fit moved at the steps served: a fit of steps that all run 40-50 decodes cannot tell
-its batch-1 step from its slope. Seeded with that measurement
+fitted decode step at batch 1 and at the reference batch, the rule the router's startup
+autoconfig applies to the shards' own measurement. Seeded with that measurement
 (`StartupSteps`), the fit starts from it as a prior that served steps outweigh
 (`StepCostModel.seed`): target and limits hold from the first step, and a measurement taken
 on a busy machine (decode steps 2-3x too slow, so a target 3x too loose) is corrected
@@ -277,9 +274,6 @@ class BatchController:
         self._target = config.target_itl_s if config.adaptive else None
         self._follows_fit = config.adaptive and config.target_itl_s is None
         self._logged_target: float | None = None
-        self._anchors: dict[int, float] = {}
-        """Batch size -> decode step the derived target is derived from (batch 1 and the
-        reference batch)."""
         self._limit = (
             self._bounded(config.initial_batch_size) if config.adaptive else config.max_batch_size
         )
@@ -372,16 +366,18 @@ class BatchController:
         self._utilization = sample.utilization
         self.clock_s += sample.latency_s
         self._record_latency(sample)
-        served = sample.num_decodes
-        before = self.cost.predict(served)
-        self.cost.add(served, sample.num_prefill_tokens, sample.latency_s, sample.prefill_attention)
+        self.cost.add(
+            sample.num_decodes,
+            sample.num_prefill_tokens,
+            sample.latency_s,
+            sample.prefill_attention,
+        )
         if not self.config.adaptive:
             return
-        if served > 0:
+        if sample.num_decodes > 0:
             self._num_decode_samples += 1
         if self._follows_fit:
-            moved = self.cost.predict(served) / before if served > 0 and before > 0 else 1.0
-            self._follow_fit(served, moved)
+            self._follow_fit()
         self._set_limit(self._bounded(self._next_limit(sample)), sample)
 
     def on_idle(self) -> None:
@@ -414,16 +410,8 @@ class BatchController:
             previous = self._decode_latency or sample.latency_s
             self._decode_latency = previous + alpha * (sample.latency_s - previous)
 
-    def _follow_fit(self, served: int = 0, moved: float = 1.0) -> None:
-        """Derive the target again (after calibration when unseeded) from the decode steps
-        at batch 1 and at the reference batch: each read from the fit where the step just
-        served (`served` decodes) is near it, within a factor of 2, and elsewhere moved by
-        `moved`, the factor the fit's prediction for the served step moved by. A fit is
-        only as good as the steps it was fitted to: at c=64 every step ran 40-50 decodes,
-        and the batch-1 step it extrapolated wandered between 12 and 57 ms, the target with
-        it between 55 and 230 ms (Zen 5). A machine that slows down (or a startup
-        measurement taken on a busy one) moves the served steps' prediction, and so every
-        anchor, by the same factor."""
+    def _follow_fit(self) -> None:
+        """Derive the target from the fit again (after calibration when unseeded)."""
         config = self.config
         calibrating = (
             self._target is None
@@ -432,12 +420,7 @@ class BatchController:
         )
         if calibrating or not self.cost.is_ready:
             return
-        for batch in (1, self._reference):
-            if batch not in self._anchors or batch <= 2 * served <= 4 * batch:
-                self._anchors[batch] = self.cost.predict(batch)
-            else:
-                self._anchors[batch] *= moved
-        batch_one, reference = self._anchors[1], self._anchors[self._reference]
+        batch_one, reference = self.cost.predict(1), self.cost.predict(self._reference)
         self._target = derived_target(
             batch_one,
             reference,
