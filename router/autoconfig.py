@@ -17,7 +17,9 @@ derived from those numbers; an explicit flag always wins and the rest derive aro
   with the step time (a slower step raises the target and lowers the prefill rate alike),
   so a uniformly slowed measurement leaves them about where a quiet one would.
 - --max-batch-prefill-tokens (tokens per step) = B + the prompt tokens the measured prefill
-  rate computes in the headroom target - step(B), a multiple of the KV block, between
+  rate computes in the headroom STEP_STRETCH x target - step(B) (the batch controller's
+  longest step, one that catches up with waiting prompts; 1 x target with fixed budgets,
+  where the ceiling alone holds the target), a multiple of the KV block, between
   MIN_STEP_TOKENS and TGI's max_input_tokens + 50, and at least the max batch size (every
   running request's decode must fit in one step).
 - --max-batch-size = the largest batch whose decode step, on the least-squares line through
@@ -49,6 +51,11 @@ MIN_TARGET_ITL_MS = batch_controller.MIN_DERIVED_TARGET_S * 1e3
 REFERENCE_BATCH = 32
 """The reference batch when --max-batch-size is unset."""
 MIN_STEP_TOKENS = 64
+STEP_STRETCH = batch_controller.MAX_STRETCH
+"""The adaptive controller's longest step, in targets: the step budget leaves it room. The
+controller sizes every prompt share within the target itself; sized at 1 x the target, the
+budget (64 tokens at 32 decodes on Zen 5) capped a burst of 32 chat prompts at about two
+prompts a step, beside decodes or not (c=32 TTFT p99 4-5x its p50)."""
 """The least derived step budget: a chat prompt's chunk still makes progress."""
 MAX_DERIVED_BATCH_SIZE = 256
 """The most a derived max batch size gives (the paged engine's default ceiling)."""
@@ -198,9 +205,10 @@ def derive(config: RouterConfig, m: Measurements, block_size: int) -> Derived:
     # An explicit target (0 = fixed budgets: no target to size around) shapes the rest.
     effective_target = config.target_itl_ms or target
     batch = config.max_batch_size or max_batch_size(m, effective_target, reference)
+    stretch = 1.0 if config.target_itl_ms == 0 else STEP_STRETCH
     tokens = step_tokens(
         m,
-        effective_target,
+        stretch * effective_target,
         reference,
         batch_size=batch,
         block_size=block_size,

@@ -93,7 +93,9 @@ def test_the_step_budget_is_the_batch_plus_the_prompt_tokens_of_the_headroom() -
 def test_unset_settings_derive_from_the_measurements() -> None:
     resolved = autoconfig.apply_measurements(config(), measured(CPU_STEPS), block_size=16)
     assert resolved.max_batch_size == 51
-    assert resolved.max_batch_prefill_tokens == 176
+    # 32 decodes + (2 x 229.5 - 153) ms x 2 tokens/ms: room for the controller's longest
+    # step (a catch-up with waiting prompts, MAX_STRETCH targets); fixed budgets get 176.
+    assert resolved.max_batch_prefill_tokens == 640
     # The target is the batch controller's: it starts at 229.5 ms and follows served steps.
     assert resolved.target_itl_ms is None
     assert autoconfig.derive(config(), measured(CPU_STEPS), 16).target_itl_ms == 229.5
@@ -107,7 +109,7 @@ def test_explicit_flags_win_and_the_rest_derive_around_them() -> None:
     resolved = autoconfig.apply_measurements(config(target_itl_ms=300.0), m, 16)
     assert resolved.target_itl_ms == 300.0
     assert resolved.max_batch_size == 68  # (300 - 25) / 4
-    assert resolved.max_batch_prefill_tokens == 32 + 288  # 32 + (300 - 153) x 2, to 16s
+    assert resolved.max_batch_prefill_tokens == 912  # 32 + (2 x 300 - 153) x 2, to 16s
     small = autoconfig.derive(config(max_batch_size=8), m, 16)
     assert small.max_batch_size == 8
     assert small.target_itl_ms == 116.0  # 4 x step(1) > 1.5 x step(8)
@@ -138,7 +140,7 @@ def test_measurements_come_from_a_warmup_answer_or_not_at_all() -> None:
 def test_resolve_config_derives_only_with_measurements() -> None:
     requested = config(max_batch_prefill_tokens=None)
     derived = resolve_config(requested, PAGED_CPU, 100_000, measured(CPU_STEPS))
-    assert (derived.prefill_tokens, derived.max_batch_size) == (176, 51)
+    assert (derived.prefill_tokens, derived.max_batch_size) == (640, 51)
     static = resolve_config(requested, PAGED_CPU, 100_000)
     assert static.prefill_tokens == CPU_STEP_TOKENS and static.max_batch_size is None
     assert static.target_itl_ms is None
@@ -221,7 +223,7 @@ async def test_info_shows_the_autoconfig_report(
     assert report["device"] == "Test CPU"
     assert report["dtype"]["value"] == "bfloat16"
     assert [t["dtype"] for t in report["dtype"]["trials"]] == ["bfloat16", "float32"]
-    assert report["max_batch_prefill_tokens"] == {"value": 176, "source": "measured"}
+    assert report["max_batch_prefill_tokens"] == {"value": 640, "source": "measured"}
     assert report["target_itl_ms"] == {"value": 229.5, "source": "measured"}
     assert fake.calls_to("Warmup")[0].max_batch_size == 0  # unset: the shard's default
 
