@@ -51,12 +51,12 @@ MIN_TARGET_ITL_MS = batch_controller.MIN_DERIVED_TARGET_S * 1e3
 REFERENCE_BATCH = 32
 """The reference batch when --max-batch-size is unset."""
 MIN_STEP_TOKENS = 64
+"""The least derived step budget: a chat prompt's chunk still makes progress."""
 STEP_STRETCH = batch_controller.MAX_STRETCH
 """The adaptive controller's longest step, in targets: the step budget leaves it room. The
 controller sizes every prompt share within the target itself; sized at 1 x the target, the
 budget (64 tokens at 32 decodes on Zen 5) capped a burst of 32 chat prompts at about two
 prompts a step, beside decodes or not (c=32 TTFT p99 4-5x its p50)."""
-"""The least derived step budget: a chat prompt's chunk still makes progress."""
 MAX_DERIVED_BATCH_SIZE = 256
 """The most a derived max batch size gives (the paged engine's default ceiling)."""
 DERIVED = ("target_itl_ms", "max_batch_prefill_tokens", "max_batch_size")

@@ -164,8 +164,7 @@ class StepCostModel:
         as in `add`)."""
         if prefill_attention is None:
             prefill_attention = attention_pairs(0, num_prefill_tokens)
-        _, _, per_prefill, per_attention = self._coefficients
-        return per_prefill * num_prefill_tokens + per_attention * prefill_attention
+        return self._predict((0.0, 0.0, float(num_prefill_tokens), prefill_attention))
 
     def _predict(self, regressors: tuple[float, ...]) -> float:
         """Predicted latency (s) of a step whose regressors (`_features`) are these."""

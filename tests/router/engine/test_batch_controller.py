@@ -371,20 +371,25 @@ def test_limit_at_most_halves_per_step_when_steps_run_over() -> None:
     assert limits == [16, 8, 4, 4, 4]
 
 
-def test_slow_steps_of_a_small_batch_do_not_shrink_the_limit() -> None:
-    """Between two rounds of a load one request runs while a burst arrives, and the machine,
-    busy with the arrivals, makes its steps 8x slow: the fit then predicts the limit's batch
-    over the target, but no step near that batch was measured slow, so the limit holds. Steps
-    of the limit's batch measured slow do shrink it."""
+def controller_at_limit(limit: int) -> BatchController:
+    """A controller at the target, its batch limit at `limit`, with no floor under it."""
     config = ControllerConfig(
         max_prefill_tokens=256,
         max_batch_size=64,
         target_itl_s=TARGET_S,
         min_prefill_tokens=MIN_PREFILL,
-        initial_batch_size=32,
+        initial_batch_size=limit,
         min_batch_size=1,
     )
-    controller = BatchController(config)
+    return BatchController(config)
+
+
+def test_slow_steps_of_a_small_batch_do_not_shrink_the_limit() -> None:
+    """Between two rounds of a load one request runs while a burst arrives, and the machine,
+    busy with the arrivals, makes its steps 8x slow: the fit then predicts the limit's batch
+    over the target, but no step near that batch was measured slow, so the limit holds. Steps
+    of the limit's batch measured slow do shrink it."""
+    controller = controller_at_limit(32)
     rng = random.Random(3)
     for n in range(1, 33):
         controller.cost.add(n, 16 * (n % 2), BASE.latency(n, 16 * (n % 2), rng))
@@ -401,15 +406,7 @@ def test_a_step_long_for_its_prompt_tokens_does_not_shrink_the_limit() -> None:
     a step of the whole batch ran long, but for the 200 prompt tokens it took beside its
     decodes (a queue caught up with): less those past the smallest share it met the
     target, so the limit holds. A step of the same batch slow for its decodes shrinks it."""
-    config = ControllerConfig(
-        max_prefill_tokens=256,
-        max_batch_size=64,
-        target_itl_s=TARGET_S,
-        min_prefill_tokens=MIN_PREFILL,
-        initial_batch_size=36,
-        min_batch_size=1,
-    )
-    controller = BatchController(config)
+    controller = controller_at_limit(36)
     slower = Curve(BASE.overhead_s, 0.001, BASE.per_prefill_s)
     rng = random.Random(5)
     for n in range(1, 37):
