@@ -10,7 +10,8 @@ It fits what a step costs (`step_cost.StepCostModel`: overhead + per decode + pe
 token) to the measured steps and keeps every step under an inter-token-latency target:
 
 - prefill share: the prompt tokens that still fit beside this step's decodes, never below
-  `min_prefill_tokens` (waiting prompts always progress) nor above the step ceiling; a step
+  what `min_prefill_tokens` cost from position 0 (waiting prompts always progress; deep in a
+  long prompt that is fewer tokens, `_least_share`) nor above the step ceiling; a step
   without decodes delays nobody's next token, so it gets the ceiling. The fit counts the
   attention a chunk computes over the keys before it (`step_cost.attention_pairs`), so the
   chunks of a long prompt get smaller as they move down it (`context`: where the step's
@@ -50,7 +51,9 @@ request that waited `max_waiting_steps` joins past the limit (bounded queue time
 The target: an explicit one (`target_itl_s`) is kept as given. Otherwise it is derived from
 the fit and re-derived after every step, so it follows the machine: `derived_target` of the
 fitted decode step at batch 1 and at the reference batch, the rule the router's startup
-autoconfig applies to the shards' own measurement. Seeded with that measurement
+autoconfig applies to the shards' own measurement. It moves only on steps that spread their
+batch (`min_decode_spread`): steps of one batch size cannot tell the per-decode cost from
+the overhead, and the fit's split of the two wanders with whatever else their latency holds. Seeded with that measurement
 (`StartupSteps`), the fit starts from it as a prior that served steps outweigh
 (`StepCostModel.seed`): target and limits hold from the first step, and a measurement taken
 on a busy machine (decode steps 2-3x too slow, so a target 3x too loose) is corrected
@@ -79,6 +82,13 @@ PREFILL_SHARE = 0.5
 """A derived target leaves the reference batch's decode step this share of it for prompts."""
 MIN_DERIVED_TARGET_S = 0.02
 """The least target derivation gives (faster than any reader's eye needs)."""
+MIN_DECODE_SPREAD = 0.125
+"""A derived target moves only on steps whose decode counts spread (standard deviation) over
+this fraction of the reference batch: steps of one batch size cannot tell the per-decode
+cost from the overhead, and a target extrapolated from them wandered 41 -> 84 ms while 8
+streams ran beside a long prompt (its chunks' cost leaking into the split), and to 129 ms
+once a ninth, 2,900-token decode made its steps 25 ms against 14 (the fit read it as a
+steep per-decode cost; 2-core Zen 5)."""
 TTFT_STEPS = 16.0
 """A derived time-to-first-token target is this many inter-token targets."""
 MAX_STRETCH = 2.0
@@ -171,6 +181,9 @@ class ControllerConfig:
     """A derived target is at least (1 + this) reference-batch decode steps."""
     min_derived_target_s: float = MIN_DERIVED_TARGET_S
     """The least target derivation may give."""
+    min_decode_spread: float = MIN_DECODE_SPREAD
+    """A derived target moves only while the served steps' decode counts spread (standard
+    deviation, `StepCostModel.decode_spread`) over this fraction of the reference batch."""
     num_calibration_steps: int = 16
     """Measured steps with decodes before a target is derived."""
     high_kv_usage: float = 0.9
@@ -202,7 +215,7 @@ class ControllerConfig:
             raise ValueError(f"target_ttft_s must be > 0, got {self.target_ttft_s}")
         if self.ttft_steps < 1 or self.max_stretch < 1:
             raise ValueError("ttft_steps and max_stretch must be >= 1")
-        for name in ("dead_band", "prefill_share", "min_derived_target_s"):
+        for name in ("dead_band", "prefill_share", "min_derived_target_s", "min_decode_spread"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.derive_factor < 1:
@@ -323,7 +336,7 @@ class BatchController:
             return config.max_prefill_tokens
         ceiling = config.max_prefill_tokens
         fit = self.cost.prefill_tokens_within(self._target, num_decodes, ceiling, context)
-        share = max(config.min_prefill_tokens, _round_down(fit))
+        share = max(self._least_share(context), _round_down(fit))
         if backlog is None or self.target_ttft_s is None:
             return share
         stretched = self._target * config.max_stretch
@@ -332,6 +345,18 @@ class BatchController:
             self.cost, self.target_ttft_s, backlog, num_decodes, context, share, room
         )
         return max(share, catch_up)
+
+    def _least_share(self, context: int) -> int:
+        """The floor of the prefill share for a chunk at `context`: the prompt tokens that
+        cost what `min_prefill_tokens` cost from position 0, at least one. Deep in a long
+        prompt each token attends over thousands of keys: 32 tokens at position 2,500 cost
+        as much as 170 at 0 (2-core Zen 5, bfloat16), and a floor in tokens held the
+        streams beside them to 4-6x their decode step, whatever the target."""
+        least = self.config.min_prefill_tokens
+        if context == 0:
+            return least
+        cost = self.cost.prompt_cost(least) + 1e-9  # a nanosecond of slack for rounding
+        return max(1, self.cost.prompt_tokens_within(cost, least, context))
 
     def step_of_its_own(self) -> int:
         """Prompt tokens a step without decodes may take within the inter-token target (the
@@ -419,6 +444,9 @@ class BatchController:
             and self._num_decode_samples < config.num_calibration_steps
         )
         if calibrating or not self.cost.is_ready:
+            return
+        spread = self.cost.decode_spread()
+        if self._target is not None and spread < config.min_decode_spread * self._reference:
             return
         batch_one, reference = self.cost.predict(1), self.cost.predict(self._reference)
         self._target = derived_target(

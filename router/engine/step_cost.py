@@ -150,6 +150,16 @@ class StepCostModel:
             f" + {attention:.3f} ms/k attention pairs"
         )
 
+    def decode_spread(self) -> float:
+        """The spread (weighted standard deviation) of the decode counts among the served
+        steps the fit weighs: how well they tell the per-decode cost from the overhead (0
+        while every recent step ran one batch size, or none was served)."""
+        weight, total, squares = self._gram[0][0], self._gram[0][1], self._gram[1][1]
+        if weight <= 0:
+            return 0.0
+        mean = total / weight
+        return math.sqrt(max(0.0, squares / weight - mean * mean))
+
     def _see(self, regressors: tuple[float, ...]) -> None:
         self._seen = [max(seen, v) for seen, v in zip(self._seen, regressors, strict=True)]
 
@@ -187,16 +197,20 @@ class StepCostModel:
         """The most prompt tokens (at most `limit`) a step with `num_decodes` decodes may
         add, as a chunk starting at position `context`, and still be predicted to take at
         most `target_s`; 0 when none fit."""
+        return self.prompt_tokens_within(target_s - self.predict(num_decodes), limit, context)
+
+    def prompt_tokens_within(self, seconds: float, limit: int, context: int = 0) -> int:
+        """The most prompt tokens (at most `limit`) whose `prompt_cost`, as a chunk starting
+        at position `context`, is at most `seconds`; 0 when none fit."""
         per_prefill, per_attention = self._coefficients[2:]
-        room = target_s - self.predict(num_decodes)
-        if room <= 0:
+        if seconds <= 0:
             return 0
         # n tokens cost a·n² + b·n (attention_pairs is quadratic in n): the largest n within.
         a = per_attention / (2 * PAIRS_UNIT)
         b = per_prefill + per_attention * (context + 0.5) / PAIRS_UNIT
         if a <= 0:
-            return limit if b <= 0 else min(limit, math.floor(room / b))
-        return min(limit, math.floor((math.sqrt(b * b + 4 * a * room) - b) / (2 * a)))
+            return limit if b <= 0 else min(limit, math.floor(seconds / b))
+        return min(limit, math.floor((math.sqrt(b * b + 4 * a * seconds) - b) / (2 * a)))
 
     def _fit(self, gram: list[list[float]], moment: list[float]) -> tuple[float, ...]:
         """argmin over θ >= 0 of θᵀ(G + R)θ - 2θᵀ(m + R θ_prev): the weighted least squares

@@ -139,6 +139,36 @@ def test_fit_learns_what_a_chunk_pays_for_the_keys_before_it() -> None:
         assert model.predict(8, tokens, context) <= 0.200 < model.predict(8, tokens + 1, context)
 
 
+def test_prompt_tokens_within_is_the_largest_chunk_whose_prompt_cost_fits() -> None:
+    model, rng = StepCostModel(), random.Random(4)
+    for _ in range(300):
+        n = rng.randint(1, 16)
+        chunks = [(rng.randrange(0, 3000, 16), rng.randint(16, 128))] if rng.random() < 0.6 else []
+        pairs = sum(attention_pairs(s, c) for s, c in chunks)
+        model.add(n, sum(c for _, c in chunks), attention_curve(n, chunks), pairs)
+    cost = model.prompt_cost(32)
+    assert model.prompt_tokens_within(cost + 1e-9, 512) == 32
+    deep = model.prompt_tokens_within(cost, 512, context=2500)
+    assert 0 < deep < 32 / 3  # each token there attends over 2,500 keys
+    assert model.prompt_cost(deep, attention_pairs(2500, deep)) <= cost
+    assert model.prompt_cost(deep + 1, attention_pairs(2500, deep + 1)) > cost
+    assert model.prompt_tokens_within(0.0, 512) == 0
+    assert model.prompt_tokens_within(1.0, 5) == 5
+
+
+def test_decode_spread_is_the_weighted_deviation_of_the_recent_batches() -> None:
+    model = StepCostModel()
+    assert model.decode_spread() == 0.0
+    model.seed([(1, 0, 0.006), (32, 0, 0.030)])
+    assert model.decode_spread() == 0.0  # the seed is a prior, not served steps
+    for _ in range(100):
+        model.add(8, 0, 0.014)
+    assert model.decode_spread() == pytest.approx(0.0, abs=1e-6)
+    for n in (1, 32) * 10:
+        model.add(n, 0, 0.006 + 0.0008 * n)
+    assert model.decode_spread() > 10
+
+
 def test_attention_pairs_count_every_query_and_its_keys() -> None:
     assert attention_pairs(0, 1) == pytest.approx(0.001)  # one query, one key
     assert attention_pairs(0, 4) == pytest.approx((1 + 2 + 3 + 4) / 1000)
