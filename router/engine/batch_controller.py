@@ -53,8 +53,9 @@ the fit and re-derived after every step, so it follows the machine: `derived_tar
 fitted decode step at batch 1 and at the reference batch, the rule the router's startup
 autoconfig applies to the shards' own measurement. It moves only on steps that spread their
 batch (`min_decode_spread`): steps of one batch size cannot tell the per-decode cost from
-the overhead, and the fit's split of the two wanders with whatever else their latency holds. Seeded with that measurement
-(`StartupSteps`), the fit starts from it as a prior that served steps outweigh
+the overhead, and the fit's split of the two wanders with whatever else their latency
+holds. Seeded with that measurement (`StartupSteps`), the fit starts from it as a prior
+that served steps outweigh
 (`StepCostModel.seed`): target and limits hold from the first step, and a measurement taken
 on a busy machine (decode steps 2-3x too slow, so a target 3x too loose) is corrected
 within about ten served steps once the load varies its batch (a load held at one batch
@@ -353,8 +354,6 @@ class BatchController:
         as much as 170 at 0 (2-core Zen 5, bfloat16), and a floor in tokens held the
         streams beside them to 4-6x their decode step, whatever the target."""
         least = self.config.min_prefill_tokens
-        if context == 0:
-            return least
         cost = self.cost.prompt_cost(least) + 1e-9  # a nanosecond of slack for rounding
         return max(1, self.cost.prompt_tokens_within(cost, least, context))
 
@@ -445,8 +444,8 @@ class BatchController:
         )
         if calibrating or not self.cost.is_ready:
             return
-        spread = self.cost.decode_spread()
-        if self._target is not None and spread < config.min_decode_spread * self._reference:
+        spread_needed = config.min_decode_spread * self._reference
+        if self._target is not None and self.cost.decode_spread() < spread_needed:
             return
         batch_one, reference = self.cost.predict(1), self.cost.predict(self._reference)
         self._target = derived_target(

@@ -118,14 +118,21 @@ def attention_curve(num_decodes: int, chunks: list[tuple[int, int]]) -> float:
     return curve(num_decodes, sum(n for _, n in chunks)) + 0.0005 * pairs
 
 
-def test_fit_learns_what_a_chunk_pays_for_the_keys_before_it() -> None:
-    model, rng = StepCostModel(), random.Random(2)
+def fitted_to_attention_steps(seed: int, noise_s: float) -> StepCostModel:
+    """A fit of 300 steps of 1-16 decodes, most with one prompt chunk somewhere in the first
+    3,000 positions, timed on `attention_curve` (plus gaussian noise of `noise_s`)."""
+    model, rng = StepCostModel(), random.Random(seed)
     for _ in range(300):
         n = rng.randint(1, 16)
         chunks = [(rng.randrange(0, 3000, 16), rng.randint(16, 128))] if rng.random() < 0.6 else []
         pairs = sum(attention_pairs(s, c) for s, c in chunks)
-        latency = attention_curve(n, chunks) + rng.gauss(0, 0.0003)
+        latency = attention_curve(n, chunks) + (rng.gauss(0, noise_s) if noise_s else 0.0)
         model.add(n, sum(c for _, c in chunks), latency, prefill_attention=pairs)
+    return model
+
+
+def test_fit_learns_what_a_chunk_pays_for_the_keys_before_it() -> None:
+    model = fitted_to_attention_steps(seed=2, noise_s=0.0003)
     assert model.coefficients[3] == pytest.approx(0.0005, rel=0.1)
     assert model.predict(8, 80, context=2800) == pytest.approx(
         attention_curve(8, [(2800, 80)]), rel=0.05
@@ -140,12 +147,7 @@ def test_fit_learns_what_a_chunk_pays_for_the_keys_before_it() -> None:
 
 
 def test_prompt_tokens_within_is_the_largest_chunk_whose_prompt_cost_fits() -> None:
-    model, rng = StepCostModel(), random.Random(4)
-    for _ in range(300):
-        n = rng.randint(1, 16)
-        chunks = [(rng.randrange(0, 3000, 16), rng.randint(16, 128))] if rng.random() < 0.6 else []
-        pairs = sum(attention_pairs(s, c) for s, c in chunks)
-        model.add(n, sum(c for _, c in chunks), attention_curve(n, chunks), pairs)
+    model = fitted_to_attention_steps(seed=4, noise_s=0.0)
     cost = model.prompt_cost(32)
     assert model.prompt_tokens_within(cost + 1e-9, 512) == 32
     deep = model.prompt_tokens_within(cost, 512, context=2500)
