@@ -411,6 +411,11 @@ class PagedModel:
         self.prompt_logprobs.drop(request_id)
 
     def _inputs(self, scheduled: Seq[pb.ScheduledRequest]) -> StepInputs:
+        assert self.kv_cache is not None
         return build_step_inputs(
-            scheduled, self.sequences, self.cache_config.block_size, self.device
+            scheduled,
+            self.sequences,
+            self.cache_config.block_size,
+            self.device,
+            num_blocks=self.kv_cache.num_blocks,
         )

@@ -37,10 +37,12 @@ def build_step_inputs(
     sequences: Mapping[int, Sequence],
     block_size: int,
     device: torch.device,
+    num_blocks: int,
 ) -> StepInputs:
     """The step's tokens, positions and attention metadata, and which logits rows it needs:
     the last row of a sequence that samples, every row of a chunk that wants prompt
-    logprobs (`prompt_logprobs.wants_prompt_logprobs`)."""
+    logprobs (`prompt_logprobs.wants_prompt_logprobs`). A block table naming a block past
+    the cache's `num_blocks` is a ValueError here, before a kernel writes through it."""
     ids: list[int] = []
     positions: list[int] = []
     indices: list[int] = []  # token rows whose logits are needed
@@ -53,6 +55,11 @@ def build_step_inputs(
         seq = sequences.get(item.request_id)
         if seq is None:
             raise KeyError(f"request {item.request_id} is not known to this shard")
+        if item.block_table and max(item.block_table) >= num_blocks:
+            raise ValueError(
+                f"request {item.request_id}: block {max(item.block_table)} is outside the KV "
+                f"cache of {num_blocks} blocks"
+            )
         start, offset, count = item.start_position, len(ids), len(item.token_ids)
         ids.extend(item.token_ids)
         row_sequences.extend([seq] * count)

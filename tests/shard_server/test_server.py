@@ -83,6 +83,26 @@ async def test_model_errors_become_internal_status_and_the_shard_serves_on(
     assert ok.generations[0].HasField("generated_text")
 
 
+async def test_a_block_past_the_cache_is_refused_before_a_kernel_writes_through_it(
+    paged: Stub, request_factory: Callable[..., pb.Request]
+) -> None:
+    """A plan naming a block the cache does not have is an error status, not a write out
+    of bounds (the C kernels index the cache by the table: the shard died of SIGSEGV)."""
+    warmup = await paged.Warmup(pb.WarmupRequest(max_prefill_tokens=16))
+    outside = pb.ScheduledRequest(
+        request_id=3, token_ids=[5, 6], block_table=[warmup.num_blocks + 40], produces_token=True
+    )
+    plan = pb.StepPlan(scheduled=[outside])
+    code, details = await status_of(
+        paged.Step(pb.StepRequest(requests=[request_factory(3, [5, 6], 2)], plan=plan))
+    )
+    assert code == grpc.StatusCode.INTERNAL
+    assert f"block {warmup.num_blocks + 40} is outside the KV cache" in details
+    plan = pb.StepPlan(scheduled=[scheduled(1, [5], 0)])
+    ok = await paged.Step(pb.StepRequest(requests=[request_factory(1, [5], 1)], plan=plan))
+    assert ok.generations[0].HasField("generated_text")
+
+
 async def test_paged_info_and_steps_to_the_finish(
     paged: Stub, request_factory: Callable[..., pb.Request]
 ) -> None:

@@ -140,7 +140,7 @@ def test_a_step_with_drafts_asks_for_a_logits_row_per_draft_and_one_more() -> No
             produces_token=True,
         ),
     ]
-    inputs = build_step_inputs(scheduled, {0: seq, 1: other}, 16, CPU)
+    inputs = build_step_inputs(scheduled, {0: seq, 1: other}, 16, CPU, num_blocks=2)
     assert inputs.logits_indices.tolist() == [0, 1, 2, 5]
     assert inputs.sample_rows == [0, 1, 2, 3]
     assert inputs.drafts == [(1, 2), ()]
@@ -149,4 +149,4 @@ def test_a_step_with_drafts_asks_for_a_logits_row_per_draft_and_one_more() -> No
         request_id=1, token_ids=[1, 2, 3], start_position=0, block_table=[1], num_draft_tokens=1
     )
     with pytest.raises(ValueError, match="drafts need a step that samples"):
-        build_step_inputs([bad], {1: other}, 16, CPU)
+        build_step_inputs([bad], {1: other}, 16, CPU, num_blocks=2)
