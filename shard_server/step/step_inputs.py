@@ -55,10 +55,11 @@ def build_step_inputs(
         seq = sequences.get(item.request_id)
         if seq is None:
             raise KeyError(f"request {item.request_id} is not known to this shard")
-        if item.block_table and max(item.block_table) >= num_blocks:
+        last_block = max(item.block_table, default=-1)
+        if last_block >= num_blocks:
             raise ValueError(
-                f"request {item.request_id}: block {max(item.block_table)} is outside the KV "
-                f"cache of {num_blocks} blocks"
+                f"request {item.request_id}: block {last_block} is outside the KV cache of "
+                f"{num_blocks} blocks"
             )
         start, offset, count = item.start_position, len(ids), len(item.token_ids)
         ids.extend(item.token_ids)
