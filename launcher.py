@@ -173,7 +173,10 @@ a checkout, its top-level folders (`kernels`, `router`, `proto`...) would otherw
 PyPI packages of those names (transformers >= 5.25 imports the `kernels` distribution)."""
 
 
-def shard_argv(model_path: Path, config: LauncherConfig) -> list[str]:
+def shard_argv(
+    model_path: Path, config: LauncherConfig, draft_path: Path | None = None
+) -> list[str]:
+    """A shard's command line (`draft_path`: the resolved --speculative-model)."""
     argv = [*PYTHON_MODULE, "textgate.shard_server", "--model-path", str(model_path)]
     argv += ["--model-id", served_model_id(config)]
     argv += ["--uds-path", config.shard_uds_path, "--dtype", config.dtype]
@@ -191,6 +194,10 @@ def shard_argv(model_path: Path, config: LauncherConfig) -> list[str]:
         argv += ["--kv-offload-dir", config.kv_offload_dir]
     if config.quantize is not None:
         argv += ["--quantize", config.quantize]
+    if draft_path is not None:
+        argv += ["--speculative-model-path", str(draft_path)]
+        if config.speculative_quantize is not None:
+            argv += ["--speculative-quantize", config.speculative_quantize]
     if config.lora_adapters:
         argv += ["--lora-adapters", ",".join(f"{n}={p}" for n, p in config.lora_adapters)]
     argv += ["--max-loras", str(config.max_loras), "--max-lora-rank", str(config.max_lora_rank)]
@@ -267,14 +274,16 @@ def wait_for_shards(
         log.info("Shard %d ready", rank)
 
 
-def start_shards(model_path: Path, config: LauncherConfig) -> list[Child]:
+def start_shards(
+    model_path: Path, config: LauncherConfig, draft_path: Path | None = None
+) -> list[Child]:
     """This node's shards: ranks `config.node_ranks` of `config.num_shard`."""
     children = []
     for rank in config.node_ranks:
         Path(f"{config.shard_uds_path}-{rank}").unlink(missing_ok=True)
         env = dict(os.environ)
         env.update(shard_env(config, rank))
-        argv = shard_argv(model_path, config) + shard_network_argv(config, rank)
+        argv = shard_argv(model_path, config, draft_path) + shard_network_argv(config, rank)
         children.append(Child(f"shard {rank}", argv, env))
     return children
 
@@ -336,11 +345,12 @@ def run(config: LauncherConfig) -> int:
     failed = False
     try:
         model_path = resolve_model(config.model_id, config.revision)
+        draft_path = draft_model_path(config)
         interrupt = False
         log.info("Serving %s from %s", config.model_id or "the embedded default model", model_path)
         if config.nnodes > 1:
             log.info("%s", describe(config))
-        children = start_shards(model_path, config)
+        children = start_shards(model_path, config, draft_path)
         wait_for_shards(children, config.shard_uds_path, stop=stop, ranks=config.node_ranks)
         if stop.is_set():
             raise StopRequested()
@@ -368,6 +378,16 @@ def run(config: LauncherConfig) -> int:
         if peers is not None:
             peers.close()
         stop_children(children, config, failed)
+
+
+def draft_model_path(config: LauncherConfig) -> Path | None:
+    """--speculative-model as a local folder ('embedded': the embedded default model's)."""
+    from textgate.shard_server.loading.model_source import resolve_model
+
+    if config.speculative_model is None:
+        return None
+    name = config.speculative_model
+    return resolve_model(None if name == "embedded" else name)
 
 
 def stop_children(children: list[Child], config: LauncherConfig, failed: bool) -> None:

@@ -243,6 +243,17 @@ class LauncherConfig:
         "tokens down to its last MIN, looked up in its earlier tokens",
         str,
     )
+    speculative_model: str | None = flag(
+        None,
+        "Draft model whose greedy guesses --speculate verifies instead of n-grams: a local "
+        "folder, .gguf file or hub id sharing the served model's tokenizer, or 'embedded' "
+        "(the embedded default model); one shard",
+    )
+    speculative_quantize: str | None = flag(
+        None,
+        "Weight quantization of --speculative-model (as --quantize: int8, gguf, ...); unset = "
+        "the checkpoint's own",
+    )
     cuda_memory_fraction: float = flag(0.9, "Share of free GPU memory the KV cache may take", float)
     attention: str = flag(
         "auto",
@@ -419,6 +430,12 @@ class LauncherConfig:
         from textgate.router.config import parse_ngram_range  # no torch: a plain dataclass
 
         parse_ngram_range(self.speculative_ngram)  # ValueError naming the flag
+        if self.speculative_model is not None and self.speculate < 1:
+            raise ValueError("--speculative-model needs --speculate N (the most drafts per step)")
+        if self.speculative_model is not None and self.num_shard > 1:
+            raise ValueError("--speculative-model runs on one shard (--num-shard 1) for now")
+        if self.speculative_quantize is not None and self.speculative_model is None:
+            raise ValueError("--speculative-quantize needs --speculative-model")
         if self.kv_cache_memory < 1:
             raise ValueError("--kv-cache-memory must be a positive number of bytes")
         if self.kv_offload_bytes < 0:

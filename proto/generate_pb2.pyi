@@ -239,7 +239,7 @@ class GeneratedText(_message.Message):
     def __init__(self, text: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class Generation(_message.Message):
-    __slots__ = ("request_id", "prefill_tokens", "tokens", "generated_text", "top_tokens", "error", "prefill_top_tokens")
+    __slots__ = ("request_id", "prefill_tokens", "tokens", "generated_text", "top_tokens", "error", "prefill_top_tokens", "proposed_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -247,6 +247,7 @@ class Generation(_message.Message):
     TOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     prefill_tokens: Tokens
     tokens: Tokens
@@ -254,7 +255,8 @@ class Generation(_message.Message):
     top_tokens: _containers.RepeatedCompositeFieldContainer[Tokens]
     error: str
     prefill_top_tokens: _containers.RepeatedCompositeFieldContainer[Tokens]
-    def __init__(self, request_id: _Optional[int] = ..., prefill_tokens: _Optional[_Union[Tokens, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., generated_text: _Optional[_Union[GeneratedText, _Mapping]] = ..., top_tokens: _Optional[_Iterable[_Union[Tokens, _Mapping]]] = ..., error: _Optional[str] = ..., prefill_top_tokens: _Optional[_Iterable[_Union[Tokens, _Mapping]]] = ...) -> None: ...
+    proposed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[int] = ..., prefill_tokens: _Optional[_Union[Tokens, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., generated_text: _Optional[_Union[GeneratedText, _Mapping]] = ..., top_tokens: _Optional[_Iterable[_Union[Tokens, _Mapping]]] = ..., error: _Optional[str] = ..., prefill_top_tokens: _Optional[_Iterable[_Union[Tokens, _Mapping]]] = ..., proposed_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WarmupRequest(_message.Message):
     __slots__ = ("max_input_tokens", "max_prefill_tokens", "max_total_tokens", "max_batch_size")
@@ -355,32 +357,36 @@ class LoraResidency(_message.Message):
     def __init__(self, adapter_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ScheduledRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "start_position", "block_table", "produces_token", "num_draft_tokens")
+    __slots__ = ("request_id", "token_ids", "start_position", "block_table", "produces_token", "num_draft_tokens", "num_proposed_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
     PRODUCES_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROPOSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     start_position: int
     block_table: _containers.RepeatedScalarFieldContainer[int]
     produces_token: bool
     num_draft_tokens: int
-    def __init__(self, request_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_position: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., produces_token: _Optional[bool] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
+    num_proposed_tokens: int
+    def __init__(self, request_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_position: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., produces_token: _Optional[bool] = ..., num_draft_tokens: _Optional[int] = ..., num_proposed_tokens: _Optional[int] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("generations", "forward_ns", "decode_ns", "total_ns")
+    __slots__ = ("generations", "forward_ns", "decode_ns", "total_ns", "draft_ns")
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
     DECODE_NS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_NS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_NS_FIELD_NUMBER: _ClassVar[int]
     generations: _containers.RepeatedCompositeFieldContainer[Generation]
     forward_ns: int
     decode_ns: int
     total_ns: int
-    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., forward_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ..., total_ns: _Optional[int] = ...) -> None: ...
+    draft_ns: int
+    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., forward_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., draft_ns: _Optional[int] = ...) -> None: ...
 
 class LoadAdapterRequest(_message.Message):
     __slots__ = ("adapter_id", "path")

@@ -92,6 +92,9 @@ class RouterConfig:
     (router/engine/ngram_proposer.py, docs/speculative.md); 0 = off."""
     speculative_ngram: str = "1:3"
     """`--speculative-ngram` MIN:MAX: the n-gram lengths speculation matches, longest first."""
+    speculative_model: str | None = None
+    """`--speculative-model`: the shards' draft model guesses the drafts (router asks it,
+    `Speculator.proposals`); None: n-gram drafts."""
     max_logit_bias: float = 100.0
     """`--max-logit-bias`: the largest `logit_bias` magnitude a request may set (OpenAI's
     100 by default)."""

@@ -98,6 +98,17 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run transformers' modules on the paged engine even where a native class exists",
     )
+    parser.add_argument(
+        "--speculative-model-path",
+        type=Path,
+        default=None,
+        help="local folder of the draft model of draft-model speculation (unset: none)",
+    )
+    parser.add_argument(
+        "--speculative-quantize",
+        default=None,
+        help="the draft model's weight quantization method (unset: the checkpoint's)",
+    )
 
 
 def _cache_flags(parser: argparse.ArgumentParser) -> None:
@@ -194,6 +205,8 @@ def main(argv: list[str] | None = None) -> None:
         attention=args.attention,
         lora_adapters=args.lora_adapters,
         lora_limits=LoraLimits(args.max_loras, args.max_lora_rank, args.max_cpu_loras),
+        speculative_model=args.speculative_model_path,
+        speculative_quantize=args.speculative_quantize,
     ).result()
     # Every rank's address, for the router: after loading, the process group exists.
     urls = executor.submit(gather_urls, advertised_url(args, rank), world_size).result()

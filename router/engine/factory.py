@@ -160,7 +160,8 @@ def speculation_config(config: RouterConfig) -> SpeculationConfig | None:
     if config.speculate == 0:
         return None
     min_ngram, max_ngram = parse_ngram_range(config.speculative_ngram)
-    return SpeculationConfig(config.speculate, min_ngram, max_ngram)
+    draft_model = config.speculative_model is not None
+    return SpeculationConfig(config.speculate, min_ngram, max_ngram, draft_model)
 
 
 def startup_steps(warmup: pb.WarmupResponse) -> StartupSteps | None:

@@ -193,6 +193,12 @@ class PagedEngine:
                 # What a running request waited for its token: planning, the shards, routing.
                 step_latency_s=ended - started,
                 utilization=self._busy.utilization(ended),
+                proposed_token_ids={
+                    g.request_id: g.proposed_token_ids
+                    for g in response.generations
+                    if g.proposed_token_ids
+                },
+                draft_s=response.draft_ns / 1e9,
             )
         )
         self._report_step()
@@ -210,6 +216,7 @@ class PagedEngine:
                     block_table=s.block_table,
                     produces_token=s.produces_token,
                     num_draft_tokens=s.num_draft_tokens,
+                    num_proposed_tokens=s.num_proposed_tokens,
                 )
                 for s in output.scheduled
             ],

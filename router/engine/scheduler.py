@@ -53,7 +53,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from textgate.router.engine.batch_controller import BatchController, StepSample
 from textgate.router.engine.block_allocator import BlockAllocator
@@ -320,6 +320,8 @@ class Scheduler:
             # Admitting while running requests are short of blocks would only preempt more.
             if len(draft.preempted_ids) == made_way:
                 self._schedule_waiting(draft)
+        if self.speculator is not None and self.speculator.config.draft_model:
+            self._ask_for_guesses(draft)
         if draft.new_request_ids or not self._waiting:
             self._num_steps_without_join = 0
         else:
@@ -361,6 +363,9 @@ class Scheduler:
         num_finished_before = len(self._finished_ids)
         for step in live:
             self._advance(self._requests[step.request_id], step, result)
+        if result.draft_s and self.speculator is not None:
+            passes = max((s.num_proposed_tokens for s in live), default=0)
+            self.speculator.record_draft_time(result.draft_s, passes)
         if result.step_latency_s is not None:
             num_decodes, num_prefill_tokens, prefill_attention = self._in_flight_counts
             self.controller.observe(
@@ -368,7 +373,8 @@ class Scheduler:
                     num_decodes=num_decodes,
                     num_prefill_tokens=num_prefill_tokens,
                     prefill_attention=prefill_attention,
-                    latency_s=result.step_latency_s,
+                    # The target's step: the draft model's guessing is costed on its own.
+                    latency_s=result.step_latency_s - result.draft_s,
                     num_running=len(self._running),
                     num_waiting=len(self._waiting),
                     kv_usage=self.allocator.usage,
@@ -582,6 +588,23 @@ class Scheduler:
         self.speculator.tick([c.request_id for c in candidates if c.request_id not in drafts])
         return drafts
 
+    def _ask_for_guesses(self, draft: _StepDraft) -> None:
+        """Draft-model speculation: which of the step's sequences the draft model guesses
+        for after it, and how many tokens (room for them and one more in the next step)."""
+        assert self.speculator is not None
+        producing = [s for s in draft.scheduled.values() if s.produces_token]
+        requests = [self._requests[s.request_id] for s in producing]
+        candidates = [
+            Candidate(r.request_id, r.token_ids, r.max_new_tokens - r.num_output_tokens - 2)
+            for r in requests
+            if r.max_new_tokens - r.num_output_tokens > 2
+        ]
+        num_decodes = sum(r.is_decoding for r in requests)
+        wanted = self.speculator.proposals(candidates, num_decodes, self.controller.cost)
+        for request_id, num_tokens in wanted.items():
+            scheduled = draft.scheduled[request_id]
+            draft.scheduled[request_id] = replace(scheduled, num_proposed_tokens=num_tokens)
+
     def _room_for_drafts(self, request: _Request, draft: _StepDraft) -> tuple[int, ...]:
         """The request's drafts that fit the budget left and blocks free without preempting
         anyone (drafts are optional: they never take a block another request needs).
@@ -648,6 +671,9 @@ class Scheduler:
             accepted = max(0, min(len(sampled) - 1, step.num_draft_tokens))
             request.num_computed_tokens += accepted
             self.speculator.record(request.request_id, step.num_draft_tokens, len(sampled))
+        guesses = result.proposed_token_ids.get(request.request_id)
+        if guesses and self.speculator is not None:
+            self.speculator.offer(request.request_id, guesses, request.num_tokens)
         self._publish(request)
         self.fairness.charge(request.tenant, num_prompt, len(sampled))
         if (

@@ -1,10 +1,17 @@
 """Speculative decoding's bookkeeping in the router: who proposes how many tokens, and when.
 
-Every step, before the scheduler plans, `Speculator.plan` asks each decoding sequence's
-n-gram index (`ngram_proposer.NgramIndex`) for up to `num_tokens` proposed tokens (drafts)
-and decides whether the step runs them. The shards verify drafts in the same step that
-computes the sequence's next token (`proto` `ScheduledRequest.num_draft_tokens`) and answer
-the accepted ones plus one of their own; `record` learns from that.
+Every step, before the scheduler plans, `Speculator.plan` takes each decoding sequence's
+proposed tokens (drafts), up to `num_tokens`, and decides whether the step runs them. The
+shards verify drafts in the same step that computes the sequence's next token (`proto`
+`ScheduledRequest.num_draft_tokens`) and answer the accepted ones plus one of their own;
+`record` learns from that. The drafts come from one of two proposers:
+
+- n-gram (prompt lookup): the sequence's own n-gram index (`ngram_proposer.NgramIndex`),
+  looked up in `plan`;
+- a draft model in the shards (`--speculative-model`): `proposals` decides, while a step is
+  planned, whose next tokens the draft model guesses after it
+  (`ScheduledRequest.num_proposed_tokens`); the guesses come back with the step's tokens
+  (`offer`) and are the drafts of the sequence's next step.
 
 Adaptive, at two levels:
 
@@ -24,7 +31,9 @@ Adaptive, at two levels:
   part (reading the weights) is what speculation shares, so the test passes at a small
   batch and fails once the batch is large enough that per-token work dominates: the
   threshold batch follows the machine and the model, measured, not configured. Before the
-  fit is ready, steps of at most `FALLBACK_MAX_BATCH` decodes speculate.
+  fit is ready, steps of at most `FALLBACK_MAX_BATCH` decodes speculate. A draft model's
+  guesses cost time of their own, one draft pass per guessed position: `proposals` adds
+  that (measured, `record_draft_time`) to the step with drafts before asking for guesses.
 
 Pure Python, no I/O: a few dictionary operations per sequence and step.
 """
@@ -62,6 +71,8 @@ class SpeculationConfig:
     """Most drafts per sequence and step."""
     min_ngram: int = 1
     max_ngram: int = 3
+    draft_model: bool = False
+    """Drafts come from the shards' draft model (`--speculative-model`), not n-grams."""
 
     def __post_init__(self) -> None:
         if self.num_tokens < 1:
@@ -91,6 +102,10 @@ class _SequenceState:
     rejected: float = 1.0 - PRIOR_ALPHA
     """Decayed count of verified steps that rejected a draft."""
     steps_since_probe: int = 0
+    proposal: tuple[int, ...] = ()
+    """The draft model's guesses (draft-model speculation) after the sequence's first
+    `proposal_at` tokens: drafts while the sequence is that long."""
+    proposal_at: int = 0
 
     @property
     def alpha(self) -> float:
@@ -118,6 +133,8 @@ class Speculator:
         self.config = config
         self.stats = SpeculationStats()
         self._sequences: dict[int, _SequenceState] = {}
+        self._draft_pass_s = 0.0
+        """Measured seconds of one draft-model pass (decayed mean; 0 until measured)."""
 
     def plan(
         self, candidates: Sequence[Candidate], num_decodes: int, cost: StepCostModel
@@ -133,7 +150,7 @@ class Speculator:
         for candidate in candidates:
             state = self._state(candidate.request_id)
             length = min(self._length(state), candidate.max_drafts)
-            proposal = state.index.propose(candidate.token_ids, length) if length > 0 else ()
+            proposal = self._proposal(state, candidate, length) if length > 0 else ()
             if proposal:
                 drafts[candidate.request_id] = proposal
                 expected += sum(state.alpha ** (i + 1) for i in range(len(proposal)))
@@ -146,6 +163,50 @@ class Speculator:
         for request_id in drafts:
             self._sequences[request_id].steps_since_probe = 0
         return drafts
+
+    def proposals(
+        self, candidates: Sequence[Candidate], num_decodes: int, cost: StepCostModel
+    ) -> dict[int, int]:
+        """Draft-model speculation: how many tokens the draft model guesses after this step
+        for each candidate (sequences this step gives a token; `max_drafts` the room their
+        next step leaves); {} when even all of them accepted would not pay for the passes."""
+        if not candidates:
+            return {}
+        lengths = {}
+        for candidate in candidates:
+            length = min(self._length(self._state(candidate.request_id)), candidate.max_drafts)
+            if length > 0:
+                lengths[candidate.request_id] = length
+        if not lengths:
+            return {}
+        if not cost.is_ready and num_decodes > FALLBACK_MAX_BATCH:
+            return {}
+        expected = sum(
+            sum(self._sequences[r].alpha ** (i + 1) for i in range(n)) for r, n in lengths.items()
+        )
+        contexts = sum(len(c.token_ids) for c in candidates if c.request_id in lengths)
+        draft_s = max(lengths.values()) * self._draft_pass_s
+        num_drafts = sum(lengths.values())
+        context = contexts // len(lengths)
+        if not self._gains(num_decodes, num_drafts, expected, context, cost, draft_s):
+            return {}
+        for request_id in lengths:
+            self._sequences[request_id].steps_since_probe = 0
+        return lengths
+
+    def offer(self, request_id: int, tokens: Sequence[int], num_tokens: int) -> None:
+        """The draft model's guesses after the request's first `num_tokens` tokens (all it
+        has now): its drafts, while it has no more."""
+        state = self._sequences.get(request_id)
+        if state is not None:
+            state.proposal, state.proposal_at = tuple(tokens), num_tokens
+
+    def record_draft_time(self, seconds: float, num_passes: int) -> None:
+        """A step's draft model took `seconds` for `num_passes` passes (its longest guess)."""
+        if num_passes > 0 and seconds > 0:
+            per_pass = seconds / num_passes
+            mean = self._draft_pass_s
+            self._draft_pass_s = per_pass if mean == 0 else DECAY * mean + (1 - DECAY) * per_pass
 
     def record(self, request_id: int, num_drafts: int, num_emitted: int) -> None:
         """A verified step: `num_drafts` proposed, `num_emitted` tokens came back (the
@@ -188,6 +249,15 @@ class Speculator:
             state = self._sequences[request_id] = _SequenceState(index)
         return state
 
+    def _proposal(
+        self, state: _SequenceState, candidate: Candidate, length: int
+    ) -> tuple[int, ...]:
+        """The sequence's drafts: the draft model's guesses, or its n-gram lookup."""
+        if self.config.draft_model:
+            fresh = state.proposal_at == len(candidate.token_ids)
+            return state.proposal[:length] if fresh else ()
+        return state.index.propose(candidate.token_ids, length)
+
     def _length(self, state: _SequenceState) -> int:
         """How many drafts the sequence proposes at its acceptance rate."""
         alpha = state.alpha
@@ -211,13 +281,19 @@ class Speculator:
 
     @staticmethod
     def _gains(
-        num_decodes: int, num_drafts: int, expected: float, context: int, cost: StepCostModel
+        num_decodes: int,
+        num_drafts: int,
+        expected: float,
+        context: int,
+        cost: StepCostModel,
+        draft_s: float = 0.0,
     ) -> bool:
-        """Whether the drafts are predicted to raise the step's tokens per second."""
+        """Whether the drafts are predicted to raise the step's tokens per second
+        (`draft_s`: the time guessing them takes on top, a draft model's passes)."""
         if not cost.is_ready:
             return True
         plain = cost.predict(num_decodes)
-        with_drafts = cost.predict(num_decodes, num_drafts, context)
+        with_drafts = cost.predict(num_decodes, num_drafts, context) + draft_s
         if plain <= 0 or with_drafts <= 0:
             return True
         return (num_decodes + expected) / with_drafts > MIN_GAIN * num_decodes / plain

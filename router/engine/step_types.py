@@ -110,6 +110,9 @@ class ScheduledRequest:
     num_draft_tokens: int = 0
     """Speculation: the last this many of `token_ids` are proposed tokens the shards verify
     (their KV is written at the following slots, and rolled back where rejected)."""
+    num_proposed_tokens: int = 0
+    """Draft-model speculation: after the step, the shards' draft model guesses this many
+    tokens after the request's last (the drafts of its next step)."""
 
     @property
     def num_new_tokens(self) -> int:
@@ -158,3 +161,7 @@ class ModelStepResult:
     """Measured wall time of the step; feeds the batch controller when set."""
     utilization: float = 0.0
     """Busy fraction of the device over the recent past, reported with the latency."""
+    proposed_token_ids: Mapping[int, Sequence[int]] = field(default_factory=dict)
+    """Draft-model speculation: request id -> the draft model's guesses after its tokens."""
+    draft_s: float = 0.0
+    """Of `step_latency_s`, the time the draft model took guessing them."""

@@ -67,6 +67,8 @@ def load_model(
     attention: str = "auto",
     lora_adapters: Sequence[tuple[str, str]] = (),
     lora_limits: LoraLimits | None = None,
+    speculative_model: Path | None = None,
+    speculative_quantize: str | None = None,
 ) -> PagedModel:
     """Load `model_path` for this rank on the paged engine: its native class where one
     exists (unless `native` is False, `--no-native`), else transformers' own modules.
@@ -79,10 +81,15 @@ def load_model(
     `local_rank` of `local_world_size`: the rank's place among its node's ranks, which picks
     its GPU (multi-node; unset: `rank` of `world_size`, one node).
 
+    `speculative_model` (quantized as `speculative_quantize`) is the draft model of
+    draft-model speculation (`draft_loader`), one shard only.
+
     `dtype` "auto" on CPU builds the model in each candidate dtype and keeps the one whose
     own step measured fastest (`dtype_choice.pick_dtype`). A model that cannot run paged
     (recurrent layers, an encoder-decoder, ...) is a ValueError saying why.
     """
+    if speculative_model is not None and world_size > 1:
+        raise ValueError("--speculative-model runs on one shard (--num-shard 1) for now")
     device = shard_device(
         rank if local_rank is None else local_rank,
         world_size if local_world_size is None else local_world_size,
@@ -100,7 +107,7 @@ def load_model(
         )
         paged = load_native(build, model_path, dtype, torch_dtype, device, quantize)
         attach_adapters(paged, lora_adapters, lora_limits or LoraLimits())
-        return paged
+        return attach_draft(paged, speculative_model, speculative_quantize, attention)
     check_transformers_paged(model_path, model_type, world_size, quantize)
     why = "--no-native" if model_type in supported_model_types() else "no native class"
     log.info("model type %r: transformers' modules on the paged engine (%s)", model_type, why)
@@ -109,7 +116,7 @@ def load_model(
     )
     paged = load_paged(build, dtype, torch_dtype, device)
     attach_adapters(paged, lora_adapters, lora_limits or LoraLimits())
-    return paged
+    return attach_draft(paged, speculative_model, speculative_quantize, attention)
 
 
 def load_native(
@@ -146,6 +153,19 @@ def attach_adapters(
             len(adapter.modules),
             "resident" if name in paged.lora.slots else "on the host until a request needs it",
         )
+
+
+def attach_draft(
+    paged: PagedModel, path: Path | None, quantize: str | None, attention: str
+) -> PagedModel:
+    """Give `paged` the draft model in `path` (None: none), before its cache is sized."""
+    if path is not None:
+        from textgate.shard_server.loading.draft_loader import load_draft
+
+        block_size = paged.cache_config.block_size
+        tokenizer = paged.info.tokenizer
+        paged.draft = load_draft(path, quantize, paged.model, tokenizer, block_size, attention)
+    return paged
 
 
 def read_model_type(model_path: Path) -> str | None:

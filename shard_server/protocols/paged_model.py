@@ -44,6 +44,7 @@ from textgate.shard_server.startup.memory import (
 from textgate.shard_server.startup.paged_warmup import pick_graph_capture, warmup_pass
 from textgate.shard_server.startup.step_timing import DEFAULT_MAX_BATCH, warmup_measurements
 from textgate.shard_server.step.cuda_graphs import DecodeGraphRunner, GraphCapture
+from textgate.shard_server.step.draft_proposer import DraftProposer
 from textgate.shard_server.step.grammar import (
     GrammarCompiler,
     GrammarError,
@@ -77,6 +78,7 @@ class PagedModel:
         world_size: int = 1,
         process_group: Any = None,
         graph_capture: GraphCapture | None = None,
+        draft: DraftProposer | None = None,
     ) -> None:
         self.model = model
         self.info = info
@@ -104,6 +106,8 @@ class PagedModel:
         self.prompt_logprobs = PromptLogprobs()
         self.lora = LoraSlots(model, unsupported="LoRA adapters need a native model")
         """LoRA adapters attached to the model, id -> slot; the loader sets its limits."""
+        self.draft = draft
+        """Draft-model speculation's proposer (`--speculative-model`); None: no draft model."""
 
     def describe(self) -> pb.InfoResponse:
         """Info: the model facts the router validates and tokenizes with."""
@@ -134,8 +138,10 @@ class PagedModel:
     # -- warmup -----------------------------------------------------------------------
 
     def bytes_per_block(self) -> int:
-        """Memory one KV block takes over all layers, K and V."""
-        return self._kv_bytes(self.cache_config.block_size)
+        """Memory one KV block takes over all layers, K and V (the draft model's block too:
+        its cache has the same blocks)."""
+        draft = self.draft.bytes_per_block() if self.draft is not None else 0
+        return self._kv_bytes(self.cache_config.block_size) + draft
 
     def _kv_bytes(self, block_size: int) -> int:
         return KVCache.bytes_per_block(
@@ -181,6 +187,10 @@ class PagedModel:
         self.kv_cache = self.model.allocate_kv_cache(num_blocks + reserved, block_size)
         tokens = max(min(request.max_prefill_tokens, num_blocks * block_size), 1)
         self._warmup_pass([tokens])
+        if self.draft is not None:
+            self.draft.allocate(num_blocks)
+            assert self.draft.kv_cache is not None
+            warmup_pass(self.draft.model, self.draft.kv_cache, [tokens], block_size, self.device)
         if capture is not None:
             max_tokens = request.max_total_tokens or self.model.config.max_position_embeddings
             self.graphs = DecodeGraphRunner(
@@ -276,6 +286,8 @@ class PagedModel:
         """Forget every sequence (the KV cache stays allocated)."""
         self.sequences.clear()
         self.prompt_logprobs.clear()
+        if self.draft is not None:
+            self.draft.clear()
         if self.kv_tiers is not None:
             self.kv_tiers.clear()
 
@@ -312,11 +324,40 @@ class PagedModel:
             result = self._sample(inputs, rows, logits, masks) if inputs.sampled else None
         forward_done = time.perf_counter_ns()
         generations = self._append(inputs, result, masks) if result is not None else []
+        decoded = time.perf_counter_ns()
+        if self.draft is not None:
+            self._propose(self.draft, scheduled, generations)
         return pb.StepResponse(
             generations=rejected + generations,
             forward_ns=forward_done - start,
-            decode_ns=time.perf_counter_ns() - forward_done,
+            decode_ns=decoded - forward_done,
+            draft_ns=time.perf_counter_ns() - decoded,
         )
+
+    def _propose(
+        self,
+        draft: DraftProposer,
+        scheduled: Seq[pb.ScheduledRequest],
+        generations: list[pb.Generation],
+    ) -> None:
+        """The draft model's guesses for the sequences the plan asked them for (the
+        still running ones), on their Generations: the drafts of their next step."""
+        for item in scheduled:
+            draft.seen(item.request_id, item.start_position)
+        answered = {g.request_id: g for g in generations}
+        wanted = [
+            (self.sequences[item.request_id], item.block_table, item.num_proposed_tokens)
+            for item in scheduled
+            if item.num_proposed_tokens
+            and item.request_id in answered
+            and item.request_id in self.sequences
+        ]
+        if not wanted:
+            return
+        with torch.inference_mode():
+            proposals = draft.propose(wanted)
+        for request_id, tokens in proposals.items():
+            answered[request_id].proposed_token_ids.extend(tokens)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """Logits [N, V] of the step: through a decode graph where one fits (and no row
@@ -409,6 +450,8 @@ class PagedModel:
     def _drop(self, request_id: int) -> None:
         self.sequences.pop(request_id, None)
         self.prompt_logprobs.drop(request_id)
+        if self.draft is not None:
+            self.draft.drop(request_id)
 
     def _inputs(self, scheduled: Seq[pb.ScheduledRequest]) -> StepInputs:
         assert self.kv_cache is not None

@@ -21,7 +21,7 @@ import pytest
 import pytest_asyncio
 
 from textgate.proto import generate_pb2 as pb
-from textgate.router.engine.channel import Channel, StepEvent
+from textgate.router.engine.channel import Channel
 from textgate.router.engine.paged_engine import PagedEngine
 from textgate.router.engine.request import (
     GrammarSpec,
@@ -35,35 +35,17 @@ from textgate.router.metrics import Metrics
 from textgate.router.shard_client import ShardedClient
 from textgate.shard_server.loading.shard_loader import load_model
 from textgate.shard_server.server import serve
+from textgate.tests.e2e.speculation_helpers import (
+    chat_prompts,
+    events_of,
+    mixed,
+    request,
+    run_waves,
+)
 
 # One shard for the module (loading and warming the model up is most of a test's time).
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
-TEXTS = [
-    "The quick brown fox jumps over the lazy dog near the river bank.",
-    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b",
-    "Paris is the capital of France and Berlin is the capital of Germany.",
-    "Roses are red, violets are blue, sugar is sweet, and so are you.",
-    "One, two, three, four, five, six, seven, eight, nine, ten.",
-    "The meeting is moved to Tuesday at ten in the large conference room.",
-    "import os\nimport sys\n\nprint(os.getcwd())\nprint(sys.argv)",
-    "Water boils at one hundred degrees Celsius at sea level pressure.",
-    "Alice sent Bob a letter, and Bob sent Alice a parcel in return.",
-    "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday.",
-]
-QUESTIONS = [
-    "What is the tallest mountain in Africa?",
-    "Name three kinds of clouds.",
-    "Write a limerick about a cat.",
-    "How many days are there in a leap year?",
-    "Explain gravity in one sentence.",
-    "What is 15 plus 27?",
-    "Translate 'thank you' into French.",
-    "Give me an antonym for cold.",
-    "Why do leaves change colour in autumn?",
-    "Tell me a fun fact about octopuses.",
-]
-MAX_NEW = 24
 PEOPLE = [
     {"name": "Alice Smith", "city": "Paris", "year": 1999},
     {"name": "Bob Jones", "city": "Berlin", "year": 2004},
@@ -85,18 +67,7 @@ EVENTS = ["Paris, 14 July 1789", "Rome, 21 April 753", "Vienna, 9 June 1815"]
 
 @pytest.fixture(scope="module")
 def prompts(default_model_dir: Path) -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
-    messages = [f"Repeat this text exactly:\n\n{text}" for text in TEXTS] + QUESTIONS
-    return [
-        list(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": m}], add_generation_prompt=True, tokenize=True
-            )["input_ids"]
-        )
-        for m in messages
-    ]
+    return chat_prompts(default_model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -158,34 +129,6 @@ async def make_engine(
     return PagedEngine(shards, Scheduler(config), max_concurrent_requests=64, metrics=metrics)
 
 
-def request(prompt: list[int], n: int = MAX_NEW, **sampling: object) -> ValidRequest:
-    stopping = StoppingParams(max_new_tokens=n, ignore_eos_token=True)
-    return ValidRequest("", tuple(prompt), SamplingParams(**sampling), stopping)  # type: ignore[arg-type]
-
-
-async def events_of(channel: Channel) -> list[StepEvent]:
-    events: list[StepEvent] = []
-    async for event in channel:
-        assert isinstance(event, StepEvent), event
-        events.append(event)
-    return events
-
-
-async def run_waves(
-    engine: PagedEngine, requests: list[ValidRequest], ended: list[Channel] | None = None
-) -> list[list[int]]:
-    """Four requests at a time, copying and plain ones mixed in each wave; their channels
-    are added to `ended`."""
-    outputs: list[list[int]] = []
-    for start in range(0, len(requests), 4):
-        channels = engine.submit(requests[start : start + 4])
-        for events in await asyncio.gather(*(events_of(c) for c in channels)):
-            outputs.append([t.id for e in events for t in e.tokens])
-        if ended is not None:
-            ended += channels
-    return outputs
-
-
 def sample(metrics: Metrics, name: str) -> float:
     for line in metrics.render().decode().splitlines():
         if line.startswith(name + " "):
@@ -206,11 +149,6 @@ async def plain_and_speculated(
     stats = engine.scheduler.speculator.stats
     await engine.close()
     return expected, outputs, stats
-
-
-def mixed(prompts: list[list[int]]) -> list[list[int]]:
-    """Copying and plain prompts interleaved."""
-    return [p for pair in zip(prompts[:10], prompts[10:], strict=True) for p in pair]
 
 
 async def test_greedy_tokens_equal_without_speculation(

@@ -176,3 +176,41 @@ def test_acceptance_feeds_the_speculators_stats() -> None:
     assert stats.num_draft_tokens == model.num_drafts
     assert stats.num_accepted_tokens == model.num_accepted
     assert stats.num_emitted_tokens == stats.num_verify_steps + stats.num_accepted_tokens
+
+
+@dataclass
+class GuessingModel(VerifyingModel):
+    """Plays shards with a draft model that guesses the truth except every 5th position."""
+
+    asked: int = 0
+
+    def run(self, output: SchedulerOutput) -> ModelStepResult:
+        result = super().run(output)
+        guesses = {}
+        for step in output.scheduled:
+            if step.num_proposed_tokens and step.request_id in result.sampled_token_ids:
+                self.asked += 1
+                start = len(self.tokens[step.request_id])
+                guesses[step.request_id] = [
+                    truth(self.prompts[step.request_id], p) + (p % 5 == 0)
+                    for p in range(start, start + step.num_proposed_tokens)
+                ]
+        return ModelStepResult(result.sampled_token_ids, proposed_token_ids=guesses, draft_s=1e-4)
+
+
+def test_a_draft_models_guesses_are_verified_in_the_next_step() -> None:
+    max_new = [30, 17, 9, 3, 2]
+    plain, _ = outputs(0, max_new)
+    config = make_config(
+        speculation=SpeculationConfig(4, draft_model=True), num_blocks=32, num_reserved_tokens=0
+    )
+    scheduler, model = Scheduler(config), GuessingModel(config.block_size)
+    for rid, n in enumerate(max_new):
+        prompt = PROMPT[rid:] + PROMPT[:rid]
+        scheduler.add_request(rid, prompt, n)
+        model.add(rid, prompt, n)
+    run(scheduler, model)
+    scheduler.allocator.check_invariants()
+    assert scheduler.allocator.num_used_blocks == 0
+    assert {rid: model.tokens[rid][len(PROMPT) :] for rid in model.tokens} == plain
+    assert model.asked > 0 and 0 < model.num_accepted < model.num_drafts

@@ -99,3 +99,32 @@ def test_a_dropped_sequence_starts_afresh_and_config_is_checked() -> None:
         SpeculationConfig(0)
     with pytest.raises(ValueError, match="min_ngram"):
         SpeculationConfig(2, 3, 1)
+
+
+def test_a_draft_model_is_asked_for_guesses_that_become_the_next_drafts() -> None:
+    speculator = Speculator(SpeculationConfig(4, draft_model=True))
+    cost = StepCostModel()
+    tokens = [7, 8, 9]
+    assert speculator.proposals([Candidate(0, tokens, 10), Candidate(1, tokens, 2)], 2, cost) == {
+        0: 4,
+        1: 2,
+    }
+    # No n-gram lookup: without guesses there are no drafts, even for copying text.
+    assert speculator.plan([Candidate(0, COPYING, 10)], 1, cost) == {}
+    speculator.offer(0, (11, 12, 13, 14), num_tokens=len(tokens))
+    assert speculator.plan([Candidate(0, tokens, 3)], 1, cost) == {0: (11, 12, 13)}
+    # Guesses are for the tokens they were made after: once the sequence moved, they are stale.
+    assert speculator.plan([Candidate(0, [*tokens, 11], 10)], 1, cost) == {}
+    # A batch too large before the fit is ready asks for none.
+    many = [Candidate(i, tokens, 10) for i in range(FALLBACK_MAX_BATCH + 1)]
+    assert speculator.proposals(many, FALLBACK_MAX_BATCH + 1, cost) == {}
+
+
+def test_the_draft_models_measured_time_can_turn_guessing_off() -> None:
+    candidates = [Candidate(0, COPYING, 10)]
+    cheap = Speculator(SpeculationConfig(4, draft_model=True))
+    cheap.record_draft_time(0.004, 4)  # a pass: 1 ms, beside 30 ms steps
+    assert cheap.proposals(candidates, 1, fitted(0.030, 0.0005)) == {0: 4}
+    dear = Speculator(SpeculationConfig(4, draft_model=True))
+    dear.record_draft_time(0.120, 4)  # a pass as long as a target step
+    assert dear.proposals(candidates, 1, fitted(0.030, 0.0005)) == {}

@@ -1,0 +1,162 @@
+"""Draft-model speculation in the shard: a tiny model drafting for itself guesses exactly its
+own greedy tokens, step after step, through blocks that only just hold the sequence (guesses
+past them go to scratch), across a recompute in other blocks, and drafts verified with the
+guesses emit the plain greedy text; the guesses respect the model's positions and the block
+size, and a finished request gets none."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from textgate.proto import generate_pb2 as pb
+from textgate.shard_server.loading.draft_loader import check_vocabulary
+from textgate.shard_server.loading.shard_loader import load_model
+from textgate.shard_server.protocols.paged_model import CacheConfig, PagedModel
+
+BLOCK = 4
+PROMPT = [5, 17, 42, 8, 9, 10, 11]
+
+
+@pytest.fixture(scope="module")
+def paged(tiny_model_dir: Path) -> PagedModel:
+    model = load_model(
+        tiny_model_dir,
+        "tiny",
+        "float32",
+        cache_config=CacheConfig(block_size=BLOCK),
+        speculative_model=tiny_model_dir,
+    )
+    model.warmup(pb.WarmupRequest(max_prefill_tokens=32))
+    assert model.draft is not None and model.draft.num_blocks > 0
+    return model
+
+
+@pytest.fixture(scope="module")
+def greedy(tiny_model_dir: Path) -> list[int]:
+    """The tiny model's plain greedy continuation of PROMPT (transformers' own forward)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    ids = list(PROMPT)
+    with torch.inference_mode():
+        for _ in range(24):
+            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(PROMPT) :]
+
+
+def blocks(first: int, num_tokens: int) -> list[int]:
+    """Just enough consecutive blocks for `num_tokens` positions."""
+    return list(range(first, first + -(-num_tokens // BLOCK)))
+
+
+def run(
+    paged: PagedModel,
+    request: pb.Request,
+    num_guesses: int,
+    first_block: int = 0,
+    relocate_after: int | None = None,
+) -> tuple[list[int], list[tuple[int, list[int]]]]:
+    """Serve `request` as the router would with draft-model speculation: each step verifies
+    the last step's guesses and asks for new ones, in the fewest blocks that hold the step.
+    After `relocate_after` steps it is recomputed from position 0 in other blocks (a
+    preemption). Returns the generated tokens and (tokens so far, guesses) per step."""
+    tokens, computed, drafts = list(request.input_ids), 0, []
+    guesses_seen: list[tuple[int, list[int]]] = []
+    new = [request]
+    for step in range(64):
+        if step == relocate_after:
+            computed, drafts, first_block = 0, [], first_block + 40
+        known = tokens[computed:]
+        plan = pb.ScheduledRequest(
+            request_id=request.id,
+            token_ids=known + drafts,
+            start_position=computed,
+            block_table=blocks(first_block, len(tokens) + len(drafts)),
+            produces_token=True,
+            num_draft_tokens=len(drafts),
+            num_proposed_tokens=num_guesses,
+        )
+        response = paged.step(new, pb.StepPlan(scheduled=[plan]))
+        new = []
+        (generation,) = response.generations
+        emitted = list(generation.tokens.ids)
+        accepted = len(emitted) - 1
+        computed = len(tokens) + min(accepted, len(drafts))
+        tokens += emitted
+        drafts = list(generation.proposed_token_ids)
+        if generation.HasField("generated_text"):
+            assert not drafts, "a finished request gets no guesses"
+            return tokens[len(request.input_ids) :], guesses_seen
+        guesses_seen.append((len(tokens), drafts))
+    raise AssertionError("the request did not finish")
+
+
+def test_a_model_drafting_for_itself_guesses_its_greedy_tokens(
+    paged: PagedModel, greedy: list[int], request_factory: Callable[..., pb.Request]
+) -> None:
+    output, guesses = run(paged, request_factory(1, PROMPT, 20, do_sample=False), 3)
+    assert output == greedy[:20]
+    for num_tokens, guess in guesses:
+        start = num_tokens - len(PROMPT)
+        assert guess == greedy[start : start + len(guess)], (num_tokens, guess)
+    # Every guess was right, so every step but the last brought four tokens.
+    assert all(len(g) == 3 for _, g in guesses[:-2])
+    assert len(guesses) <= 20 // 4 + 1
+
+
+def test_guesses_survive_a_recompute_in_other_blocks(
+    paged: PagedModel, greedy: list[int], request_factory: Callable[..., pb.Request]
+) -> None:
+    output, guesses = run(
+        paged, request_factory(2, PROMPT, 20, do_sample=False), 2, relocate_after=2
+    )
+    assert output == greedy[:20]
+    for num_tokens, guess in guesses:
+        start = num_tokens - len(PROMPT)
+        assert guess == greedy[start : start + len(guess)], (num_tokens, guess)
+
+
+def test_seeded_sampling_with_guesses_equals_plain_steps(
+    paged: PagedModel, request_factory: Callable[..., pb.Request]
+) -> None:
+    sampling = {"do_sample": True, "temperature": 1.5, "seed": 7}
+    guessed, _ = run(paged, request_factory(3, PROMPT, 16, **sampling), 3, first_block=100)
+    plain, _ = run(paged, request_factory(4, PROMPT, 16, **sampling), 0, first_block=100)
+    assert guessed == plain
+
+
+def test_guesses_are_capped_by_the_block_size_and_the_positions(
+    paged: PagedModel, request_factory: Callable[..., pb.Request]
+) -> None:
+    assert paged.draft is not None
+    positions = paged.draft.max_positions
+    _, guesses = run(paged, request_factory(5, PROMPT, 6, do_sample=False), 9, first_block=200)
+    assert guesses and all(len(g) == BLOCK for _, g in guesses)
+    long_prompt = [3] * (positions - 2)
+    request = request_factory(6, long_prompt, 1, do_sample=False)
+    plan = pb.ScheduledRequest(
+        request_id=6,
+        token_ids=long_prompt,
+        start_position=0,
+        block_table=blocks(300, positions),
+        produces_token=True,
+        num_proposed_tokens=4,
+    )
+    request.stopping_parameters.max_new_tokens = 4
+    (generation,) = paged.step([request], pb.StepPlan(scheduled=[plan])).generations
+    # The sequence is positions - 1 long: two guesses, the first fed at the last position.
+    assert len(generation.proposed_token_ids) == 2
+    paged.step([], pb.StepPlan(finished_ids=[6]))
+
+
+def test_a_draft_with_another_tokenizer_is_refused(
+    tiny_model_dir: Path, default_model_dir: Path
+) -> None:
+    from transformers import AutoTokenizer
+
+    with pytest.raises(ValueError, match="tokenizer differs"):
+        check_vocabulary(tiny_model_dir, AutoTokenizer.from_pretrained(default_model_dir))
