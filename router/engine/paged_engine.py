@@ -199,6 +199,7 @@ class PagedEngine:
                     if g.proposed_token_ids
                 },
                 draft_s=response.draft_ns / 1e9,
+                draft_pass_s=response.draft_pass_ns / 1e9,
             )
         )
         self._report_step()

@@ -363,9 +363,9 @@ class Scheduler:
         num_finished_before = len(self._finished_ids)
         for step in live:
             self._advance(self._requests[step.request_id], step, result)
-        if result.draft_s and self.speculator is not None:
-            passes = max((s.num_proposed_tokens for s in live), default=0)
-            self.speculator.record_draft_time(result.draft_s, passes)
+        if result.draft_pass_s and self.speculator is not None:
+            guesses = [len(g) for g in result.proposed_token_ids.values()]
+            self.speculator.record_draft_pass(result.draft_pass_s, guesses)
         if result.step_latency_s is not None:
             num_decodes, num_prefill_tokens, prefill_attention = self._in_flight_counts
             self.controller.observe(
@@ -589,17 +589,23 @@ class Scheduler:
         return drafts
 
     def _ask_for_guesses(self, draft: _StepDraft) -> None:
-        """Draft-model speculation: which of the step's sequences the draft model guesses
-        for after it, and how many tokens (room for them and one more in the next step)."""
+        """Draft-model speculation: which of the step's decodes the draft model guesses for
+        after it, and how many tokens (room for them and one more in the next step). None
+        while prompts are computed or wait: the draft's passes and the longer verifying
+        step would delay their first tokens, which is not what the decodes' gain is
+        weighed against (and a prompt's own first token would wait for the draft's pass
+        over the prompt)."""
         assert self.speculator is not None
-        producing = [s for s in draft.scheduled.values() if s.produces_token]
-        requests = [self._requests[s.request_id] for s in producing]
+        requests = [self._requests[s.request_id] for s in draft.scheduled.values()]
+        if self._waiting or not all(r.is_decoding for r in requests):
+            return
+        decoding = requests
         candidates = [
             Candidate(r.request_id, r.token_ids, r.max_new_tokens - r.num_output_tokens - 2)
-            for r in requests
+            for r in decoding
             if r.max_new_tokens - r.num_output_tokens > 2
         ]
-        num_decodes = sum(r.is_decoding for r in requests)
+        num_decodes = len(decoding)
         wanted = self.speculator.proposals(candidates, num_decodes, self.controller.cost)
         for request_id, num_tokens in wanted.items():
             scheduled = draft.scheduled[request_id]

@@ -33,15 +33,18 @@ Adaptive, at two levels:
   threshold batch follows the machine and the model, measured, not configured. Before the
   fit is ready, steps of at most `FALLBACK_MAX_BATCH` decodes speculate. A draft model's
   guesses cost time of their own, one draft pass per guessed position: `proposals` adds
-  that (measured, `record_draft_time`) to the step with drafts before asking for guesses.
+  that (measured, `record_draft_pass`) to the step with drafts before asking for guesses.
+  Its acceptance rate is the pair of models' more than the text's: a new sequence starts
+  from the rate pooled over all sequences so far (`_pooled_prior`), not from
+  `PRIOR_ALPHA`.
 
 Pure Python, no I/O: a few dictionary operations per sequence and step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 
 from textgate.router.engine.ngram_proposer import NgramIndex
 from textgate.router.engine.step_cost import StepCostModel
@@ -61,6 +64,8 @@ MIN_GAIN = 1.05
 cost fit's error: a step that would gain nothing measurable does not speculate)."""
 FALLBACK_MAX_BATCH = 4
 """Before the cost fit is ready, steps with at most this many decodes speculate."""
+POOLED_DECAY = 0.99
+"""Weight of earlier verified steps in the acceptance rate pooled over all sequences."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,45 @@ class Candidate:
     """Prompt + generated so far."""
     max_drafts: int
     """Most drafts it may take (its budget leaves room for them and one more token)."""
+
+
+@dataclass
+class DraftPassCost:
+    """Seconds of one draft-model pass by its rows (sequences guessing in it): a decayed
+    least-squares line through the measured passes, since a pass's cost grows with its rows
+    (its weights are read once, its activations per row)."""
+
+    _sums: list[float] = field(default_factory=lambda: [0.0] * 5)
+    """Decayed sums of 1, rows, seconds, rows^2 and rows * seconds."""
+
+    def add(self, rows: float, seconds: float) -> None:
+        sums = self._sums
+        for i, value in enumerate((1.0, rows, seconds, rows * rows, rows * seconds)):
+            sums[i] = DECAY * sums[i] + value
+
+    def predict(self, rows: int) -> float:
+        """A pass of `rows`; 0 before any was measured. Rows never measured beyond the
+        ones seen cost in proportion (the line's slope is unknown: assume no fixed part)."""
+        weight, rows_sum, seconds_sum, square_sum, product_sum = self._sums
+        if weight == 0:
+            return 0.0
+        mean_rows, mean_s = rows_sum / weight, seconds_sum / weight
+        spread = square_sum / weight - mean_rows * mean_rows
+        if spread < 0.25:  # (about) one row count seen
+            return mean_s * max(1.0, rows / mean_rows)
+        slope = max(0.0, (product_sum / weight - mean_rows * mean_s) / spread)
+        return max(0.0, mean_s + slope * (rows - mean_rows))
+
+    def guessing(self, lengths: Iterable[int]) -> float:
+        """Every pass of guesses of `lengths` (one per sequence; pass j has those of at
+        least j)."""
+        ordered = sorted(lengths, reverse=True)
+        total, rows = 0.0, len(ordered)
+        for j in range(1, (ordered[0] if ordered else 0) + 1):
+            while rows and ordered[rows - 1] < j:
+                rows -= 1
+            total += self.predict(rows)
+        return total
 
 
 @dataclass
@@ -133,8 +177,10 @@ class Speculator:
         self.config = config
         self.stats = SpeculationStats()
         self._sequences: dict[int, _SequenceState] = {}
-        self._draft_pass_s = 0.0
-        """Measured seconds of one draft-model pass (decayed mean; 0 until measured)."""
+        self.draft_passes = DraftPassCost()
+        """Measured seconds of a draft-model pass by its rows (draft-model speculation)."""
+        self._pooled = [PRIOR_ALPHA, 1.0 - PRIOR_ALPHA]
+        """Decayed accepted drafts and rejecting steps over all sequences."""
 
     def plan(
         self, candidates: Sequence[Candidate], num_decodes: int, cost: StepCostModel
@@ -185,7 +231,7 @@ class Speculator:
             sum(self._sequences[r].alpha ** (i + 1) for i in range(n)) for r, n in lengths.items()
         )
         contexts = sum(len(c.token_ids) for c in candidates if c.request_id in lengths)
-        draft_s = max(lengths.values()) * self._draft_pass_s
+        draft_s = self.draft_passes.guessing(lengths.values())
         num_drafts = sum(lengths.values())
         context = contexts // len(lengths)
         if not self._gains(num_decodes, num_drafts, expected, context, cost, draft_s):
@@ -201,12 +247,14 @@ class Speculator:
         if state is not None:
             state.proposal, state.proposal_at = tuple(tokens), num_tokens
 
-    def record_draft_time(self, seconds: float, num_passes: int) -> None:
-        """A step's draft model took `seconds` for `num_passes` passes (its longest guess)."""
-        if num_passes > 0 and seconds > 0:
-            per_pass = seconds / num_passes
-            mean = self._draft_pass_s
-            self._draft_pass_s = per_pass if mean == 0 else DECAY * mean + (1 - DECAY) * per_pass
+    def record_draft_pass(self, seconds: float, guesses: Sequence[int]) -> None:
+        """The draft model's passes after the first took `seconds` each, on average, to make
+        guesses of the lengths `guesses` (one per sequence: its pass j had those of at
+        least j)."""
+        num_later = max(guesses, default=0) - 1
+        if num_later > 0:
+            rows = sum(max(n - 1, 0) for n in guesses) / num_later
+            self.draft_passes.add(rows, seconds)
 
     def record(self, request_id: int, num_drafts: int, num_emitted: int) -> None:
         """A verified step: `num_drafts` proposed, `num_emitted` tokens came back (the
@@ -217,11 +265,15 @@ class Speculator:
         stats.num_accepted_tokens += accepted
         stats.num_verify_steps += 1
         stats.num_emitted_tokens += num_emitted
+        rejection = 1.0 if accepted < num_drafts else 0.0
+        pooled = self._pooled
+        pooled[0] = POOLED_DECAY * pooled[0] + accepted
+        pooled[1] = POOLED_DECAY * pooled[1] + rejection
         state = self._sequences.get(request_id)
         if state is None:
             return
         state.accepted = DECAY * state.accepted + accepted
-        state.rejected = DECAY * state.rejected + (1.0 if accepted < num_drafts else 0.0)
+        state.rejected = DECAY * state.rejected + rejection
 
     def tick(self, request_ids: Sequence[int]) -> None:
         """These requests decoded a step without drafts (their probe clock runs)."""
@@ -246,8 +298,17 @@ class Speculator:
         state = self._sequences.get(request_id)
         if state is None:
             index = NgramIndex(self.config.min_ngram, self.config.max_ngram)
-            state = self._sequences[request_id] = _SequenceState(index)
+            state = _SequenceState(index)
+            if self.config.draft_model:
+                state.accepted = self._pooled_prior()
+                state.rejected = 1.0 - state.accepted
+            self._sequences[request_id] = state
         return state
+
+    def _pooled_prior(self) -> float:
+        """A new sequence's acceptance rate under a draft model: the pooled one so far."""
+        accepted, rejected = self._pooled
+        return accepted / (accepted + rejected)
 
     def _proposal(
         self, state: _SequenceState, candidate: Candidate, length: int

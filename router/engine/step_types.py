@@ -165,3 +165,5 @@ class ModelStepResult:
     """Draft-model speculation: request id -> the draft model's guesses after its tokens."""
     draft_s: float = 0.0
     """Of `step_latency_s`, the time the draft model took guessing them."""
+    draft_pass_s: float = 0.0
+    """Of `draft_s`, one guessing pass after the first (0: no sequence wanted two guesses)."""

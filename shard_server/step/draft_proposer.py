@@ -21,6 +21,7 @@ the target's (a bad draft costs speed, never correctness).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
@@ -75,6 +76,8 @@ class DraftProposer:
         self.num_blocks = 0
         """Blocks the router hands out (scratch blocks follow them)."""
         self._states: dict[int, _DraftState] = {}
+        self.pass_ns = 0
+        """The last call's mean time of a pass after its first (0: it made one pass)."""
 
     def bytes_per_block(self) -> int:
         """Memory one block of the draft's cache takes."""
@@ -121,7 +124,11 @@ class DraftProposer:
         active = list(range(len(rows)))
         tokens = [row.seq.all_ids[row.start :] for row in rows]
         starts = [row.start for row in rows]
+        num_passes, after_first = 0, time.perf_counter_ns()
         while active:
+            if num_passes == 1:
+                after_first = time.perf_counter_ns()
+            num_passes += 1
             picked = self._forward([rows[i] for i in active], tokens, starts)
             for i, token in zip(active, picked, strict=True):
                 guesses[i].append(token)
@@ -130,6 +137,8 @@ class DraftProposer:
             active = [active[j] for j in keep]
             starts = [starts[j] for j in keep]
             tokens = [[guesses[i][-1]] for i in active]
+        later = num_passes - 1
+        self.pass_ns = (time.perf_counter_ns() - after_first) // later if later else 0
         for row, guess in zip(rows, guesses, strict=True):
             self._remember(row, guess)
         return {row.seq.id: tuple(guess) for row, guess in zip(rows, guesses, strict=True)}

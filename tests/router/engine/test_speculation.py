@@ -10,6 +10,7 @@ from textgate.router.engine.speculation import (
     MIN_ALPHA,
     PROBE_INTERVAL,
     Candidate,
+    DraftPassCost,
     SpeculationConfig,
     Speculator,
 )
@@ -123,8 +124,41 @@ def test_a_draft_model_is_asked_for_guesses_that_become_the_next_drafts() -> Non
 def test_the_draft_models_measured_time_can_turn_guessing_off() -> None:
     candidates = [Candidate(0, COPYING, 10)]
     cheap = Speculator(SpeculationConfig(4, draft_model=True))
-    cheap.record_draft_time(0.004, 4)  # a pass: 1 ms, beside 30 ms steps
+    cheap.record_draft_pass(0.001, [4])  # a pass: 1 ms, beside 30 ms steps
     assert cheap.proposals(candidates, 1, fitted(0.030, 0.0005)) == {0: 4}
     dear = Speculator(SpeculationConfig(4, draft_model=True))
-    dear.record_draft_time(0.120, 4)  # a pass as long as a target step
+    dear.record_draft_pass(0.030, [4])  # a pass as long as a target step
     assert dear.proposals(candidates, 1, fitted(0.030, 0.0005)) == {}
+
+
+def test_a_draft_models_new_sequences_start_from_the_pooled_acceptance() -> None:
+    speculator = Speculator(SpeculationConfig(4, draft_model=True))
+    assert speculator.alpha(0) == pytest.approx(0.5)
+    for request_id in range(1, 20):
+        speculator.alpha(request_id)
+        speculator.record(request_id, 4, 5 if request_id % 4 else 3)  # mostly all accepted
+    assert speculator.alpha(100) > 0.8
+    # N-gram drafts depend on the text: every sequence starts from the prior.
+    ngram = Speculator(SpeculationConfig(4))
+    for request_id in range(1, 20):
+        ngram.alpha(request_id)
+        ngram.record(request_id, 4, 5)
+    assert ngram.alpha(100) == pytest.approx(0.5)
+
+
+def test_a_draft_pass_costs_more_with_more_rows() -> None:
+    cost = DraftPassCost()
+    assert cost.predict(4) == 0.0
+    cost.add(1, 0.004)
+    assert cost.predict(1) == pytest.approx(0.004)
+    assert cost.predict(4) == pytest.approx(0.016)  # one row count seen: in proportion
+    for rows, seconds in [(1, 0.004), (2, 0.006), (4, 0.008), (8, 0.012)] * 5:
+        cost.add(rows, seconds)
+    assert 0.0095 < cost.predict(6) < 0.0105  # the line through 1-8 rows (10 ms at 6)
+    # Guesses of 4, 2 and 1 tokens: a pass of 3 rows, one of 2, two of 1.
+    assert cost.guessing([4, 2, 1]) == pytest.approx(
+        cost.predict(3) + cost.predict(2) + 2 * cost.predict(1)
+    )
+    speculator = Speculator(SpeculationConfig(4, draft_model=True))
+    speculator.record_draft_pass(0.006, [4, 4, 1])  # passes 2-4 had 2 rows each
+    assert speculator.draft_passes.predict(2) == pytest.approx(0.006)

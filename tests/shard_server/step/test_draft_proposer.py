@@ -92,6 +92,8 @@ def run(
             assert not drafts, "a finished request gets no guesses"
             return tokens[len(request.input_ids) :], guesses_seen
         guesses_seen.append((len(tokens), drafts))
+        # The router costs the draft by its passes after the first, which it is told.
+        assert (response.draft_pass_ns > 0) == (len(drafts) > 1)
     raise AssertionError("the request did not finish")
 
 
