@@ -375,20 +375,22 @@ class ScheduledRequest(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_position: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., produces_token: _Optional[bool] = ..., num_draft_tokens: _Optional[int] = ..., num_proposed_tokens: _Optional[int] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("generations", "forward_ns", "decode_ns", "total_ns", "draft_ns", "draft_pass_ns")
+    __slots__ = ("generations", "forward_ns", "decode_ns", "total_ns", "draft_ns", "draft_pass_ns", "draft_pass_rows")
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
     DECODE_NS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_NS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_NS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PASS_NS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PASS_ROWS_FIELD_NUMBER: _ClassVar[int]
     generations: _containers.RepeatedCompositeFieldContainer[Generation]
     forward_ns: int
     decode_ns: int
     total_ns: int
     draft_ns: int
     draft_pass_ns: int
-    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., forward_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., draft_ns: _Optional[int] = ..., draft_pass_ns: _Optional[int] = ...) -> None: ...
+    draft_pass_rows: float
+    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., forward_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., draft_ns: _Optional[int] = ..., draft_pass_ns: _Optional[int] = ..., draft_pass_rows: _Optional[float] = ...) -> None: ...
 
 class LoadAdapterRequest(_message.Message):
     __slots__ = ("adapter_id", "path")

@@ -200,6 +200,7 @@ class PagedEngine:
                 },
                 draft_s=response.draft_ns / 1e9,
                 draft_pass_s=response.draft_pass_ns / 1e9,
+                draft_pass_rows=response.draft_pass_rows,
             )
         )
         self._report_step()

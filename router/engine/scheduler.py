@@ -364,8 +364,7 @@ class Scheduler:
         for step in live:
             self._advance(self._requests[step.request_id], step, result)
         if result.draft_pass_s and self.speculator is not None:
-            guesses = [len(g) for g in result.proposed_token_ids.values()]
-            self.speculator.record_draft_pass(result.draft_pass_s, guesses)
+            self.speculator.draft_passes.add(result.draft_pass_rows, result.draft_pass_s)
         if result.step_latency_s is not None:
             num_decodes, num_prefill_tokens, prefill_attention = self._in_flight_counts
             self.controller.observe(
@@ -579,11 +578,7 @@ class Scheduler:
         if self.speculator is None:
             return {}
         decoding = [r for r in self._running if r.is_decoding]
-        candidates = [
-            Candidate(r.request_id, r.token_ids, r.max_new_tokens - r.num_output_tokens - 1)
-            for r in decoding
-            if r.max_new_tokens - r.num_output_tokens > 1
-        ]
+        candidates = _draft_candidates(decoding, num_own_tokens=1)
         drafts = self.speculator.plan(candidates, len(decoding), self.controller.cost)
         self.speculator.tick([c.request_id for c in candidates if c.request_id not in drafts])
         return drafts
@@ -596,17 +591,12 @@ class Scheduler:
         weighed against (and a prompt's own first token would wait for the draft's pass
         over the prompt)."""
         assert self.speculator is not None
-        requests = [self._requests[s.request_id] for s in draft.scheduled.values()]
-        if self._waiting or not all(r.is_decoding for r in requests):
+        decoding = [self._requests[s.request_id] for s in draft.scheduled.values()]
+        if self._waiting or not all(r.is_decoding for r in decoding):
             return
-        decoding = requests
-        candidates = [
-            Candidate(r.request_id, r.token_ids, r.max_new_tokens - r.num_output_tokens - 2)
-            for r in decoding
-            if r.max_new_tokens - r.num_output_tokens > 2
-        ]
-        num_decodes = len(decoding)
-        wanted = self.speculator.proposals(candidates, num_decodes, self.controller.cost)
+        # This step's token and the next step's own come before the guesses' room.
+        candidates = _draft_candidates(decoding, num_own_tokens=2)
+        wanted = self.speculator.proposals(candidates, len(decoding), self.controller.cost)
         for request_id, num_tokens in wanted.items():
             scheduled = draft.scheduled[request_id]
             draft.scheduled[request_id] = replace(scheduled, num_proposed_tokens=num_tokens)
@@ -742,3 +732,13 @@ def _passed_over(
         return waits is not None and waits(request)
 
     return skipped
+
+
+def _draft_candidates(requests: Sequence[_Request], num_own_tokens: int) -> list[Candidate]:
+    """The requests that have room for drafts beyond `num_own_tokens` more tokens of their
+    own before their max_new_tokens, as speculation's candidates."""
+    return [
+        Candidate(r.request_id, r.token_ids, room - num_own_tokens)
+        for r in requests
+        if (room := r.max_new_tokens - r.num_output_tokens) > num_own_tokens
+    ]

@@ -33,7 +33,7 @@ Adaptive, at two levels:
   threshold batch follows the machine and the model, measured, not configured. Before the
   fit is ready, steps of at most `FALLBACK_MAX_BATCH` decodes speculate. A draft model's
   guesses cost time of their own, one draft pass per guessed position: `proposals` adds
-  that (measured, `record_draft_pass`) to the step with drafts before asking for guesses.
+  that (measured, `DraftPassCost`) to the step with drafts before asking for guesses.
   Its acceptance rate is the pair of models' more than the text's: a new sequence starts
   from the rate pooled over all sequences so far (`_pooled_prior`), not from
   `PRIOR_ALPHA`.
@@ -44,7 +44,7 @@ Pure Python, no I/O: a few dictionary operations per sequence and step.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from textgate.router.engine.ngram_proposer import NgramIndex
 from textgate.router.engine.step_cost import StepCostModel
@@ -66,6 +66,8 @@ FALLBACK_MAX_BATCH = 4
 """Before the cost fit is ready, steps with at most this many decodes speculate."""
 POOLED_DECAY = 0.99
 """Weight of earlier verified steps in the acceptance rate pooled over all sequences."""
+PASS_DECAY = 0.95
+"""Weight of earlier draft-model passes in the fit of a pass's time."""
 
 
 @dataclass(frozen=True)
@@ -105,25 +107,33 @@ class DraftPassCost:
     least-squares line through the measured passes, since a pass's cost grows with its rows
     (its weights are read once, its activations per row)."""
 
-    _sums: list[float] = field(default_factory=lambda: [0.0] * 5)
-    """Decayed sums of 1, rows, seconds, rows^2 and rows * seconds."""
+    weight: float = 0.0
+    """Decayed count of the passes measured; the sums below are decayed alike."""
+    rows: float = 0.0
+    seconds: float = 0.0
+    rows_squared: float = 0.0
+    rows_seconds: float = 0.0
 
     def add(self, rows: float, seconds: float) -> None:
-        sums = self._sums
-        for i, value in enumerate((1.0, rows, seconds, rows * rows, rows * seconds)):
-            sums[i] = DECAY * sums[i] + value
+        """A measured pass of `rows` sequences (a mean, for several passes) that took `seconds`."""
+        d = PASS_DECAY
+        self.weight = d * self.weight + 1.0
+        self.rows = d * self.rows + rows
+        self.seconds = d * self.seconds + seconds
+        self.rows_squared = d * self.rows_squared + rows * rows
+        self.rows_seconds = d * self.rows_seconds + rows * seconds
 
     def predict(self, rows: int) -> float:
         """A pass of `rows`; 0 before any was measured. Rows never measured beyond the
         ones seen cost in proportion (the line's slope is unknown: assume no fixed part)."""
-        weight, rows_sum, seconds_sum, square_sum, product_sum = self._sums
-        if weight == 0:
+        if self.weight == 0:
             return 0.0
-        mean_rows, mean_s = rows_sum / weight, seconds_sum / weight
-        spread = square_sum / weight - mean_rows * mean_rows
+        mean_rows, mean_s = self.rows / self.weight, self.seconds / self.weight
+        spread = self.rows_squared / self.weight - mean_rows * mean_rows
         if spread < 0.25:  # (about) one row count seen
             return mean_s * max(1.0, rows / mean_rows)
-        slope = max(0.0, (product_sum / weight - mean_rows * mean_s) / spread)
+        covariance = self.rows_seconds / self.weight - mean_rows * mean_s
+        slope = max(0.0, covariance / spread)
         return max(0.0, mean_s + slope * (rows - mean_rows))
 
     def guessing(self, lengths: Iterable[int]) -> float:
@@ -191,20 +201,12 @@ class Speculator:
         if not candidates or not self._batch_may_gain(candidates, num_decodes, cost):
             return {}
         drafts: dict[int, tuple[int, ...]] = {}
-        expected = 0.0
-        contexts = 0
         for candidate in candidates:
-            state = self._state(candidate.request_id)
-            length = min(self._length(state), candidate.max_drafts)
-            proposal = self._proposal(state, candidate, length) if length > 0 else ()
+            proposal = self._proposal(self._state(candidate.request_id), candidate)
             if proposal:
                 drafts[candidate.request_id] = proposal
-                expected += sum(state.alpha ** (i + 1) for i in range(len(proposal)))
-                contexts += len(candidate.token_ids)
-        if not drafts:
-            return {}
-        num_drafts = sum(len(d) for d in drafts.values())
-        if not self._gains(num_decodes, num_drafts, expected, contexts // len(drafts), cost):
+        lengths = {request_id: len(d) for request_id, d in drafts.items()}
+        if not drafts or not self._pays(candidates, lengths, num_decodes, cost):
             return {}
         for request_id in drafts:
             self._sequences[request_id].steps_since_probe = 0
@@ -216,27 +218,18 @@ class Speculator:
         """Draft-model speculation: how many tokens the draft model guesses after this step
         for each candidate (sequences this step gives a token; `max_drafts` the room their
         next step leaves); {} when even all of them accepted would not pay for the passes."""
-        if not candidates:
+        if not cost.is_ready and num_decodes > FALLBACK_MAX_BATCH:
             return {}
         lengths = {}
         for candidate in candidates:
             length = min(self._length(self._state(candidate.request_id)), candidate.max_drafts)
             if length > 0:
                 lengths[candidate.request_id] = length
-        if not lengths:
-            return {}
-        if not cost.is_ready and num_decodes > FALLBACK_MAX_BATCH:
-            return {}
-        expected = sum(
-            sum(self._sequences[r].alpha ** (i + 1) for i in range(n)) for r, n in lengths.items()
-        )
-        contexts = sum(len(c.token_ids) for c in candidates if c.request_id in lengths)
         draft_s = self.draft_passes.guessing(lengths.values())
-        num_drafts = sum(lengths.values())
-        context = contexts // len(lengths)
-        if not self._gains(num_decodes, num_drafts, expected, context, cost, draft_s):
+        if not lengths or not self._pays(candidates, lengths, num_decodes, cost, draft_s):
             return {}
         for request_id in lengths:
+            # Asking is the probe: the guesses are verified whatever the rate says then.
             self._sequences[request_id].steps_since_probe = 0
         return lengths
 
@@ -246,15 +239,6 @@ class Speculator:
         state = self._sequences.get(request_id)
         if state is not None:
             state.proposal, state.proposal_at = tuple(tokens), num_tokens
-
-    def record_draft_pass(self, seconds: float, guesses: Sequence[int]) -> None:
-        """The draft model's passes after the first took `seconds` each, on average, to make
-        guesses of the lengths `guesses` (one per sequence: its pass j had those of at
-        least j)."""
-        num_later = max(guesses, default=0) - 1
-        if num_later > 0:
-            rows = sum(max(n - 1, 0) for n in guesses) / num_later
-            self.draft_passes.add(rows, seconds)
 
     def record(self, request_id: int, num_drafts: int, num_emitted: int) -> None:
         """A verified step: `num_drafts` proposed, `num_emitted` tokens came back (the
@@ -310,14 +294,32 @@ class Speculator:
         accepted, rejected = self._pooled
         return accepted / (accepted + rejected)
 
-    def _proposal(
-        self, state: _SequenceState, candidate: Candidate, length: int
-    ) -> tuple[int, ...]:
-        """The sequence's drafts: the draft model's guesses, or its n-gram lookup."""
+    def _proposal(self, state: _SequenceState, candidate: Candidate) -> tuple[int, ...]:
+        """The sequence's drafts: the draft model's guesses (as many as were asked for,
+        when `proposals` decided), or its n-gram lookup at its acceptance rate's length."""
         if self.config.draft_model:
             fresh = state.proposal_at == len(candidate.token_ids)
-            return state.proposal[:length] if fresh else ()
-        return state.index.propose(candidate.token_ids, length)
+            return state.proposal[: candidate.max_drafts] if fresh else ()
+        length = min(self._length(state), candidate.max_drafts)
+        return state.index.propose(candidate.token_ids, length) if length > 0 else ()
+
+    def _pays(
+        self,
+        candidates: Sequence[Candidate],
+        lengths: dict[int, int],
+        num_decodes: int,
+        cost: StepCostModel,
+        draft_s: float = 0.0,
+    ) -> bool:
+        """Whether drafts of `lengths` (by request) are predicted to raise the step's tokens
+        per second, each accepted at its sequence's rate."""
+        expected = sum(
+            sum(self._sequences[r].alpha ** (i + 1) for i in range(n)) for r, n in lengths.items()
+        )
+        contexts = sum(len(c.token_ids) for c in candidates if c.request_id in lengths)
+        context = contexts // len(lengths)
+        num_drafts = sum(lengths.values())
+        return self._gains(num_decodes, num_drafts, expected, context, cost, draft_s)
 
     def _length(self, state: _SequenceState) -> int:
         """How many drafts the sequence proposes at its acceptance rate."""

@@ -166,4 +166,6 @@ class ModelStepResult:
     draft_s: float = 0.0
     """Of `step_latency_s`, the time the draft model took guessing them."""
     draft_pass_s: float = 0.0
-    """Of `draft_s`, one guessing pass after the first (0: no sequence wanted two guesses)."""
+    """Of `draft_s`, the mean time of a guessing pass (0: none was timed)."""
+    draft_pass_rows: float = 0.0
+    """The mean sequences in those passes."""

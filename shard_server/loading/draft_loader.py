@@ -55,13 +55,19 @@ def load_draft(
             f"--speculative-model {path}: its vocabulary ({model.config.vocab_size} ids) is "
             f"larger than the served model's ({target.config.vocab_size})"
         )
+    if model.config.vocab_size < len(tokenizer):
+        raise ValueError(
+            f"--speculative-model {path}: its vocabulary ({model.config.vocab_size} ids) "
+            f"cannot embed every token of the served model's tokenizer ({len(tokenizer)})"
+        )
     log.info(
         "Draft model for speculation: %s, %s, %s",
         path,
         getattr(model, "quantize", None) or "unquantized",
         dtype,
     )
-    return DraftProposer(model, block_size, target.config.max_position_embeddings)
+    positions = min(target.config.max_position_embeddings, model.config.max_position_embeddings)
+    return DraftProposer(model, block_size, positions)
 
 
 def check_vocabulary(path: Path, tokenizer: Any) -> None:

@@ -44,7 +44,7 @@ from textgate.shard_server.startup.memory import (
 from textgate.shard_server.startup.paged_warmup import pick_graph_capture, warmup_pass
 from textgate.shard_server.startup.step_timing import DEFAULT_MAX_BATCH, warmup_measurements
 from textgate.shard_server.step.cuda_graphs import DecodeGraphRunner, GraphCapture
-from textgate.shard_server.step.draft_proposer import DraftProposer
+from textgate.shard_server.step.draft_proposer import DraftOutput, DraftProposer
 from textgate.shard_server.step.grammar import (
     GrammarCompiler,
     GrammarError,
@@ -161,6 +161,8 @@ class PagedModel:
             budget = int(free * self.cache_config.cuda_memory_fraction)
         else:
             budget = self.cache_config.kv_cache_memory
+        if self.draft is not None:
+            budget -= self.draft.reserved_bytes()
         return max(budget // per_block, 1)
 
     def warmup(self, request: pb.WarmupRequest) -> pb.WarmupResponse:
@@ -188,7 +190,7 @@ class PagedModel:
         tokens = max(min(request.max_prefill_tokens, num_blocks * block_size), 1)
         self._warmup_pass([tokens])
         if self.draft is not None:
-            self.draft.allocate(num_blocks)
+            self.draft.allocate(num_blocks, tokens)
             assert self.draft.kv_cache is not None
             warmup_pass(self.draft.model, self.draft.kv_cache, [tokens], block_size, self.device)
         if capture is not None:
@@ -261,6 +263,8 @@ class PagedModel:
             with_graphs=reserved > 0,
         )
         budget = kv_cache_budget(profile, self.cache_config.cuda_memory_fraction)
+        if self.draft is not None:
+            budget -= self.draft.reserved_bytes()
         num_blocks = num_kv_blocks(budget, self.bytes_per_block(), reserved)
         num_blocks = agree_on_blocks(num_blocks, self.process_group, self.device)
         log.info(
@@ -325,13 +329,14 @@ class PagedModel:
         forward_done = time.perf_counter_ns()
         generations = self._append(inputs, result, masks) if result is not None else []
         decoded = time.perf_counter_ns()
-        pass_ns = self._propose(self.draft, scheduled, generations) if self.draft else 0
+        drafted = self._propose(self.draft, scheduled, generations) if self.draft else DraftOutput()
         return pb.StepResponse(
             generations=rejected + generations,
             forward_ns=forward_done - start,
             decode_ns=decoded - forward_done,
             draft_ns=time.perf_counter_ns() - decoded,
-            draft_pass_ns=pass_ns,
+            draft_pass_ns=drafted.pass_ns,
+            draft_pass_rows=drafted.pass_rows,
         )
 
     def _propose(
@@ -339,12 +344,11 @@ class PagedModel:
         draft: DraftProposer,
         scheduled: Seq[pb.ScheduledRequest],
         generations: list[pb.Generation],
-    ) -> int:
+    ) -> DraftOutput:
         """The draft model's guesses for the sequences the plan asked them for (the
-        still running ones), on their Generations: the drafts of their next step. Gives
-        the mean time of a guessing pass after the first (0: none)."""
-        for item in scheduled:
-            draft.seen(item.request_id, item.start_position)
+        still running ones), on their Generations: the drafts of their next step. Guesses
+        are optional: a draft that fails is logged, forgets its cache and guesses nothing
+        this step, and the step's tokens are answered as without it."""
         answered = {g.request_id: g for g in generations}
         wanted = [
             (self.sequences[item.request_id], item.block_table, item.num_proposed_tokens)
@@ -354,12 +358,17 @@ class PagedModel:
             and item.request_id in self.sequences
         ]
         if not wanted:
-            return 0
-        with torch.inference_mode():
-            proposals = draft.propose(wanted)
-        for request_id, tokens in proposals.items():
+            return DraftOutput()
+        try:
+            with torch.inference_mode():
+                drafted = draft.propose(wanted)
+        except Exception:
+            log.exception("the draft model failed: no guesses this step")
+            draft.clear()
+            return DraftOutput()
+        for request_id, tokens in drafted.guesses.items():
             answered[request_id].proposed_token_ids.extend(tokens)
-        return draft.pass_ns
+        return drafted
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """Logits [N, V] of the step: through a decode graph where one fits (and no row

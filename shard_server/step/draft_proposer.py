@@ -8,22 +8,27 @@ deterministic draft, so the verification rule that keeps n-gram drafts exact kee
 exact too, for sampling as well.
 
 The draft's KV cache mirrors the target's block layout: the same block ids, so the router's
-allocator covers both and no second allocator exists. Each sequence's draft KV is computed
-lazily: the draft remembers how many positions of it hold the sequence's own tokens
-(`_DraftState`), and its first pass of a call catches up from there (the prompt on the first
-call, one or two tokens after a verified step). Positions past the sequence's blocks (the
-newest tokens, the guesses) go to one scratch block per row beyond the router's blocks,
-so a guess never writes a block the router has not given the sequence.
+allocator covers both and no second allocator exists. The draft's KV is computed lazily:
+each block remembers which tokens the draft wrote in it, after which prefix (`_BlockKey`),
+so a sequence reads as valid exactly the positions whose draft KV was written for its own
+tokens, in any block, whoever wrote it (a prefix shared with another request, guesses that
+turned out right), and nothing a block held for another sequence before it was given back
+and handed out again (a recompute after preemption, a reused block). The first pass of a
+call catches each sequence up from there (its prompt on its first guesses, at most
+`max_catch_up` tokens a call; one or two tokens after a verified step), then guesses.
+Positions past the sequence's blocks (its newest token's, the guesses') go to one scratch
+block per row beyond the router's, so a guess never writes a block the router has not
+given the sequence.
 
-Only the guessed tokens and the draft cache depend on the draft: what the sequence emits is
-the target's (a bad draft costs speed, never correctness).
+Only the guesses depend on the draft: what a sequence emits is the target's (a bad draft
+costs speed, never correctness).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,40 +38,60 @@ from textgate.shard_server.step.kv_cache import KVCache
 from textgate.shard_server.step.sequence import Sequence
 
 MAX_ROWS = 64
-"""Most sequences one call proposes for (scratch blocks kept: one per row); the rest get none."""
+"""Most sequences one call guesses for (one scratch block each); the rest get none."""
+MEASURED_TOKENS = 2
+"""A pass is timed for the router's cost fit when no row feeds more tokens than this (a
+prompt's catch-up is a one-off, not what each step of guessing costs)."""
 
 
-@dataclass
-class _DraftState:
-    """Where a sequence's draft KV stands."""
+@dataclass(frozen=True)
+class _BlockKey:
+    """What the draft's KV in a block holds."""
 
-    num_valid: int
-    """Positions [0, num_valid) hold the draft KV of the sequence's own tokens."""
-    blocks: tuple[int, ...]
-    """The blocks those positions (and the tail's) were written in."""
-    computed: int
-    """Positions the target had computed when the draft last ran: a later step that starts
-    below is a recompute (after preemption), whose blocks may have served others since."""
-    tail: tuple[int, ...] = ()
-    """Guesses whose KV follows position num_valid, in those blocks: valid as far as the
-    sequence's tokens turned out to agree with them."""
+    prefix: int
+    """`chain_hash` of the tokens of every block before it."""
+    tokens: tuple[int, ...]
+    """The tokens whose KV it holds, from the block's first position on."""
+
+
+@dataclass(frozen=True)
+class DraftOutput:
+    """One call's guesses, and the timing the router costs guessing by."""
+
+    guesses: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    """Request id -> its greedy guesses after its last token."""
+    pass_ns: int = 0
+    """Mean time of the call's timed passes (`MEASURED_TOKENS`); 0: none was."""
+    pass_rows: float = 0.0
+    """Their mean rows (sequences in a pass)."""
 
 
 @dataclass
 class _Row:
+    """One sequence's part of a call."""
+
     seq: Sequence
     table: list[int]
     """The sequence's blocks, then its scratch block."""
-    start: int
-    num_tokens: int
-    """Proposals wanted."""
-    capacity: int
-    """Positions the router's blocks hold."""
+    first: int
+    """Position of the first token fed this call."""
+    tokens: list[int]
+    """What the next pass feeds."""
+    num_wanted: int
+    """Guesses wanted; 0: only catching up this call (the call's catch-up budget ran out)."""
+    fed: list[int] = field(default_factory=list)
+    """Everything fed so far, from position `first`."""
+    guesses: list[int] = field(default_factory=list)
+
+
+def chain_hash(prefix: int, tokens: Seq[int]) -> int:
+    """The key of a block of `tokens` after the blocks keyed `prefix` (0 for the first)."""
+    return hash((prefix, tuple(tokens)))
 
 
 class DraftProposer:
-    """A draft model, its paged cache (the target's block ids plus scratch blocks) and how
-    far each sequence's draft KV is computed."""
+    """A draft model, its paged cache (the target's block ids plus scratch blocks) and what
+    each block of that cache holds."""
 
     def __init__(self, model: Any, block_size: int, max_positions: int) -> None:
         self.model = model
@@ -75,9 +100,11 @@ class DraftProposer:
         self.kv_cache: KVCache | None = None
         self.num_blocks = 0
         """Blocks the router hands out (scratch blocks follow them)."""
-        self._states: dict[int, _DraftState] = {}
-        self.pass_ns = 0
-        """The last call's mean time of a pass after its first (0: it made one pass)."""
+        self.max_catch_up = 512
+        """Most tokens one call feeds to catch sequences up (Warmup sets the prefill size)."""
+        self._keys: dict[int, _BlockKey] = {}
+        self._chains: dict[int, list[int]] = {}
+        """Per sequence, `chain_hash` of each full block of its tokens."""
 
     def bytes_per_block(self) -> int:
         """Memory one block of the draft's cache takes."""
@@ -89,115 +116,143 @@ class DraftProposer:
             dtype=self.model.kv_cache_dtype,
         )
 
-    def allocate(self, num_blocks: int) -> None:
+    def reserved_bytes(self) -> int:
+        """Memory of the scratch blocks, beside the router's."""
+        return MAX_ROWS * self.bytes_per_block()
+
+    def allocate(self, num_blocks: int, max_catch_up: int) -> None:
         """A cache for the target's `num_blocks` blocks and the scratch blocks."""
-        self.kv_cache = None
+        self.kv_cache = None  # the old cache is freed before the new one is made
         self.kv_cache = self.model.allocate_kv_cache(num_blocks + MAX_ROWS, self.block_size)
         self.num_blocks = num_blocks
-        self._states.clear()
-
-    def seen(self, request_id: int, start_position: int) -> None:
-        """The target computes the request from `start_position` this step. Below what it
-        had computed, this is a recompute: the blocks from there on were given back and
-        may have held other sequences' draft KV since, so only what lies before is kept
-        (a prefix-cache hit's blocks hold the same tokens, whoever wrote them)."""
-        state = self._states.get(request_id)
-        if state is not None and start_position < state.computed:
-            state.tail = ()
-            state.num_valid = min(state.num_valid, start_position)
-            state.computed = start_position
+        self.max_catch_up = max(max_catch_up, 1)
+        self.clear()
 
     def drop(self, request_id: int) -> None:
-        self._states.pop(request_id, None)
+        self._chains.pop(request_id, None)
 
     def clear(self) -> None:
-        self._states.clear()
+        """Forget what every block holds (and every sequence)."""
+        self._keys.clear()
+        self._chains.clear()
 
-    def propose(self, wanted: Seq[tuple[Sequence, Seq[int], int]]) -> dict[int, tuple[int, ...]]:
+    def propose(self, wanted: Seq[tuple[Sequence, Seq[int], int]]) -> DraftOutput:
         """Up to k greedy guesses per (sequence, its block table, k), after its last token."""
         if self.kv_cache is None:
             raise RuntimeError("the draft's KV cache is not allocated: Warmup must run first")
-        rows = [row for row in (self._row(*each, i) for i, each in enumerate(wanted)) if row]
-        if not rows:
-            return {}
-        guesses: list[list[int]] = [[] for _ in rows]
-        active = list(range(len(rows)))
-        tokens = [row.seq.all_ids[row.start :] for row in rows]
-        starts = [row.start for row in rows]
-        num_passes, after_first = 0, time.perf_counter_ns()
+        rows = self._rows(wanted)
+        timed: list[tuple[int, int]] = []  # (ns, rows) of the passes timed
+        active = rows
         while active:
-            if num_passes == 1:
-                after_first = time.perf_counter_ns()
-            num_passes += 1
-            picked = self._forward([rows[i] for i in active], tokens, starts)
-            for i, token in zip(active, picked, strict=True):
-                guesses[i].append(token)
-            starts = [starts[j] + len(tokens[j]) for j, i in enumerate(active)]
-            keep = [j for j, i in enumerate(active) if len(guesses[i]) < rows[i].num_tokens]
-            active = [active[j] for j in keep]
-            starts = [starts[j] for j in keep]
-            tokens = [[guesses[i][-1]] for i in active]
-        later = num_passes - 1
-        self.pass_ns = (time.perf_counter_ns() - after_first) // later if later else 0
-        for row, guess in zip(rows, guesses, strict=True):
-            self._remember(row, guess)
-        return {row.seq.id: tuple(guess) for row, guess in zip(rows, guesses, strict=True)}
+            started = time.perf_counter_ns()
+            picked = self._forward(active)
+            if max(len(row.tokens) for row in active) <= MEASURED_TOKENS:
+                timed.append((time.perf_counter_ns() - started, len(active)))
+            for row, token in zip(active, picked, strict=True):
+                if row.num_wanted:
+                    row.guesses.append(token)
+                row.tokens = [token]
+            active = [row for row in active if len(row.guesses) < row.num_wanted]
+        for row in rows:
+            self._remember(row)
+        guesses = {row.seq.id: tuple(row.guesses) for row in rows if row.guesses}
+        if not timed:
+            return DraftOutput(guesses)
+        return DraftOutput(
+            guesses,
+            pass_ns=sum(ns for ns, _ in timed) // len(timed),
+            pass_rows=sum(n for _, n in timed) / len(timed),
+        )
 
-    def _row(self, seq: Sequence, table: Seq[int], num_tokens: int, index: int) -> _Row | None:
-        """The sequence's share of the call, or None when it cannot be proposed for."""
-        length = len(seq.all_ids)
-        capacity = len(table) * self.block_size
-        # Guess i (from 1) is fed at position length + i - 1, the last guess is not: all
-        # inside the model's positions, and past the router's blocks by at most one block
-        # (the newest token's slot is only given in the next step).
-        num_tokens = min(num_tokens, self.block_size, self.max_positions - length + 1)
-        if num_tokens < 1 or index >= MAX_ROWS or length - 1 > capacity:
-            return None
-        start = min(self._num_valid(seq, table), length - 1)
-        return _Row(seq, [*table, self.num_blocks + index], start, num_tokens, capacity)
+    def _rows(self, wanted: Seq[tuple[Sequence, Seq[int], int]]) -> list[_Row]:
+        """The call's rows: where each sequence's draft KV stops, what it feeds first."""
+        rows, budget = [], self.max_catch_up
+        for seq, table, num_wanted in wanted[:MAX_ROWS]:
+            length = len(seq.all_ids)
+            # Guess i (from 1) is fed at position length + i - 1, the last guess is not:
+            # all inside the model's positions, and past the router's blocks by at most
+            # one block (the newest token's slot is only given in the next step).
+            num_wanted = min(num_wanted, self.block_size, self.max_positions - length + 1)
+            if num_wanted < 1 or length - 1 > len(table) * self.block_size:
+                continue
+            first = min(self._num_valid(seq, table), length - 1)
+            if length - first > budget:  # catch up as far as the budget goes, guess later
+                num_wanted, length = 0, first + budget
+            if length <= first:
+                continue
+            budget -= length - first
+            scratch = self.num_blocks + len(rows)
+            tokens = seq.all_ids[first:length]
+            rows.append(_Row(seq, [*table, scratch], first, tokens, num_wanted))
+        return rows
 
     def _num_valid(self, seq: Sequence, table: Seq[int]) -> int:
-        """Positions of the sequence whose draft KV can be read as it is."""
-        state = self._states.get(seq.id)
-        if state is None:
-            return 0
-        same = 0
-        while same < len(state.blocks) and same < len(table) and state.blocks[same] == table[same]:
-            same += 1
-        valid = state.num_valid
-        ids = seq.all_ids
-        for token in state.tail:
-            if valid >= len(ids) or ids[valid] != token:
+        """Positions of the sequence whose draft KV holds its own tokens (block by block:
+        each must hold the sequence's tokens after the sequence's own prefix)."""
+        ids, size = seq.all_ids, self.block_size
+        chain = self._chain(seq)
+        valid = 0
+        for j, block in enumerate(table):
+            key = self._keys.get(block)
+            if key is None or key.prefix != (chain[j - 1] if j else 0):
                 break
-            valid += 1
-        return min(valid, same * self.block_size)
+            own = ids[j * size : (j + 1) * size]
+            same = 0
+            while same < len(key.tokens) and same < len(own) and key.tokens[same] == own[same]:
+                same += 1
+            valid += same
+            if same < size:
+                break
+        return valid
 
-    def _remember(self, row: _Row, guesses: list[int]) -> None:
-        """After a call: the sequence's own tokens and all guesses but the last were fed,
-        and those in the router's blocks keep their KV."""
-        length = len(row.seq.all_ids)
-        num_valid = min(length, row.capacity)
-        tail = tuple(guesses[:-1][: max(0, row.capacity - length)])
-        blocks = tuple(row.table[: len(row.table) - 1])
-        self._states[row.seq.id] = _DraftState(num_valid, blocks, length - 1, tail)
+    def _chain(self, seq: Sequence) -> list[int]:
+        """`chain_hash` of each full block of the sequence's tokens (kept, extended)."""
+        chain = self._chains.setdefault(seq.id, [])
+        ids, size = seq.all_ids, self.block_size
+        while len(chain) < len(ids) // size:
+            j = len(chain)
+            chain.append(chain_hash(chain[j - 1] if j else 0, ids[j * size : (j + 1) * size]))
+        return chain
 
-    def _forward(self, rows: list[_Row], tokens: list[list[int]], starts: list[int]) -> list[int]:
-        """One draft pass: each row's `tokens` from position `starts`; the argmax after each
-        row's last token."""
+    def _remember(self, row: _Row) -> None:
+        """Key the router's blocks the call wrote for the row: the sequence's tokens before
+        `first` (valid there already), then everything fed."""
+        size = self.block_size
+        written = [*row.seq.all_ids[: row.first], *row.fed]
+        start_block = row.first // size
+        prefix = self._chain(row.seq)[start_block - 1] if start_block else 0
+        for j in range(start_block, -(-len(written) // size)):
+            if j >= len(row.table) - 1:  # the scratch block: gone after the call
+                break
+            tokens = tuple(written[j * size : (j + 1) * size])
+            self._keys[row.table[j]] = _BlockKey(prefix, tokens)
+            prefix = chain_hash(prefix, tokens)
+
+    def _forward(self, rows: list[_Row]) -> list[int]:
+        """One draft pass: each row's `tokens` after what it fed before; the argmax after
+        each row's last token."""
         assert self.kv_cache is not None
         device = self.model.device
-        ids = [token for row_tokens in tokens for token in row_tokens]
-        positions = [p for s, t in zip(starts, tokens, strict=True) for p in range(s, s + len(t))]
+        starts = [row.first + len(row.fed) for row in rows]
+        for row in rows:
+            row.fed.extend(row.tokens)
+        ids = [token for row in rows for token in row.tokens]
+        positions = [
+            p for s, row in zip(starts, rows, strict=True) for p in range(s, s + len(row.tokens))
+        ]
         metadata = AttentionMetadata.build(
-            query_lens=[len(t) for t in tokens],
+            query_lens=[len(row.tokens) for row in rows],
             context_lens=starts,
             block_tables=[row.table for row in rows],
             block_size=self.block_size,
             device=device,
         )
-        last = torch.tensor([len(t) for t in tokens]).cumsum(0) - 1
+        last = torch.tensor([len(row.tokens) for row in rows]).cumsum(0) - 1
+        # Ids past the draft's vocabulary (a target's padded rows) cannot be embedded:
+        # such a row guesses from a stand-in token; the target rejects what it guesses.
+        vocab = self.model.config.vocab_size
         logits = self.model(
-            torch.tensor(ids, dtype=torch.int64, device=device),
+            torch.tensor(ids, dtype=torch.int64, device=device).clamp_(max=vocab - 1),
             torch.tensor(positions, dtype=torch.int64, device=device),
             self.kv_cache,
             metadata,

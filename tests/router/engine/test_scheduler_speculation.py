@@ -214,3 +214,30 @@ def test_a_draft_models_guesses_are_verified_in_the_next_step() -> None:
     assert scheduler.allocator.num_used_blocks == 0
     assert {rid: model.tokens[rid][len(PROMPT) :] for rid in model.tokens} == plain
     assert model.asked > 0 and 0 < model.num_accepted < model.num_drafts
+
+
+def test_no_guesses_while_a_prompt_is_computed_or_waits() -> None:
+    """Two seats and three requests: while the third waits, and in
+    steps that compute a prompt, the draft model is asked for nothing."""
+    config = make_config(
+        speculation=SpeculationConfig(4, draft_model=True),
+        num_blocks=32,
+        num_reserved_tokens=0,
+        max_num_seqs=2,
+    )
+    scheduler, model = Scheduler(config), GuessingModel(config.block_size)
+    for rid in range(3):
+        scheduler.add_request(rid, PROMPT, 12)
+        model.add(rid, PROMPT, 12)
+    asked_alone = False
+    for _ in range(200):
+        if not scheduler.has_unfinished_requests():
+            break
+        waiting = scheduler.num_waiting
+        output = scheduler.schedule()
+        prompt_step = any(s.start_position < len(PROMPT) for s in output.scheduled)
+        asked = any(s.num_proposed_tokens for s in output.scheduled)
+        assert not asked or (waiting == 0 and not prompt_step), output
+        asked_alone |= asked
+        scheduler.update(model.run(output))
+    assert asked_alone and not scheduler.has_unfinished_requests()

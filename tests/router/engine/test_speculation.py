@@ -124,10 +124,10 @@ def test_a_draft_model_is_asked_for_guesses_that_become_the_next_drafts() -> Non
 def test_the_draft_models_measured_time_can_turn_guessing_off() -> None:
     candidates = [Candidate(0, COPYING, 10)]
     cheap = Speculator(SpeculationConfig(4, draft_model=True))
-    cheap.record_draft_pass(0.001, [4])  # a pass: 1 ms, beside 30 ms steps
+    cheap.draft_passes.add(1, 0.001)  # a pass: 1 ms, beside 30 ms steps
     assert cheap.proposals(candidates, 1, fitted(0.030, 0.0005)) == {0: 4}
     dear = Speculator(SpeculationConfig(4, draft_model=True))
-    dear.record_draft_pass(0.030, [4])  # a pass as long as a target step
+    dear.draft_passes.add(1, 0.030)  # a pass as long as a target step
     assert dear.proposals(candidates, 1, fitted(0.030, 0.0005)) == {}
 
 
@@ -159,6 +159,18 @@ def test_a_draft_pass_costs_more_with_more_rows() -> None:
     assert cost.guessing([4, 2, 1]) == pytest.approx(
         cost.predict(3) + cost.predict(2) + 2 * cost.predict(1)
     )
+
+
+def test_a_draft_models_probe_of_a_low_rate_sequence_is_verified() -> None:
     speculator = Speculator(SpeculationConfig(4, draft_model=True))
-    speculator.record_draft_pass(0.006, [4, 4, 1])  # passes 2-4 had 2 rows each
-    assert speculator.draft_passes.predict(2) == pytest.approx(0.006)
+    tokens, cost = [7, 8, 9], StepCostModel()
+    speculator.alpha(0)
+    for _ in range(3):
+        speculator.record(0, 4, 1)  # every guess rejected
+    assert speculator.alpha(0) < MIN_ALPHA
+    assert speculator.proposals([Candidate(0, tokens, 10)], 1, cost) == {}
+    speculator.tick([0] * PROBE_INTERVAL)
+    assert speculator.proposals([Candidate(0, tokens, 10)], 1, cost) == {0: 1}
+    # The probe's guess is verified in the next step (asking was the probe).
+    speculator.offer(0, (5,), num_tokens=len(tokens))
+    assert speculator.plan([Candidate(0, tokens, 10)], 1, cost) == {0: (5,)}

@@ -140,6 +140,7 @@ def test_guesses_are_capped_by_the_block_size_and_the_positions(
     assert guesses and all(len(g) == BLOCK for _, g in guesses)
     long_prompt = [3] * (positions - 2)
     request = request_factory(6, long_prompt, 1, do_sample=False)
+    paged.draft.max_catch_up = positions  # the whole prompt in one call
     plan = pb.ScheduledRequest(
         request_id=6,
         token_ids=long_prompt,
@@ -150,9 +151,65 @@ def test_guesses_are_capped_by_the_block_size_and_the_positions(
     )
     request.stopping_parameters.max_new_tokens = 4
     (generation,) = paged.step([request], pb.StepPlan(scheduled=[plan])).generations
+    paged.draft.max_catch_up = 32
     # The sequence is positions - 1 long: two guesses, the first fed at the last position.
     assert len(generation.proposed_token_ids) == 2
     paged.step([], pb.StepPlan(finished_ids=[6]))
+
+
+def test_a_long_prompt_is_caught_up_over_several_calls(
+    paged: PagedModel, request_factory: Callable[..., pb.Request]
+) -> None:
+    """The draft feeds at most `max_catch_up` (the warmup's prefill size, 32 here) tokens a
+    call: a 90-token prompt gets its first guesses at the third call's end, and the tokens
+    are the plain run's."""
+    prompt = [(7 * i) % 50 + 1 for i in range(90)]
+    guessed, steps = run(paged, request_factory(7, prompt, 12, do_sample=False), 3, first_block=400)
+    plain, _ = run(paged, request_factory(8, prompt, 12, do_sample=False), 0, first_block=400)
+    assert guessed == plain
+    assert [len(g) for _, g in steps[:3]] == [0, 0, 3]
+
+
+def step(
+    paged: PagedModel, new: list[pb.Request], rows: list[tuple[int, list[int], int, int]]
+) -> dict[int, tuple[list[int], list[int]]]:
+    """One step of (request id, tokens, start position, guesses wanted) rows, each in blocks
+    600 + 20 * (id % 2) on: request id -> (emitted tokens, guesses)."""
+    plans = [
+        pb.ScheduledRequest(
+            request_id=rid,
+            token_ids=tokens,
+            start_position=start,
+            block_table=blocks(600 + 20 * (rid % 2), 16),
+            produces_token=True,
+            num_proposed_tokens=num_guesses,
+        )
+        for rid, tokens, start, num_guesses in rows
+    ]
+    response = paged.step(new, pb.StepPlan(scheduled=plans))
+    return {
+        g.request_id: (list(g.tokens.ids), list(g.proposed_token_ids)) for g in response.generations
+    }
+
+
+def test_rows_guessing_different_lengths_and_blocks_other_tokens_overwrote(
+    paged: PagedModel, greedy: list[int], request_factory: Callable[..., pb.Request]
+) -> None:
+    """Two sequences of one prompt guessing 1 and 4 tokens in one call get their greedy
+    tokens. Then another prompt sharing only the first block runs in the second one's
+    blocks and guesses (its draft KV overwrites theirs past that block), and the second
+    is computed again from position 4, as after a preemption with a prefix-cache hit: its
+    guesses are still its greedy tokens, since what a block holds is checked, not who had it."""
+    new = [request_factory(rid, PROMPT, 12, do_sample=False) for rid in (20, 21)]
+    got = step(paged, new, [(20, PROMPT, 0, 1), (21, PROMPT, 0, 4)])
+    assert got == {20: ([greedy[0]], greedy[1:2]), 21: ([greedy[0]], greedy[1:5])}
+    paged.step([], pb.StepPlan(finished_ids=[20]))
+    other = [*PROMPT[:4], 9, 9, 9]
+    got = step(paged, [request_factory(23, other, 4, do_sample=False)], [(23, other, 0, 4)])
+    assert len(got[23][1]) == 4
+    paged.step([], pb.StepPlan(finished_ids=[23]))
+    again = step(paged, [], [(21, [*PROMPT[4:], greedy[0]], 4, 4)])
+    assert again == {21: ([greedy[1]], greedy[2:6])}
 
 
 def test_a_draft_with_another_tokenizer_is_refused(
