@@ -52,20 +52,19 @@ def build_tiny_model(
         tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
     )
     fast.save_pretrained(path)
-    config = AutoConfig.for_model(
-        model_type,
-        vocab_size=len(fast),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=fast.bos_token_id,
-        eos_token_id=fast.eos_token_id,
-        tie_word_embeddings=True,
-        **overrides,
-    )
+    settings: dict[str, Any] = {
+        "vocab_size": len(fast),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "bos_token_id": fast.bos_token_id,
+        "eos_token_id": fast.eos_token_id,
+        "tie_word_embeddings": True,
+    }
+    config = AutoConfig.for_model(model_type, **{**settings, **overrides})
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     return path

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from textgate.proto import generate_pb2 as pb
-from textgate.shard_server.loading.draft_loader import check_vocabulary
 from textgate.shard_server.loading.shard_loader import load_model
 from textgate.shard_server.protocols.paged_model import CacheConfig, PagedModel
 
@@ -210,12 +209,3 @@ def test_rows_guessing_different_lengths_and_blocks_other_tokens_overwrote(
     paged.step([], pb.StepPlan(finished_ids=[23]))
     again = step(paged, [], [(21, [*PROMPT[4:], greedy[0]], 4, 4)])
     assert again == {21: ([greedy[1]], greedy[2:6])}
-
-
-def test_a_draft_with_another_tokenizer_is_refused(
-    tiny_model_dir: Path, default_model_dir: Path
-) -> None:
-    from transformers import AutoTokenizer
-
-    with pytest.raises(ValueError, match="tokenizer differs"):
-        check_vocabulary(tiny_model_dir, AutoTokenizer.from_pretrained(default_model_dir))
