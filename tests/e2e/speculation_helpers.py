@@ -5,11 +5,20 @@ running requests in mixed waves."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
+from textgate.proto import generate_pb2 as pb
 from textgate.router.engine.channel import Channel, StepEvent
 from textgate.router.engine.paged_engine import PagedEngine
 from textgate.router.engine.request import SamplingParams, StoppingParams, ValidRequest
+from textgate.router.engine.scheduler import Scheduler, SchedulerConfig
+from textgate.router.engine.speculation import SpeculationConfig
+from textgate.router.metrics import Metrics
+from textgate.router.shard_client import ShardedClient
+from textgate.shard_server.server import serve
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog near the river bank.",
@@ -85,3 +94,34 @@ async def run_waves(
         if ended is not None:
             ended += channels
     return outputs
+
+
+@asynccontextmanager
+async def served(model: Any, uds: str) -> AsyncIterator[ShardedClient]:
+    """`model` (a loaded PagedModel) served at `uds` and warmed up, as a client; the
+    cache's block count is on the client as `num_blocks`."""
+    task = asyncio.create_task(serve(model, uds, rank=0, world_size=1))
+    client = await ShardedClient.connect(uds, timeout_s=60)
+    warm = await client.warmup(pb.WarmupRequest(max_prefill_tokens=128))
+    client.num_blocks = warm.num_blocks  # type: ignore[attr-defined]
+    try:
+        yield client
+    finally:
+        await client.close()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def make_engine(
+    shards: ShardedClient, speculation: SpeculationConfig | None, metrics: Metrics | None = None
+) -> PagedEngine:
+    """A fresh engine over `shards` (their cache cleared), speculating as `speculation` says."""
+    await shards.clear_cache()
+    config = SchedulerConfig(
+        num_blocks=shards.num_blocks,  # type: ignore[attr-defined]
+        block_size=16,
+        max_num_batched_tokens=128,
+        max_num_seqs=16,
+        speculation=speculation,
+    )
+    return PagedEngine(shards, Scheduler(config), max_concurrent_requests=64, metrics=metrics)

@@ -14,20 +14,19 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from textgate.proto import generate_pb2 as pb
 from textgate.router.engine.paged_engine import PagedEngine
-from textgate.router.engine.scheduler import Scheduler, SchedulerConfig
 from textgate.router.engine.speculation import SpeculationConfig
 from textgate.router.shard_client import ShardedClient
 from textgate.shard_server.loading.shard_loader import load_model
-from textgate.shard_server.server import serve
 from textgate.tests.e2e.speculation_helpers import (
     chat_prompts,
     events_of,
     mixed,
     request,
     run_waves,
+    served,
 )
+from textgate.tests.e2e.speculation_helpers import make_engine as make_speculating_engine
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -48,27 +47,13 @@ async def shards(
         speculative_model=default_model_dir,
         speculative_quantize="int8",
     )
-    uds = str(tmp_path_factory.mktemp("draft") / "s")
-    task = asyncio.create_task(serve(model, uds, rank=0, world_size=1))
-    client = await ShardedClient.connect(uds, timeout_s=60)
-    warm = await client.warmup(pb.WarmupRequest(max_prefill_tokens=128))
-    client.num_blocks = warm.num_blocks  # type: ignore[attr-defined]
-    yield client
-    await client.close()
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
+    async with served(model, str(tmp_path_factory.mktemp("draft") / "s")) as client:
+        yield client
 
 
 async def make_engine(shards: ShardedClient, speculate: int) -> PagedEngine:
-    await shards.clear_cache()
-    config = SchedulerConfig(
-        num_blocks=shards.num_blocks,  # type: ignore[attr-defined]
-        block_size=16,
-        max_num_batched_tokens=128,
-        max_num_seqs=16,
-        speculation=SpeculationConfig(speculate, draft_model=True) if speculate else None,
-    )
-    return PagedEngine(shards, Scheduler(config), max_concurrent_requests=64)
+    speculation = SpeculationConfig(speculate, draft_model=True) if speculate else None
+    return await make_speculating_engine(shards, speculation)
 
 
 async def test_greedy_tokens_equal_without_speculation(

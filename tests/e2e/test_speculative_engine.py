@@ -11,7 +11,6 @@ accepted."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 from collections.abc import AsyncIterator
@@ -20,7 +19,6 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from textgate.proto import generate_pb2 as pb
 from textgate.router.engine.channel import Channel
 from textgate.router.engine.paged_engine import PagedEngine
 from textgate.router.engine.request import (
@@ -29,19 +27,19 @@ from textgate.router.engine.request import (
     StoppingParams,
     ValidRequest,
 )
-from textgate.router.engine.scheduler import Scheduler, SchedulerConfig
 from textgate.router.engine.speculation import SpeculationConfig, SpeculationStats
 from textgate.router.metrics import Metrics
 from textgate.router.shard_client import ShardedClient
 from textgate.shard_server.loading.shard_loader import load_model
-from textgate.shard_server.server import serve
 from textgate.tests.e2e.speculation_helpers import (
     chat_prompts,
     events_of,
     mixed,
     request,
     run_waves,
+    served,
 )
+from textgate.tests.e2e.speculation_helpers import make_engine as make_speculating_engine
 
 # One shard for the module (loading and warming the model up is most of a test's time).
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -104,29 +102,15 @@ async def shards(
     default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[ShardedClient]:
     model = load_model(default_model_dir, "smol", "float32")
-    uds = str(tmp_path_factory.mktemp("speculative") / "s")
-    task = asyncio.create_task(serve(model, uds, rank=0, world_size=1))
-    client = await ShardedClient.connect(uds, timeout_s=60)
-    warm = await client.warmup(pb.WarmupRequest(max_prefill_tokens=128))
-    client.num_blocks = warm.num_blocks  # type: ignore[attr-defined]
-    yield client
-    await client.close()
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
+    async with served(model, str(tmp_path_factory.mktemp("speculative") / "s")) as client:
+        yield client
 
 
 async def make_engine(
     shards: ShardedClient, speculate: int, metrics: Metrics | None = None
 ) -> PagedEngine:
-    await shards.clear_cache()
-    config = SchedulerConfig(
-        num_blocks=shards.num_blocks,  # type: ignore[attr-defined]
-        block_size=16,
-        max_num_batched_tokens=128,
-        max_num_seqs=16,
-        speculation=SpeculationConfig(speculate, 1, 3) if speculate else None,
-    )
-    return PagedEngine(shards, Scheduler(config), max_concurrent_requests=64, metrics=metrics)
+    speculation = SpeculationConfig(speculate, 1, 3) if speculate else None
+    return await make_speculating_engine(shards, speculation, metrics)
 
 
 def sample(metrics: Metrics, name: str) -> float:
