@@ -62,21 +62,22 @@ def test_cpu_tensors_run_the_kernel(monkeypatch):
 
 def test_decodes_and_short_sequences_run_on_the_kernel_long_chunks_on_sdpa():
     metadata = AttentionMetadata.build(
-        query_lens=[1, 120, 30, 1, 5],
-        context_lens=[300, 0, 60, 4, 100],
-        block_tables=[list(range(i * 20, i * 20 + 20)) for i in range(5)],
+        query_lens=[1, 120, 30, 1, 5, 9],
+        context_lens=[300, 0, 60, 4, 100, 100],
+        block_tables=[list(range(i * 20, i * 20 + 20)) for i in range(6)],
         block_size=16,
     )
     plan = CpuAttentionBackend().prepare(metadata)
     assert plan.kernel is not None
-    # Decodes at any length, and sequences of at most kernel_max_seq_len (96) tokens.
-    assert plan.kernel.query_starts.tolist() == [0, 121, 151]
-    assert plan.kernel.query_lens.tolist() == [1, 30, 1]
-    assert plan.kernel.seq_lens.tolist() == [301, 90, 5]
+    # Decodes at any length, also with up to 7 drafts (queries of at most 8 rows), and
+    # sequences of at most kernel_max_seq_len (96) tokens.
+    assert plan.kernel.query_starts.tolist() == [0, 121, 151, 152]
+    assert plan.kernel.query_lens.tolist() == [1, 30, 1, 5]
+    assert plan.kernel.seq_lens.tolist() == [301, 90, 5, 105]
     assert plan.kernel.max_seq_len == 301
     (group,) = plan.sdpa_groups
     assert group.token_index is not None
-    assert group.token_index.tolist() == [*range(1, 121), *range(152, 157)]
+    assert group.token_index.tolist() == [*range(1, 121), *range(157, 166)]
 
 
 class KernelOnly(CpuAttentionBackend):
