@@ -232,9 +232,9 @@ class LauncherConfig:
     )
     speculate: int = flag(
         0,
-        "Speculative decoding (n-gram prompt lookup, native models): propose up to N tokens "
-        "per step from the sequence's own prompt and output and verify them in one step; "
-        "0 = off (docs/speculative.md)",
+        "Speculative decoding (native models): propose up to N tokens per step, from the "
+        "sequence's own prompt and output (n-gram prompt lookup) or --speculative-model's "
+        "guesses, and verify them in one step; 0 = off (docs/speculative.md)",
         int,
     )
     speculative_ngram: str = flag(
