@@ -376,6 +376,15 @@ class LauncherConfig:
     json_output: bool = flag(False, "Log JSON lines", parse_bool)
 
     def __post_init__(self) -> None:
+        self._check_model()
+        self._check_serving()
+        self._check_batching()
+        self._check_speculation()
+        self._check_cache()
+        self._check_nodes()
+
+    def _check_model(self) -> None:
+        """--num-shard, --quantize, --lora-adapters and the model's token limits."""
         if self.num_shard < 1:
             raise ValueError("--num-shard must be at least 1")
         if self.quantize is not None and self.quantize not in QUANTIZE_METHODS:
@@ -387,6 +396,21 @@ class LauncherConfig:
             raise ValueError(
                 f"--quantize {self.quantize} {known}; use one of: {', '.join(QUANTIZE_METHODS)}"
             )
+        limits = LoraLimits(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+        if len(self.lora_adapters) > limits.max_loaded:
+            raise ValueError(
+                f"--lora-adapters names {len(self.lora_adapters)} adapters, over --max-cpu-loras "
+                f"{limits.max_loaded}"
+            )
+        if (
+            self.max_input_tokens is not None
+            and self.max_total_tokens is not None
+            and self.max_input_tokens >= self.max_total_tokens
+        ):
+            raise ValueError("--max-input-tokens must be smaller than --max-total-tokens")
+
+    def _check_serving(self) -> None:
+        """The HTTP side: tracing, keys, costs, timeouts, the port, logit bias."""
         if self.otlp_endpoint is not None and not self.otlp_endpoint.startswith(
             ("http://", "https://")
         ):
@@ -409,22 +433,22 @@ class LauncherConfig:
         for name in ("shard_step_timeout", "header_timeout", "body_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds")
-        if self.block_size < 1:
-            raise ValueError("--block-size must be at least 1")
-        if self.target_itl_ms is not None and not self.target_itl_ms >= 0:
-            raise ValueError("--target-itl-ms must be >= 0 (0 = fixed budgets)")
         if not 0 < self.max_logit_bias <= 100:
             raise ValueError(f"--max-logit-bias must be > 0 and <= 100, got {self.max_logit_bias}")
-        limits = LoraLimits(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
-        if len(self.lora_adapters) > limits.max_loaded:
-            raise ValueError(
-                f"--lora-adapters names {len(self.lora_adapters)} adapters, over --max-cpu-loras "
-                f"{limits.max_loaded}"
-            )
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port {self.port} is out of range")
+
+    def _check_batching(self) -> None:
+        """The batch controller's targets."""
+        if self.target_itl_ms is not None and not self.target_itl_ms >= 0:
+            raise ValueError("--target-itl-ms must be >= 0 (0 = fixed budgets)")
         if self.target_ttft_ms is not None and not self.target_ttft_ms > 0:
             raise ValueError("--target-ttft-ms must be > 0")
         if self.no_adaptive and self.target_itl_ms:
             raise ValueError("--no-adaptive contradicts --target-itl-ms > 0")
+
+    def _check_speculation(self) -> None:
+        """--speculate, --speculative-ngram and the draft model's flags."""
         if self.speculate < 0:
             raise ValueError("--speculate must be >= 0 (0 = off)")
         from textgate.router.config import parse_ngram_range  # no torch: a plain dataclass
@@ -436,6 +460,11 @@ class LauncherConfig:
             raise ValueError("--speculative-model runs on one shard (--num-shard 1) for now")
         if self.speculative_quantize is not None and self.speculative_model is None:
             raise ValueError("--speculative-quantize needs --speculative-model")
+
+    def _check_cache(self) -> None:
+        """The KV cache, its tiers and the GPU memory share."""
+        if self.block_size < 1:
+            raise ValueError("--block-size must be at least 1")
         if self.kv_cache_memory < 1:
             raise ValueError("--kv-cache-memory must be a positive number of bytes")
         if self.kv_offload_bytes < 0:
@@ -444,15 +473,6 @@ class LauncherConfig:
             raise ValueError("--kv-offload-bytes and --kv-offload-dir need --prefix-caching")
         if not 0 < self.cuda_memory_fraction <= 1:
             raise ValueError("--cuda-memory-fraction must lie in (0, 1]")
-        if not 0 < self.port < 65536:
-            raise ValueError(f"--port {self.port} is out of range")
-        self._check_nodes()
-        if (
-            self.max_input_tokens is not None
-            and self.max_total_tokens is not None
-            and self.max_input_tokens >= self.max_total_tokens
-        ):
-            raise ValueError("--max-input-tokens must be smaller than --max-total-tokens")
 
     def _check_nodes(self) -> None:
         """--nnodes, --node-rank and the ports of a multi-node group."""

@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
 from textgate.proto import generate_pb2 as pb
-from textgate.router.engine.admission import Admitted, Entry
+from textgate.router.engine.admission import Admitted, Entry, Routed
 from textgate.router.engine.batch_controller import ControllerState
 from textgate.router.engine.busy_meter import BusyMeter
 from textgate.router.engine.channel import Channel
@@ -161,16 +161,7 @@ class PagedEngine:
         try:
             response = await self._run(output, method, producing)
         except StepFailed as exc:
-            self._busy.record(call_started, time.monotonic())
-            if self.residency is not None:
-                self.residency.resend()  # whether the shards took the last residency is unknown
-            # The scheduler's plan is unrun: everything in flight fails with it.
-            self._forget(self._admitted.fail(self._admitted, str(exc)))
-            self.scheduler.update(ModelStepResult())
-            self._forget_kv_tiers()
-            # The gauges turn before the shards are cleared: their requests were answered.
-            self._report_step()
-            await self.shard_calls.clear_cache()
+            await self._step_failed(exc, call_started)
             return
         answered = time.monotonic()
         drafts = {s.request_id: s.num_draft_tokens for s in output.scheduled if s.num_draft_tokens}
@@ -186,24 +177,43 @@ class PagedEngine:
         self._busy.record(call_started, ended)
         if self.cost is not None:
             self._record_cost(self.cost, ended - call_started, works, routed.sampled)
-        self.scheduler.update(
-            ModelStepResult(
-                sampled_token_ids=routed.sampled,
-                finished_ids=frozenset(routed.finished),
-                # What a running request waited for its token: planning, the shards, routing.
-                step_latency_s=ended - started,
-                utilization=self._busy.utilization(ended),
-                proposed_token_ids={
-                    g.request_id: g.proposed_token_ids
-                    for g in response.generations
-                    if g.proposed_token_ids
-                },
-                draft_s=response.draft_ns / 1e9,
-                draft_pass_s=response.draft_pass_ns / 1e9,
-                draft_pass_rows=response.draft_pass_rows,
-            )
-        )
+        # What a running request waited for its token: planning, the shards, routing.
+        self.scheduler.update(self._result(response, routed, ended - started, ended))
         self._report_step()
+
+    async def _step_failed(self, exc: StepFailed, call_started: float) -> None:
+        """The shards failed the step: everything in flight fails with it, and the shards
+        are cleared."""
+        self._busy.record(call_started, time.monotonic())
+        if self.residency is not None:
+            self.residency.resend()  # whether the shards took the last residency is unknown
+        # The scheduler's plan is unrun: everything in flight fails with it.
+        self._forget(self._admitted.fail(self._admitted, str(exc)))
+        self.scheduler.update(ModelStepResult())
+        self._forget_kv_tiers()
+        # The gauges turn before the shards are cleared: their requests were answered.
+        self._report_step()
+        await self.shard_calls.clear_cache()
+
+    def _result(
+        self, response: pb.StepResponse, routed: Routed, latency_s: float, ended: float
+    ) -> ModelStepResult:
+        """The step's result for the scheduler: the routed tokens, the step's time, and the
+        draft model's guesses and timing (draft-model speculation)."""
+        return ModelStepResult(
+            sampled_token_ids=routed.sampled,
+            finished_ids=frozenset(routed.finished),
+            step_latency_s=latency_s,
+            utilization=self._busy.utilization(ended),
+            proposed_token_ids={
+                g.request_id: g.proposed_token_ids
+                for g in response.generations
+                if g.proposed_token_ids
+            },
+            draft_s=response.draft_ns / 1e9,
+            draft_pass_s=response.draft_pass_ns / 1e9,
+            draft_pass_rows=response.draft_pass_rows,
+        )
 
     async def _run(
         self, output: SchedulerOutput, method: str, producing: list[int]
